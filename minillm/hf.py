@@ -1,0 +1,140 @@
+"""The one mapping between minillm's parameters and Hugging Face `LlamaForCausalLM`'s.
+
+Offers `hf_config_dict`, `model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
+Both models use RoPE's "rotate half" layout, so q/k weights need no permutation; only our fused
+projections (wqkv, w_gate_up) are split into, or joined from, HF's separate ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minillm.config import ModelConfig
+
+
+def hf_config_dict(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """A `config.json` for `LlamaForCausalLM` of the same architecture."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": eos_id,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig from an HF Llama `config.json`; refuses what our model cannot express."""
+    from minillm.config import ConfigError
+
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+        raise ConfigError(
+            "model_type", f"{hf.get('model_type')!r} is not a Llama model ({archs})", where
+        )
+    for key, ok in (
+        ("attention_bias", False),
+        ("mlp_bias", False),
+        ("hidden_act", "silu"),
+    ):
+        if hf.get(key, ok) != ok:
+            raise ConfigError(key, f"{hf[key]!r} is not supported (minillm needs {ok!r})", where)
+    if hf.get("rope_scaling"):
+        raise ConfigError("rope_scaling", "RoPE scaling is not supported", where)
+    rope_theta = hf.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
+        rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    n_head = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
+    if head_dim * n_head != hf["hidden_size"]:
+        raise ConfigError("head_dim", "head_dim * num_attention_heads != hidden_size", where)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layer=hf["num_hidden_layers"],
+        n_head=n_head,
+        n_kv_head=hf.get("num_key_value_heads") or n_head,
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state_dict -> HF names, splitting fused projections. Tensors are made contiguous."""
+    H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+    out = {
+        "model.embed_tokens.weight": sd["tok_emb.weight"],
+        "model.norm.weight": sd["norm.weight"],
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        q, k, v = sd[ours + "attn.wqkv.weight"].split((H * D, K * D, K * D), dim=0)
+        gate, up = sd[ours + "ffn.w_gate_up.weight"].chunk(2, dim=0)
+        out.update(
+            {
+                theirs + "input_layernorm.weight": sd[ours + "attn_norm.weight"],
+                theirs + "self_attn.q_proj.weight": q,
+                theirs + "self_attn.k_proj.weight": k,
+                theirs + "self_attn.v_proj.weight": v,
+                theirs + "self_attn.o_proj.weight": sd[ours + "attn.wo.weight"],
+                theirs + "post_attention_layernorm.weight": sd[ours + "ffn_norm.weight"],
+                theirs + "mlp.gate_proj.weight": gate,
+                theirs + "mlp.up_proj.weight": up,
+                theirs + "mlp.down_proj.weight": sd[ours + "ffn.w_down.weight"],
+            }
+        )
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF Llama state_dict -> ours, joining q/k/v and gate/up. Raises KeyError on a missing name."""
+    out = {
+        "tok_emb.weight": sd["model.embed_tokens.weight"],
+        "norm.weight": sd["model.norm.weight"],
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(cfg.n_layer):
+        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+        attn, mlp = theirs + "self_attn.", theirs + "mlp."
+        out.update(
+            {
+                ours + "attn_norm.weight": sd[theirs + "input_layernorm.weight"],
+                ours + "attn.wqkv.weight": torch.cat(
+                    [sd[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")], dim=0
+                ),
+                ours + "attn.wo.weight": sd[attn + "o_proj.weight"],
+                ours + "ffn_norm.weight": sd[theirs + "post_attention_layernorm.weight"],
+                ours + "ffn.w_gate_up.weight": torch.cat(
+                    [sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]], dim=0
+                ),
+                ours + "ffn.w_down.weight": sd[mlp + "down_proj.weight"],
+            }
+        )
+    return out

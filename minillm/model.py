@@ -1,0 +1,385 @@
+"""The LLaMA-style decoder-only Transformer.
+
+Offers `RMSNorm`, `rope_tables`, `apply_rope`, `Attention`, `SwiGLU`, `Block`, `Transformer` and
+`KVCache`. The model is the same function as Hugging Face's `LlamaForCausalLM` given the same
+weights (RoPE in its "rotate half" layout; `export.py` maps the parameter names).
+
+Shape legend: B batch, T new tokens, S keys (cached + new), H query heads, K key/value heads,
+D head dim, C model dim (H*D), F SwiGLU hidden dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minillm.config import ModelConfig
+
+# `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
+_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * g, computed in float32 like LLaMA."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE angles, (max_len, D), in the "rotate half" layout (frequencies twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)  # (S, D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (S, D)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by cos/sin, (T, 1, D) or (B, T, 1, D)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of past tokens for incremental decoding, preallocated to `max_len`.
+
+    Kept outside the modules so that the block math is the same with and without a cache. It also
+    remembers which keys are padding (left-padded batches) and how many real tokens each row has
+    seen, which gives the RoPE position of the next token.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"KV cache of {max_len} exceeds max_seq_len={cfg.max_seq_len}")
+        shape = (cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.key_valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
+        self.n_seen = torch.zeros(
+            batch_size, dtype=torch.long, device=device
+        )  # real tokens per row
+        self.max_len = max_len
+        self.pos = 0  # slots filled
+        self.has_padding = False
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, K, T, D) after the filled slots; return all keys/values (B, K, S, D)."""
+        end = self.pos + k.shape[2]
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def reset(self) -> None:
+        self.pos = 0
+        self.has_padding = False
+        self.key_valid.fill_(True)
+        self.n_seen.zero_()
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with grouped-query heads, through SDPA."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        # q, k and v in one matmul: one large GEMM is faster than three small ones.
+        self.wqkv = nn.Linear(
+            cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False
+        )
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        H, K, D = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * K, D)
+        qk = apply_rope(qkv[:, :, : H + K], cos, sin)  # q and k rotated in one pass
+        q, k = qk.split((H, K), dim=2)
+        v = qkv[:, :, H + K :]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)  # (B, K, S, D)
+        extra = {}
+        if K != H:
+            if _SDPA_HAS_GQA:
+                extra["enable_gqa"] = True
+            else:
+                k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask.bool_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask.is_causal,
+            **extra,
+        )  # (B, H, T, D)
+        if mask.empty_rows is not None:
+            # A query that may see no key at all (a left pad) outputs zeros, not an average.
+            y = y.masked_fill(mask.empty_rows, 0.0)
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        return self.resid_drop(self.wo(y))
+
+
+class SwiGLU(nn.Module):
+    """w_down(silu(x W_gate) * x W_up), with gate and up projections in one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hidden = cfg.hidden_dim
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * self.hidden, bias=False)
+        self.w_down = nn.Linear(self.hidden, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)  # (B, T, F) each
+        return self.drop(self.w_down(F.silu(gate) * up))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, layer)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class AttentionMask:
+    """What SDPA needs to know about which keys each query may see, built once per forward.
+
+    bool_mask: (B, 1, T, S) True = may attend, or None when plain causality (or nothing) suffices.
+    empty_rows: (B, 1, T, 1) True where a query may see no key; those outputs are set to zero.
+    """
+
+    def __init__(
+        self,
+        bool_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        empty_rows: torch.Tensor | None = None,
+    ) -> None:
+        self.bool_mask, self.is_causal, self.empty_rows = bool_mask, is_causal, empty_rows
+
+    @classmethod
+    def build(
+        cls,
+        T: int,
+        start: int,
+        key_valid: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        device: torch.device,
+    ) -> AttentionMask:
+        """Causal mask for queries at start..start+T-1, with optional padding and documents."""
+        if key_valid is None and doc_ids is None and (start == 0 or T == 1):
+            # Plain causality, or one new token that may see every cached key.
+            return cls(None, is_causal=start == 0 and T > 1)
+        q_pos = torch.arange(start, start + T, device=device)
+        k_pos = torch.arange(start + T, device=device)
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, T, S)
+        if key_valid is not None:
+            allowed = allowed & key_valid[:, None, :]  # (B, T, S)
+        if doc_ids is not None:
+            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        empty = ~allowed.any(dim=-1, keepdim=True)  # (B, T, 1)
+        if not bool(empty.any()):
+            return cls(allowed[:, None])
+        # An all-False row would make SDPA return NaN (and NaN gradients): let it attend anywhere,
+        # then zero its output.
+        return cls((allowed | empty)[:, None], empty_rows=empty[:, None])
+
+
+class Transformer(nn.Module):
+    """Token embedding, n_layer pre-norm blocks, final RMSNorm, output head (tied or not)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # A tied head reuses tok_emb.weight and owns no parameter, so state_dict has no duplicate.
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """normal(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 n_layer)."""
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("attn.wo.weight", "ffn.w_down.weight")):
+                nn.init.normal_(p, mean=0.0, std=resid_std)
+            else:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        last_only: bool = False,
+        reduction: str = "mean",
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, V) for idx (B, T); with targets also the cross-entropy (targets != -100).
+
+        attention_mask (B, T): 1 for real tokens, 0 for padding (left-padded batches).
+        doc_ids (B, T): packed documents; attention stays inside a document and positions restart.
+        kv_cache: continue from cached keys/values and append this call's.
+        last_only: compute logits for the last position only (decoding).
+        reduction: "mean" or "sum" of the per-token losses.
+        """
+        B, T = idx.shape
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len")
+        if doc_ids is not None and kv_cache is not None:
+            raise ValueError("doc_ids (packed sequences) cannot be combined with a KV cache")
+
+        key_valid = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(torch.bool)
+            if kv_cache is None and bool(attention_mask.all()):
+                attention_mask = None  # no padding: plain causal attention is the same and faster
+        if kv_cache is not None:
+            new_valid = attention_mask if attention_mask is not None else True
+            kv_cache.key_valid[:, start : start + T] = new_valid
+            kv_cache.has_padding |= attention_mask is not None and not bool(attention_mask.all())
+            if kv_cache.has_padding:
+                key_valid = kv_cache.key_valid[:, : start + T]
+        elif attention_mask is not None:
+            key_valid = attention_mask
+
+        if position_ids is None:
+            position_ids = self._positions(B, T, attention_mask, doc_ids, kv_cache)
+        if kv_cache is not None:
+            kv_cache.n_seen += T if attention_mask is None else attention_mask.long().sum(dim=1)
+        if position_ids is None:
+            cos = self.rope_cos[start : start + T, None]  # (T, 1, D)
+            sin = self.rope_sin[start : start + T, None]
+        else:
+            cos = self.rope_cos[position_ids][:, :, None]  # (B, T, 1, D)
+            sin = self.rope_sin[position_ids][:, :, None]
+        mask = AttentionMask.build(T, start, key_valid, doc_ids, idx.device)
+
+        x = self.drop(self.tok_emb(idx))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        x = self.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = F.linear(x, self.head_weight)  # (B, T, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=-100,
+            reduction=reduction,
+        )
+        return logits, loss
+
+    @staticmethod
+    def _positions(
+        B: int,
+        T: int,
+        attention_mask: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor | None:
+        """RoPE positions (B, T) where they are not simply start..start+T-1, else None."""
+        if doc_ids is not None:  # restart at 0 at each document boundary
+            t = torch.arange(T, device=doc_ids.device).expand(B, T)
+            boundary = torch.ones_like(doc_ids, dtype=torch.bool)
+            boundary[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+            first = torch.where(boundary, t, torch.zeros_like(t)).cummax(dim=1).values
+            return t - first
+        if attention_mask is None and (kv_cache is None or not kv_cache.has_padding):
+            return None
+        if attention_mask is None:
+            attention_mask = torch.ones(B, T, dtype=torch.bool, device=kv_cache.n_seen.device)
+        # Real tokens count from 0 in each row, whatever padding precedes them (as HF does).
+        seen = kv_cache.n_seen[:, None] if kv_cache is not None else 0
+        return (seen + attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    # ------------------------------------------------------------------ sizes
+
+    def param_count(self, non_embedding: bool = False) -> int:
+        """Distinct parameters (a tied head counts once); optionally without embedding matrices."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_emb.weight.numel()
+            if self.lm_head is not None:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per matmul weight (head included, tied or not) + attention.
+
+        The embedding lookup is no matmul; the head always is. The attention term is the PaLM one,
+        12 * n_layer * d_model * seq_len (scores and weighted values, forward and backward).
+        """
+        cfg = self.cfg
+        matmul = sum(
+            p.numel() for n, p in self.named_parameters() if p.dim() == 2 and n != "tok_emb.weight"
+        )
+        if self.lm_head is None:
+            matmul += self.tok_emb.weight.numel()
+        return 6 * matmul + 12 * cfg.n_layer * cfg.d_model * seq_len

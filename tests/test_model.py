@@ -1,0 +1,211 @@
+"""The model against Hugging Face's LlamaForCausalLM, the KV cache, causality and masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from minillm.config import ModelConfig
+from minillm.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from minillm.model import KVCache, Transformer
+
+
+def make_pair(**kw) -> tuple[Transformer, transformers.LlamaForCausalLM, ModelConfig]:
+    """A tiny HF Llama with random weights and our Transformer holding the same weights."""
+    torch.manual_seed(0)
+    base = dict(vocab_size=101, d_model=64, n_layer=2, n_head=4, ffn_hidden=96, max_seq_len=64)
+    cfg = ModelConfig(**{**base, **kw})
+    hf_cfg = hf_config_dict(cfg, bos_id=0, eos_id=0)
+    for key in ("architectures", "model_type", "torch_dtype"):
+        hf_cfg.pop(key)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
+    with torch.no_grad():  # HF initialises norms to 1: make them informative
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
+    return ours, hf, cfg
+
+
+CASES = {
+    "mha-tied": dict(n_kv_head=4, tie_embeddings=True),
+    "gqa-untied": dict(n_kv_head=2, tie_embeddings=False),
+    "mqa-tied-theta": dict(n_kv_head=1, tie_embeddings=True, rope_theta=500.0, norm_eps=1e-6),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_hf_llama(case: str) -> None:
+    ours, hf, cfg = make_pair(**CASES[case])
+    idx = torch.randint(0, cfg.vocab_size, (3, 40))
+    with torch.no_grad():
+        ref = hf(idx).logits
+        got, _ = ours(idx)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_state_dict_round_trip_is_exact() -> None:
+    ours, hf, cfg = make_pair(n_kv_head=2, tie_embeddings=False)
+    back = to_hf_state_dict(ours.state_dict(), cfg)
+    ref = hf.state_dict()
+    assert set(back) == set(ref)
+    for name, tensor in ref.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_loss_is_mean_cross_entropy_over_non_ignored_targets() -> None:
+    ours, _, cfg = make_pair()
+    idx = torch.randint(0, cfg.vocab_size, (2, 10))
+    targets = torch.randint(0, cfg.vocab_size, (2, 10))
+    targets[0, :4] = -100
+    logits, loss = ours(idx, targets)
+    logp = torch.log_softmax(logits, dim=-1)
+    keep = targets != -100
+    picked = logp[keep].gather(1, targets[keep][:, None])
+    torch.testing.assert_close(loss, -picked.mean())
+    _, total = ours(idx, targets, reduction="sum")
+    torch.testing.assert_close(total, -picked.sum())
+    assert ours(idx)[1] is None
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_kv_cache_decoding_equals_full_forward(n_kv_head: int) -> None:
+    ours, _, cfg = make_pair(n_kv_head=n_kv_head)
+    idx = torch.randint(0, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        full, _ = ours(idx)
+        cache = KVCache(cfg, batch_size=2, max_len=24)
+        prefill, _ = ours(idx[:, :7], kv_cache=cache)  # a prompt, then one token at a time
+        steps = [ours(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(7, 24)]
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_chunked_prefill_equals_full_forward() -> None:
+    ours, _, cfg = make_pair(n_kv_head=2)
+    idx = torch.randint(0, cfg.vocab_size, (2, 30))
+    with torch.no_grad():
+        full, _ = ours(idx)
+        cache = KVCache(cfg, batch_size=2, max_len=30)
+        parts = [ours(idx[:, a:b], kv_cache=cache)[0] for a, b in ((0, 10), (10, 25), (25, 30))]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_causality_future_tokens_do_not_change_the_past() -> None:
+    ours, _, cfg = make_pair(n_kv_head=2)
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+    changed = idx.clone()
+    changed[:, 20:] = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        a, _ = ours(idx)
+        b, _ = ours(changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20], atol=0, rtol=0)
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_left_padding_matches_unpadded_rows_and_hf() -> None:
+    ours, hf, cfg = make_pair(n_kv_head=2)
+    lengths = [12, 7, 3]
+    seqs = [torch.randint(1, cfg.vocab_size, (n,)) for n in lengths]
+    T = max(lengths)
+    idx = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        idx[i, T - len(s) :] = s
+        mask[i, T - len(s) :] = 1
+    with torch.no_grad():
+        batched, _ = ours(idx, attention_mask=mask)
+        ref = hf(idx, attention_mask=mask).logits
+        for i, s in enumerate(seqs):
+            alone, _ = ours(s[None])
+            torch.testing.assert_close(batched[i, T - len(s) :], alone[0], atol=1e-5, rtol=0)
+    assert torch.isfinite(batched).all()
+    real = mask.bool()
+    torch.testing.assert_close(batched[real], ref[real], atol=1e-5, rtol=0)
+
+
+def test_all_masked_query_rows_give_zero_attention_output_not_nan() -> None:
+    ours, _, cfg = make_pair(n_kv_head=2)
+    attn = ours.blocks[0].attn
+    seen = {}
+    attn.wo.register_forward_hook(lambda m, inp, out: seen.setdefault("y", inp[0]))
+    idx = torch.randint(1, cfg.vocab_size, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # three left pads: their queries see no real key
+    logits, _ = ours(idx, attention_mask=mask)
+    y = seen["y"]  # attention output before the output projection, (B, T, C)
+    assert torch.isfinite(logits).all()
+    assert torch.count_nonzero(y[0, :3]) == 0
+    assert torch.count_nonzero(y[0, 3:]) > 0 and torch.count_nonzero(y[1]) > 0
+    # Gradients stay finite through the masked rows too.
+    ours.train()
+    _, loss = ours(idx, idx, attention_mask=mask)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+
+
+def test_packed_documents_attend_only_within_their_document() -> None:
+    ours, _, cfg = make_pair(n_kv_head=2)
+    a = torch.randint(1, cfg.vocab_size, (9,))
+    b = torch.randint(1, cfg.vocab_size, (14,))
+    packed = torch.cat([a, b])[None]
+    doc_ids = torch.tensor([[0] * 9 + [1] * 14])
+    with torch.no_grad():
+        got, _ = ours(packed, doc_ids=doc_ids)
+        alone_a, _ = ours(a[None])
+        alone_b, _ = ours(b[None])
+    torch.testing.assert_close(got[0, :9], alone_a[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[0, 9:], alone_b[0], atol=1e-5, rtol=0)
+
+
+def test_kv_cache_with_left_padding_matches_rows_decoded_alone() -> None:
+    ours, _, cfg = make_pair(n_kv_head=2)
+    seqs = [torch.randint(1, cfg.vocab_size, (n,)) for n in (10, 4)]
+    T = 10
+    idx = torch.zeros(2, T, dtype=torch.long)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        idx[i, T - len(s) :], mask[i, T - len(s) :] = s, 1
+    nxt = torch.randint(1, cfg.vocab_size, (2, 5))
+    with torch.no_grad():
+        cache = KVCache(cfg, batch_size=2, max_len=T + 5)
+        ours(idx, attention_mask=mask, kv_cache=cache)
+        steps = torch.cat([ours(nxt[:, t : t + 1], kv_cache=cache)[0] for t in range(5)], dim=1)
+        for i, s in enumerate(seqs):
+            alone, _ = ours(torch.cat([s, nxt[i]])[None])
+            torch.testing.assert_close(steps[i], alone[0, len(s) :], atol=1e-5, rtol=0)
+
+
+def test_init_scales_residual_projections() -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_layer=8, n_head=4, max_seq_len=32)
+    model = Transformer(cfg)
+    block = model.blocks[0]
+    assert abs(block.attn.wqkv.weight.std().item() - 0.02) < 0.002
+    assert abs(block.attn.wo.weight.std().item() - 0.02 / 4) < 0.0005  # 1/sqrt(2*8) = 1/4
+    assert abs(block.ffn.w_down.weight.std().item() - 0.02 / 4) < 0.0005
+    assert torch.equal(block.attn_norm.weight, torch.ones(256))
+
+
+def test_ffn_width_rule_and_param_counts() -> None:
+    # LLaMA-2-7B: 8/3 * 4096 rounded up to 256 is 11008, and the known 6,738,415,616 parameters.
+    with torch.device("meta"):
+        cfg = ModelConfig(vocab_size=32000, d_model=4096, n_layer=32, n_head=32,
+                          tie_embeddings=False, max_seq_len=4096)  # fmt: skip
+        model = Transformer(cfg)
+    assert cfg.hidden_dim == 11008
+    assert model.param_count() == 6_738_415_616
+    assert model.param_count(non_embedding=True) == 6_738_415_616 - 2 * 32000 * 4096
+
+
+def test_tied_head_counts_once_and_flops_include_the_head() -> None:
+    kw = dict(vocab_size=100, d_model=32, n_layer=2, n_head=2, ffn_hidden=64, max_seq_len=16)
+    tied = Transformer(ModelConfig(**kw, tie_embeddings=True))
+    untied = Transformer(ModelConfig(**kw, tie_embeddings=False))
+    per_layer = 32 * 96 + 32 * 32 + 2 * 32 * 64 + 64 * 32 + 2 * 32  # qkv, o, gate/up, down, norms
+    assert tied.param_count() == 100 * 32 + 2 * per_layer + 32
+    assert untied.param_count() == tied.param_count() + 100 * 32
+    matmul = 2 * (per_layer - 2 * 32) + 100 * 32  # the head is a matmul, the lookup is not
+    assert tied.flops_per_token(16) == 6 * matmul + 12 * 2 * 32 * 16
+    assert untied.flops_per_token(16) == tied.flops_per_token(16)
