@@ -1,0 +1,315 @@
+"""Checkpoints: atomic save, integrity-checked load, latest/best bookkeeping, loading a run.
+
+Offers `save_checkpoint`, `find_latest`, `resolve_checkpoint`, `verify_checkpoint`,
+`load_model_state`, `load_trainer_state`, `read_state`, `load_checkpoint` (config + model +
+tokenizer from a checkpoint alone) and `CheckpointError`.
+
+Layout (DESIGN.md):
+    <run>/checkpoints/step_000500/  model.safetensors, trainer_state.pt, tokenizer.json, state.json
+    <run>/checkpoints/LATEST         name of the newest complete checkpoint
+    <run>/checkpoints/BEST           name of the checkpoint with the lowest validation loss
+
+A checkpoint is written into a hidden temporary folder, every file fsynced, then the folder is
+renamed into place and only then LATEST is replaced (temp file + rename). A crash at any instant
+therefore leaves the previous checkpoint whole and LATEST pointing at a complete one; state.json
+records the sha256 of every file, so damage after the fact is detected at load time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm.errors import UserError
+from minillm.fsutil import atomic_write_json, atomic_write_text, fsync_dir, sha256_file
+
+CKPT_DIR = "checkpoints"
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer_state.pt"
+STATE_FILE = "state.json"
+TOKENIZER_FILE = "tokenizer.json"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, damaged, foreign or incompatible."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    state: dict[str, Any],
+    tokenizer_file: str | Path | None = None,
+    keep_last: int = 3,
+    is_best: bool = False,
+) -> Path:
+    """Write checkpoint `step` atomically, point LATEST (and BEST) at it, then prune old ones.
+
+    `state` is the JSON-able summary (step, tokens, losses, config); file hashes are added here.
+    """
+    from safetensors.torch import save_file
+
+    ckpt_root = Path(run_dir) / CKPT_DIR
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = checkpoint_name(step)
+    final = ckpt_root / name
+    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
+        torch.save(trainer_state, tmp / TRAINER_FILE)
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+        files = sorted(p.name for p in tmp.iterdir())
+        for f in files:
+            _fsync_file(tmp / f)
+        full_state = dict(state, step=step, version=FORMAT_VERSION, saved_at=time.time())
+        full_state["files"] = {f: sha256_file(tmp / f) for f in files}
+        atomic_write_json(tmp / STATE_FILE, full_state)
+        fsync_dir(tmp)
+        if final.exists():  # a leftover from a run that crashed before LATEST named it
+            stale = ckpt_root / f".stale-{name}-{os.getpid()}"
+            os.rename(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.rename(tmp, final)
+        fsync_dir(ckpt_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(ckpt_root / "LATEST", name + "\n")
+    if is_best:
+        atomic_write_text(ckpt_root / "BEST", name + "\n")
+    prune_checkpoints(ckpt_root, keep_last)
+    return final
+
+
+def _read_pointer(ckpt_root: Path, pointer: str) -> str | None:
+    try:
+        return (ckpt_root / pointer).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete-looking checkpoint folders (renamed into place), oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := _STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints (not LATEST, BEST) and dead temp dirs."""
+    keep = {_read_pointer(ckpt_root, "LATEST"), _read_pointer(ckpt_root, "BEST")}
+    ckpts = list_checkpoints(ckpt_root)
+    keep.update(p.name for p in ckpts[-keep_last:])
+    for p in ckpts:
+        if p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in ckpt_root.glob(".tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_state(ckpt: str | Path) -> dict[str, Any]:
+    import json
+
+    path = Path(ckpt) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {ckpt} is not a minillm checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(state, dict) or "files" not in state or "config" not in state:
+        raise CheckpointError(f"{path}: not a minillm checkpoint state (no files/config)")
+    return state
+
+
+def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
+    """state.json of `ckpt` after checking every recorded file's sha256; CheckpointError if not."""
+    ckpt = Path(ckpt)
+    state = read_state(ckpt)
+    for name, digest in state["files"].items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing")
+        if sha256_file(path) != digest:
+            raise CheckpointError(f"{path}: sha256 does not match state.json (damaged file)")
+    return state
+
+
+def find_latest(run_dir: str | Path, verify: bool = True) -> Path | None:
+    """The newest checkpoint of a run that passes its integrity check, or None if it has none.
+
+    If the newest fails, older ones are tried in turn and a warning names the damaged checkpoint
+    and the one used instead.
+    """
+    ckpt_root = Path(run_dir) / CKPT_DIR
+    # Folders are renamed into place only when whole, so one newer than LATEST is a complete
+    # checkpoint whose LATEST update a crash cut short: newest first is right.
+    failures = []
+    for candidate in reversed(list_checkpoints(ckpt_root)):
+        try:
+            verify_checkpoint(candidate) if verify else read_state(candidate)
+        except CheckpointError as e:
+            failures.append(f"{candidate.name} ({e})")
+            continue
+        if failures:
+            warnings.warn(
+                f"checkpoint {'; '.join(failures)} failed its integrity check; using {candidate}",
+                stacklevel=2,
+            )
+        return candidate
+    if failures:
+        raise CheckpointError(f"{ckpt_root}: no intact checkpoint: {'; '.join(failures)}")
+    return None
+
+
+def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
+    """The checkpoint for `--ckpt`: a run directory (its newest intact one) or a checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run or checkpoint directory")
+    if (path / STATE_FILE).is_file():
+        if verify:
+            verify_checkpoint(path)
+        return path
+    if (path / CKPT_DIR).is_dir():
+        found = find_latest(path, verify=verify)
+        if found is None:
+            raise CheckpointError(f"{path}: this run has no complete checkpoint yet")
+        return found
+    raise CheckpointError(
+        f"{path}: not a minillm run directory (no {CKPT_DIR}/) nor a checkpoint (no {STATE_FILE})"
+    )
+
+
+def load_model_state(
+    ckpt: str | Path, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint (safetensors: no code runs while loading)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(ckpt) / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
+    """Optimizer, scaler and RNG state; `weights_only=True` refuses pickled code."""
+    path = Path(ckpt) / TRAINER_FILE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except Exception as e:  # torch raises UnpicklingError and friends for unsafe or broken files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: refused or unreadable trainer state ({first})") from None
+
+
+def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """load_state_dict with errors that name the missing, unexpected and mis-shaped tensors."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        extra = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        problems.append(f"unexpected {extra}")
+    if shapes:
+        problems.append(f"shape mismatch {', '.join(shapes[:3])}")
+    if problems:
+        raise CheckpointError(f"{where}: weights do not fit the model: {'; '.join(problems)}")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=True)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Everything `eval`, `sample` and `export` need, rebuilt from a checkpoint alone."""
+
+    path: Path
+    config: Any  # minillm.config.Config
+    model: torch.nn.Module
+    tokenizer: Any  # tokenizers.Tokenizer
+    state: dict[str, Any]
+
+
+def load_checkpoint(
+    path: str | Path, device: str | torch.device = "cpu", verify: bool = True
+) -> LoadedCheckpoint:
+    """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run or a checkpoint)."""
+    from tokenizers import Tokenizer
+
+    from minillm.config import ConfigError, config_from_dict
+    from minillm.model import Transformer
+
+    ckpt = resolve_checkpoint(path, verify=verify)
+    state = read_state(ckpt)
+    try:
+        cfg = config_from_dict(state["config"], file=str(ckpt / STATE_FILE))
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt / STATE_FILE}: its config is invalid: {e}") from None
+    model = Transformer(cfg.model)
+    load_weights_into(model, load_model_state(ckpt), str(ckpt / MODEL_FILE))
+    model.to(device).eval()
+    tok_path = ckpt / TOKENIZER_FILE
+    if not tok_path.is_file():
+        tok_path = ckpt.parent.parent / TOKENIZER_FILE
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as e:
+        raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
+    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
+        raise CheckpointError(
+            f"{tok_path}: tokenizer has {tokenizer.get_vocab_size()} tokens, more than "
+            f"model.vocab_size={cfg.model.vocab_size}"
+        )
+    return LoadedCheckpoint(ckpt, cfg, model, tokenizer, state)

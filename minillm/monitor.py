@@ -1,0 +1,105 @@
+"""What a person watches during training: a rich progress bar (or plain lines) and TensorBoard.
+
+Offers `Monitor`. Only rank 0 creates one that writes; other ranks get a silent one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class Monitor:
+    """Progress on the terminal (a live bar on a TTY, periodic lines otherwise) and TB scalars."""
+
+    def __init__(
+        self,
+        run_dir: str | Path | None,
+        total_steps: int,
+        start_step: int,
+        enabled: bool = True,
+        console: Console | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.console = console or Console(highlight=False)
+        self.total = total_steps
+        self.writer = None
+        self.progress: Progress | None = None
+        self.start_time = time.monotonic()
+        self.start_step = start_step
+        if not enabled:
+            return
+        if run_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+        if self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, stats="")
+            self.progress.update(self.task, completed=start_step)
+            self.progress.start()
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, 0)
+
+    def step(self, step: int, stats: dict[str, Any], log: bool) -> None:
+        """Advance to `step` (completed steps); print a plain line when `log` and not on a TTY."""
+        if not self.enabled:
+            return
+        line = "  ".join(f"{k} {v}" for k, v in stats.items())
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, stats=line)
+        elif log:
+            done = step - self.start_step
+            elapsed = time.monotonic() - self.start_time
+            eta = elapsed / done * (self.total - step) if done else float("inf")
+            print(f"step {step}/{self.total}  {line}  eta {format_duration(eta)}", flush=True)
+
+    def print(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.console.print(message)
+        else:
+            print(message, flush=True)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

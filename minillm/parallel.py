@@ -1,0 +1,77 @@
+"""How the model is wrapped for the run: DDP or FSDP2 under torchrun, torch.compile if asked.
+
+Offers `wrap_model`, `full_state` and `load_full_state`. Checkpoints always hold full, unsharded
+tensors keyed by parameter name (torch.distributed.checkpoint's "full state dict"), whatever the
+wrapping, so single-device, DDP and FSDP runs read each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from minillm.config import Config
+from minillm.distributed import DistInfo
+from minillm.runtime import DTYPES
+
+
+def wrap_model(
+    model: torch.nn.Module, cfg: Config, device: torch.device, precision: str, dist: DistInfo
+) -> torch.nn.Module:
+    """The module the training step calls. `model` itself keeps the plain parameter names."""
+    wrapped = model
+    if dist.enabled and cfg.train.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif dist.enabled and cfg.train.parallel == "fsdp":
+        shard_model(model, precision)
+    if cfg.train.compile:
+        wrapped = torch.compile(wrapped)
+    return wrapped
+
+
+def shard_model(model: torch.nn.Module, precision: str) -> None:
+    """FSDP2: shard each block, then the rest (embedding, final norm, head), in place.
+
+    Under bf16/fp16 the policy gathers parameters in that dtype and reduces gradients in fp32,
+    which replaces autocast for the sharded weights.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if precision in ("bf16", "fp16"):
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full (unsharded, CPU) model and optimizer state; a collective under FSDP."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_sd: dict[str, torch.Tensor],
+    optim_sd: dict[str, Any],
+) -> None:
+    """Load full state saved by `full_state` into a plain, DDP-wrapped or sharded model."""
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=StateDictOptions(full_state_dict=True),
+    )

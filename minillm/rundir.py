@@ -1,0 +1,100 @@
+"""The run directory: one trainer at a time (a lock), and what a resume may change.
+
+Offers `RunLock` and `resume_differences(old, new) -> (refused, changed)`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from minillm.config import Config, config_to_dict
+from minillm.errors import UserError
+
+LOCK_FILE = "train.lock"
+
+# Keys a resumed run may change without a word: they only move the end or the cadence.
+SCHEDULE_KEYS = {
+    "train.max_steps",
+    "train.eval_every",
+    "train.eval_steps",
+    "train.ckpt_every",
+    "train.keep_last",
+    "train.log_every",
+    "train.max_bad_steps",
+    "train.peak_flops",
+    "train.device",
+    "train.compile",
+    "train.out_dir",
+}
+
+
+class RunLock:
+    """An exclusive `flock` on <run>/train.lock, so two trainers never write the same run.
+
+    The kernel drops the lock when its process dies (even by SIGKILL), so a lock left by a dead
+    process is simply taken over; the file keeps the holder's pid and host for the message.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(
+                f"{self.path.parent}: another `minillm train` is using this run ({holder}); "
+                "wait for it or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _flatten(cfg: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, section in cfg.items() for k, v in section.items()}
+
+
+def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], list[str]]:
+    """Keys whose change refuses a resume (architecture, tokenizer) and keys that merely changed.
+
+    `old` is the config dict saved with the checkpoint.
+    """
+    before, after = _flatten(old), _flatten(config_to_dict(new))
+    refused, changed = [], []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, list):
+            a = tuple(a)
+        if isinstance(b, list):
+            b = tuple(b)
+        if a == b or key in SCHEDULE_KEYS:
+            continue
+        entry = f"{key} ({a!r} -> {b!r})"
+        if key.startswith("model.") or key in ("data.vocab_size", "data.tokenizer"):
+            refused.append(entry)
+        else:
+            changed.append(entry)
+    return refused, changed

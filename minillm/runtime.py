@@ -1,0 +1,100 @@
+"""Where and how the math runs: device and precision choice, autocast, RNG state.
+
+Offers `resolve_device`, `resolve_precision`, `autocast_context`, `make_grad_scaler`,
+`rng_state`, `set_rng_state` and `seed_everything`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from minillm.config import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is cuda, then mps, then cpu; an unavailable device is a config error."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", f"{name!r} asked for, but CUDA is not available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("train.device", "'mps' asked for, but MPS is not available")
+    return device
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """`auto` is bf16 on a CUDA GPU that supports it, else fp32 (bf16 matmul on CPUs is slow)."""
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return "bf16"
+        return "fp32"
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("train.precision", "bf16 is not supported by this GPU; use fp16")
+    return name
+
+
+def autocast_context(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """Mixed precision by autocast; weights and optimizer state stay fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:
+    """fp16 gradients underflow without loss scaling; bf16 and fp32 need none."""
+    if precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a step can draw from (dropout uses torch's), as tensors and plain values."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    state["python"] = list(_encode_python_state(random.getstate()))
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    state["numpy"] = [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), gauss]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    if "python" in state:
+        random.setstate(_decode_python_state(state["python"]))
+    if "numpy" in state:
+        keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def _encode_python_state(st: tuple) -> tuple:
+    # (version, tuple of 625 ints, gauss) -> only ints and None, which weights_only can load.
+    version, internal, gauss = st
+    return version, list(internal), gauss
+
+
+def _decode_python_state(st: list) -> tuple:
+    version, internal, gauss = st
+    return version, tuple(internal), gauss

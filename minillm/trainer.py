@@ -1,0 +1,602 @@
+"""The training loop: `Trainer(cfg).fit()` is what `minillm train` runs.
+
+Offers `Trainer`, `TrainingDiverged` and `train(cfg, resume, force)`.
+
+One optimizer step = `grad_accum` micro-batches per rank whose summed token losses are divided
+by the number of target tokens of the whole global batch, so the gradient equals that of one big
+batch of the same tokens. The batch of step s is a pure function of (seed, s, rank, world size)
+and every other piece of state is in the checkpoint, so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm import checkpoint as ckpt
+from minillm.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config
+from minillm.distributed import (
+    all_reduce_sum,
+    init_distributed,
+    local_device,
+    shutdown_distributed,
+)
+from minillm.errors import UserError
+from minillm.fsutil import atomic_write_text, sha256_file
+from minillm.model import Transformer
+from minillm.monitor import Monitor, format_duration
+from minillm.optim import build_optimizer, schedule_lr
+from minillm.parallel import full_state, load_full_state, wrap_model
+from minillm.rundir import RunLock, resume_differences
+from minillm.runtime import (
+    autocast_context,
+    make_grad_scaler,
+    resolve_device,
+    resolve_precision,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
+
+LN2 = math.log(2.0)
+
+
+class TrainingDiverged(UserError):
+    """Too many non-finite steps in a row."""
+
+
+class Trainer:
+    """Owns the model, optimizer, data and run directory of one training run."""
+
+    def __init__(
+        self, cfg: Config, resume: bool = True, force: bool = False, verbose: bool = True
+    ) -> None:
+        self.cfg = cfg
+        tc = cfg.train
+        self.run_dir = Path(tc.out_dir)
+        self.dist = init_distributed(resolve_device(tc.device))
+        self.device = local_device(resolve_device(tc.device), self.dist)
+        self.precision = resolve_precision(tc.precision, self.device)
+        self.is_main = self.dist.is_main
+        self.verbose = verbose and self.is_main
+        self.lock = RunLock(self.run_dir).acquire() if self.is_main else None
+        try:
+            self._setup(resume, force)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, resume: bool, force: bool) -> None:
+        from minillm.data import load_meta, open_split
+
+        cfg, tc = self.cfg, self.cfg.train
+        init_dir = Path(tc.init_from) if tc.init_from else None
+        self.tokenizer_file = cfg.data.tokenizer_path
+        init_state = None
+        if init_dir is not None:
+            from minillm.export import import_hf_folder
+
+            model_cfg, init_state, self.tokenizer_file = import_hf_folder(init_dir)
+            cfg.model = model_cfg
+            self.cfg = cfg = config_from_dict(config_to_dict(cfg), file="train.init_from")
+        self.meta = load_meta(cfg.data.out_dir)
+        self.train_tokens = open_split(cfg.data.out_dir, "train")
+        self.val_tokens = open_split(cfg.data.out_dir, "val")
+        self._check_data()
+
+        resume_from = self._resume_point(resume, force)
+        seed_everything(tc.seed)  # the same initial weights on every rank
+        self.model = Transformer(cfg.model)
+        if init_state is not None and resume_from is None:
+            ckpt.load_weights_into(self.model, init_state, str(init_dir))
+        self.model.to(self.device)
+        self.train_model = wrap_model(self.model, cfg, self.device, self.precision, self.dist)
+        self.optimizer = build_optimizer(self.model, tc, self.device)
+        self.scaler = make_grad_scaler(self.device, self.precision)
+        self.autocast = autocast_context(self.device, self.precision)
+
+        self.step = 0
+        self.tokens_seen = 0
+        self.best_val = math.inf
+        self.bad_in_a_row = 0
+        self.skipped_steps = 0
+        self.last_ckpt: Path | None = None
+        if resume_from is not None:
+            self._restore(resume_from)
+        else:
+            # Dropout differs per rank; the weights above did not.
+            torch.manual_seed(tc.seed + self.dist.rank)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+            shutil.copyfile(self.tokenizer_file, self.run_dir / ".tokenizer.json.tmp")
+            Path(self.run_dir / ".tokenizer.json.tmp").replace(self.run_dir / "tokenizer.json")
+        self.flops_per_token = self.model.flops_per_token(tc.seq_len)
+        self.tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * self.dist.world_size
+
+    def _check_data(self) -> None:
+        cfg = self.cfg
+        if not Path(self.tokenizer_file).is_file():
+            raise UserError(
+                f"{self.tokenizer_file}: tokenizer not found; run `minillm tokenize` first"
+            )
+        self.tokenizer_sha = sha256_file(self.tokenizer_file)
+        if self.meta.get("tokenizer_sha256") not in (None, self.tokenizer_sha):
+            raise UserError(
+                f"{cfg.data.out_dir}/meta.json: shards were made with another tokenizer than "
+                f"{self.tokenizer_file}; run `minillm tokenize` again"
+            )
+        vocab = int(self.meta["vocab_size"])
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(
+                "model.vocab_size",
+                f"{cfg.model.vocab_size} is smaller than the tokenizer's {vocab} tokens",
+            )
+        need = cfg.train.seq_len + 1
+        if len(self.train_tokens) < need:
+            raise ConfigError(
+                "train.seq_len",
+                f"the train split has {len(self.train_tokens)} tokens, fewer than seq_len+1",
+            )
+
+    def _resume_point(self, resume: bool, force: bool) -> Path | None:
+        """The checkpoint to continue from, or None to start afresh (old ones cleared if forced)."""
+        ckpt_root = self.run_dir / ckpt.CKPT_DIR
+        has_ckpts = bool(ckpt.list_checkpoints(ckpt_root))
+        if not has_ckpts:
+            return None
+        if not resume:
+            if not force:
+                raise UserError(
+                    f"{self.run_dir}: has checkpoints; --no-resume starts over only with --force"
+                )
+            if self.is_main:
+                shutil.rmtree(ckpt_root)
+                shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
+            return None
+        found = ckpt.find_latest(self.run_dir)
+        if found is None:
+            return None
+        state = ckpt.read_state(found)
+        refused, changed = resume_differences(state["config"], self.cfg)
+        if state.get("tokenizer_sha256") not in (None, self.tokenizer_sha):
+            refused.append(f"tokenizer ({self.tokenizer_file} differs from the run's)")
+        if refused:
+            raise UserError(
+                f"{found}: cannot resume with a different architecture or tokenizer: "
+                + "; ".join(refused)
+            )
+        if changed and self.verbose:
+            warnings.warn(f"resuming with changed settings: {'; '.join(changed)}", stacklevel=2)
+        if state.get("world_size", 1) != self.dist.world_size and self.verbose:
+            warnings.warn(
+                f"resuming a run of world size {state.get('world_size', 1)} with "
+                f"{self.dist.world_size}: batches differ from here on",
+                stacklevel=2,
+            )
+        return found
+
+    def _restore(self, path: Path) -> None:
+        state = ckpt.read_state(path)
+        weights = ckpt.load_model_state(path)
+        trainer_state = ckpt.load_trainer_state(path)
+        load_full_state(self.model, self.optimizer, weights, trainer_state["optimizer"])
+        if self.scaler is not None and trainer_state.get("scaler"):
+            self.scaler.load_state_dict(trainer_state["scaler"])
+        rngs = trainer_state.get("rng", [])
+        if self.dist.rank < len(rngs):
+            set_rng_state(rngs[self.dist.rank])
+        self.step = int(trainer_state["step"])
+        self.tokens_seen = int(trainer_state["tokens_seen"])
+        self.best_val = float(trainer_state.get("best_val", math.inf))
+        self.bad_in_a_row = int(trainer_state.get("bad_in_a_row", 0))
+        self.skipped_steps = int(trainer_state.get("skipped_steps", 0))
+        self.last_ckpt = path
+        if self.verbose:
+            print(f"resuming from {path} (step {self.step}, {state.get('saved_at', 0):.0f})")
+
+    # ------------------------------------------------------------------ one step
+
+    def micro_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of one micro-batch (a hook point for tests)."""
+        with self.autocast:
+            _, loss_sum = self.train_model(x, y, reduction="sum")
+        return loss_sum
+
+    def train_step(self) -> dict[str, float]:
+        """Run optimizer step `self.step`; return its loss, grad norm, lr and token count."""
+        from minillm.data import train_batch
+
+        tc = self.cfg.train
+        lr = schedule_lr(self.step, tc)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro = train_batch(
+            self.train_tokens,
+            seed=tc.seed,
+            step=self.step,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            batch_size=tc.batch_size,
+            grad_accum=tc.grad_accum,
+            seq_len=tc.seq_len,
+        )
+        # Token-weighted accumulation: divide by the target tokens of the whole global batch.
+        n_tokens = all_reduce_sum(
+            torch.tensor(sum(int((y != -100).sum()) for _, y in micro), dtype=torch.float64)
+        ).item()
+        # DDP/FSDP average gradients over ranks; multiplying by world size undoes that.
+        scale = self.dist.world_size / max(n_tokens, 1.0)
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            sync = i == len(micro) - 1
+            with self._no_sync(sync):
+                loss_sum = self.micro_loss(x, y)
+                loss = loss_sum * scale
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss_sum.detach().double()
+        loss_mean = all_reduce_sum(total).item() / max(n_tokens, 1.0)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        finite = math.isfinite(loss_mean) and (
+            math.isfinite(grad_norm) or self.scaler is not None  # the scaler skips inf grads
+        )
+        if finite:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": n_tokens,
+                "finite": finite}  # fmt: skip
+
+    def _no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        if sync:
+            return contextlib.nullcontext()
+        if hasattr(self.train_model, "no_sync"):  # DDP: all-reduce only on the last micro-step
+            return self.train_model.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(False)
+            return _ReenableGradSync(self.model)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss, perplexity and bits per byte over the first eval_steps validation batches."""
+        from minillm.data import eval_batches
+
+        tc = self.cfg.train
+        self.model.eval()
+        batches = list(
+            eval_batches(
+                self.val_tokens,
+                seq_len=tc.seq_len,
+                batch_size=tc.batch_size,
+                max_batches=tc.eval_steps or None,
+            )
+        )
+        # Each rank takes every world_size-th batch; all ranks run the same number of forwards
+        # (FSDP's are collective), padding with batches that predict nothing.
+        mine = batches[self.dist.rank :: self.dist.world_size]
+        per_rank = math.ceil(len(batches) / self.dist.world_size)
+        while len(mine) < per_rank:
+            x, y = batches[0]
+            mine.append((x, torch.full_like(y, -100)))
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for x, y in mine:
+            x, y = x.to(self.device), y.to(self.device)
+            with self.autocast:
+                _, loss_sum = self.model(x, y, reduction="sum")
+            sums[0] += loss_sum.double()
+            sums[1] += (y != -100).sum()
+        all_reduce_sum(sums)
+        self.model.train()
+        loss = (sums[0] / sums[1].clamp(min=1)).item()
+        val = self.meta["val"]
+        bytes_per_token = val["bytes"] / max(val["tokens"], 1)
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)),
+            "bits_per_byte": loss / LN2 / bytes_per_token,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, is_best: bool = False) -> Path | None:
+        """Checkpoint the state after `self.step` completed steps (a collective under FSDP)."""
+        model_sd, optim_sd = full_state(self.model, self.optimizer)
+        rngs = _gather_rng_states(self.dist.world_size)
+        if not self.is_main:
+            return None
+        trainer_state = {
+            "optimizer": optim_sd,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "rng": rngs,
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "best_val": self.best_val,
+            "bad_in_a_row": self.bad_in_a_row,
+            "skipped_steps": self.skipped_steps,
+        }
+        state = {
+            "tokens_seen": self.tokens_seen,
+            "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+            "world_size": self.dist.world_size,
+            "precision": self.precision,
+            "tokenizer_sha256": self.tokenizer_sha,
+            "config": config_to_dict(self.cfg),
+        }
+        self.last_ckpt = ckpt.save_checkpoint(
+            self.run_dir,
+            self.step,
+            model_sd,
+            trainer_state,
+            state,
+            tokenizer_file=self.tokenizer_file,
+            keep_last=self.cfg.train.keep_last,
+            is_best=is_best,
+        )
+        return self.last_ckpt
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self, stop_at: int | None = None) -> dict[str, Any]:
+        """Train until max_steps (or `stop_at`, or a signal); checkpoint on the way out."""
+        tc = self.cfg.train
+        end = min(tc.max_steps, stop_at) if stop_at is not None else tc.max_steps
+        monitor = Monitor(self.run_dir, tc.max_steps, self.step, enabled=self.is_main)
+        if self.step == 0:
+            monitor.text("config", "```yaml\n" + dump_config(self.cfg) + "```")
+        peak = self._peak_flops() if self.is_main else 0.0
+        if self.verbose:
+            monitor.print(self._banner(peak))
+        stop = _StopSignal()
+        last_eval: dict[str, float] = {}
+        window_tokens, window_time = 0.0, 0.0
+        saved_at_step = self.step if self.last_ckpt is not None else -1
+        t_start = time.perf_counter()
+        try:
+            with stop:
+                while self.step < end and not stop.requested:
+                    t0 = time.perf_counter()
+                    probe = self.is_main and (self.step + 1) % (tc.log_every * 10) == 0
+                    probe = probe and not (self.dist.enabled and tc.parallel == "fsdp")
+                    before = _block_snapshot(self.model) if probe else None
+                    out = self.train_step()
+                    self.step += 1
+                    self.tokens_seen += int(out["tokens"])
+                    dt = time.perf_counter() - t0
+                    window_tokens, window_time = window_tokens + out["tokens"], window_time + dt
+                    self._count_bad(out)
+                    log = self.step % tc.log_every == 0 or self.step == end
+                    tps = window_tokens / max(window_time, 1e-9)
+                    mfu = self.flops_per_token * tps / peak if peak else float("nan")
+                    if log and self.is_main:
+                        monitor.scalars(
+                            {
+                                "train/loss": out["loss"],
+                                "train/lr": out["lr"],
+                                "train/grad_norm": out["grad_norm"],
+                                "train/tokens_per_sec": tps,
+                                "train/mfu": mfu,
+                                "train/skipped_steps": self.skipped_steps,
+                            },
+                            self.step,
+                        )
+                        window_tokens, window_time = 0.0, 0.0
+                    if before is not None:
+                        monitor.scalars(self._layer_stats(before), self.step)
+                    monitor.step(self.step, _stats(out, tps, mfu), log)
+                    is_best = False
+                    if (
+                        tc.eval_every
+                        and self.step % tc.eval_every == 0
+                        or self.step == tc.max_steps
+                    ):
+                        last_eval = self.evaluate()
+                        monitor.scalars({f"val/{k}": v for k, v in last_eval.items()}, self.step)
+                        monitor.print(
+                            f"step {self.step}: val loss {last_eval['loss']:.4f}, "
+                            f"bits/byte {last_eval['bits_per_byte']:.4f}"
+                        )
+                        if last_eval["loss"] < self.best_val:
+                            self.best_val, is_best = last_eval["loss"], True
+                    if is_best or (tc.ckpt_every and self.step % tc.ckpt_every == 0):
+                        self.save(is_best=is_best)
+                        saved_at_step = self.step
+            if saved_at_step != self.step:
+                self.save()
+        finally:
+            monitor.close()
+        elapsed = time.perf_counter() - t_start
+        summary = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "val": last_eval,
+            "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+            "interrupted": stop.requested,
+            "seconds": elapsed,
+        }
+        if self.verbose:
+            how = f"stopped by {stop.signame}" if stop.requested else "done"
+            print(f"{how} at step {self.step} after {format_duration(elapsed)}; "
+                  f"checkpoint {summary['checkpoint']}")  # fmt: skip
+        return summary
+
+    def _count_bad(self, out: dict[str, float]) -> None:
+        if out["finite"]:
+            self.bad_in_a_row = 0
+            return
+        self.bad_in_a_row += 1
+        self.skipped_steps += 1
+        if self.verbose:
+            print(f"step {self.step}: non-finite loss or gradient, step skipped")
+        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            raise TrainingDiverged(
+                f"step {self.step}: {self.bad_in_a_row} non-finite steps in a row "
+                f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); last good checkpoint: "
+                f"{self.last_ckpt or 'none'}; try a lower train.lr or fp32"
+            )
+
+    def _layer_stats(self, before: list[torch.Tensor]) -> dict[str, float]:
+        """Per-block update/weight ratio of this step and RMS of the block outputs."""
+        stats = {}
+        for i, (block, old) in enumerate(zip(self.model.blocks, before)):
+            new = torch.cat([p.detach().float().flatten() for p in block.parameters()])
+            stats[f"layers/update_ratio/{i:02d}"] = float(
+                (new - old).norm() / new.norm().clamp(min=1e-12)
+            )
+        stats.update(self._activation_rms())
+        return stats
+
+    @torch.no_grad()
+    def _activation_rms(self) -> dict[str, float]:
+        from minillm.data import eval_batches
+
+        rms: dict[str, float] = {}
+        hooks = [
+            block.register_forward_hook(
+                lambda m, i, o, n=n: rms.__setitem__(
+                    f"layers/activation_rms/{n:02d}", float(o.float().pow(2).mean().sqrt())
+                )
+            )
+            for n, block in enumerate(self.model.blocks)
+        ]
+        x, _ = next(eval_batches(self.train_tokens, seq_len=self.cfg.train.seq_len, batch_size=1))
+        self.model.eval()
+        try:
+            with self.autocast:
+                self.model(x.to(self.device))
+        finally:
+            self.model.train()
+            for h in hooks:
+                h.remove()
+        return rms
+
+    def _peak_flops(self) -> float:
+        """train.peak_flops, else a known GPU's datasheet peak, else a one-second matmul probe."""
+        from minillm.perf import known_peak_flops, measure_matmul_peak
+        from minillm.runtime import DTYPES
+
+        if self.cfg.train.peak_flops:
+            return self.cfg.train.peak_flops
+        # On a CPU the probe runs in fp32 whatever the precision: bf16 there is emulated, and
+        # a 2048^2 bf16 probe would take many seconds.
+        dtype = DTYPES[self.precision] if self.device.type != "cpu" else torch.float32
+        return known_peak_flops(self.device, dtype) or measure_matmul_peak(1.0, dtype, self.device)
+
+    def _banner(self, peak: float) -> str:
+        tc = self.cfg.train
+        n = self.model.param_count()
+        return (
+            f"training {n / 1e6:.2f}M parameters on {self.device} ({self.precision}"
+            f"{', compiled' if tc.compile else ''}"
+            f"{f', {self.dist.world_size} ranks, {tc.parallel}' if self.dist.enabled else ''}); "
+            f"global batch {tc.batch_size}x{tc.grad_accum}x{self.dist.world_size} seqs of "
+            f"{tc.seq_len} = {self.tokens_per_step:,} tokens/step; "
+            f"peak {peak / 1e9:.0f} GFLOP/s for MFU; run dir {self.run_dir}"
+        )
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        shutdown_distributed()
+
+
+class _ReenableGradSync:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        self.model.set_requires_gradient_sync(True)
+
+
+class _StopSignal:
+    """Turns SIGINT/SIGTERM into a request to checkpoint and stop after the current step.
+
+    A second signal gets the default behaviour back (Ctrl-C twice stops at once; the atomic
+    checkpoint writes keep the previous checkpoint whole either way).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signame = ""
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        self.signame = signal.Signals(signum).name
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def __enter__(self) -> _StopSignal:
+        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+def _stats(out: dict[str, float], tps: float, mfu: float) -> dict[str, str]:
+    stats = {
+        "loss": f"{out['loss']:.4f}",
+        "lr": f"{out['lr']:.2e}",
+        "tok/s": f"{tps:,.0f}",
+    }
+    if math.isfinite(mfu):
+        stats["mfu"] = f"{100 * mfu:.1f}%"
+    return stats
+
+
+def _block_snapshot(model: Transformer) -> list[torch.Tensor]:
+    return [
+        torch.cat([p.detach().float().flatten() for p in block.parameters()]).clone()
+        for block in model.blocks
+    ]
+
+
+def _gather_rng_states(world_size: int) -> list[dict[str, Any]]:
+    """Every rank's RNG state, gathered on all ranks (index = rank)."""
+    state = rng_state()
+    if world_size == 1:
+        return [state]
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
+def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, Any]:
+    """What `minillm train` runs."""
+    trainer = Trainer(cfg, resume=resume, force=force)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

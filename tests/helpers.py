@@ -1,0 +1,52 @@
+"""Small runs for trainer tests: a slice of Shakespeare, a 300-token BPE, a tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from minillm.config import Config, config_from_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
+
+
+def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    """A config whose data and run live under tmp_path; `sections` override keys per section."""
+    raw: dict[str, dict[str, Any]] = {
+        "model": dict(d_model=32, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=64, max_seq_len=64),
+        "data": dict(
+            source=str(tmp_path / "corpus.txt"),
+            vocab_size=300,
+            out_dir=str(tmp_path / "tokens"),
+        ),
+        "train": dict(
+            out_dir=str(tmp_path / "run"),
+            batch_size=4,
+            seq_len=32,
+            max_steps=8,
+            lr=1e-2,
+            min_lr=1e-3,
+            warmup_steps=2,
+            eval_every=4,
+            eval_steps=2,
+            ckpt_every=4,
+            log_every=2,
+            device="cpu",
+            precision="fp32",
+        ),
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return config_from_dict(raw)
+
+
+def prepared_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
+    """tiny_config with its corpus written and tokenized."""
+    from minillm.data import prepare_data
+
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:60_000]
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    cfg = tiny_config(tmp_path, **sections)
+    prepare_data(cfg)
+    return cfg

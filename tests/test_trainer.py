@@ -1,0 +1,227 @@
+"""The training loop: schedule, accumulation, exact resume, checkpoint safety, logging, NaNs."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm import checkpoint as ckpt
+from minillm.config import config_from_dict, config_to_dict
+from minillm.errors import UserError
+from minillm.optim import lr_at
+from minillm.trainer import Trainer, TrainingDiverged
+from tests.helpers import prepared_config, tiny_config
+
+
+def test_lr_schedule_exact_table() -> None:
+    got = [lr_at(s, lr=1.0, min_lr=0.1, warmup_steps=2, max_steps=6) for s in range(8)]
+    half = 0.1 + 0.45 * (1 + math.cos(math.pi / 4))
+    quarter = 0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4))
+    want = [0.5, 1.0, 1.0, half, 0.55, quarter, 0.1, 0.1]
+    assert got == pytest.approx(want, abs=1e-12)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized corpus shared by the tests of this module (they only read it)."""
+    base = tmp_path_factory.mktemp("corpus")
+    prepared_config(base)
+    return base
+
+
+def make_cfg(data_dir: Path, run: Path, model: dict | None = None, **train):
+    return tiny_config(data_dir, model=model or {}, train=dict(out_dir=str(run), **train))
+
+
+def run_trainer(cfg, stop_at=None, **kw) -> Trainer:
+    trainer = Trainer(cfg, verbose=False, **kw)
+    try:
+        trainer.fit(stop_at=stop_at)
+    finally:
+        trainer.close()
+    return trainer
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_resume_is_bitwise_exact(data_dir: Path, tmp_path: Path) -> None:
+    # Dropout draws random numbers: their state must resume too.
+    straight_cfg = make_cfg(data_dir, tmp_path / "straight", model=dict(dropout=0.1))
+    straight = run_trainer(straight_cfg)
+
+    split_cfg = copy.deepcopy(straight_cfg)
+    split_cfg.train.out_dir = str(tmp_path / "split")
+    first = run_trainer(split_cfg, stop_at=3)  # stops between checkpoints: saves at step 3
+    assert first.step == 3
+    second = run_trainer(split_cfg)
+    assert second.step == 8
+    a, b = weights(straight), weights(second)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_accumulation_equals_one_big_batch_with_uneven_masks(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import minillm.data
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 300, (4, 32), generator=g)
+    y = torch.randint(0, 300, (4, 32), generator=g)
+    y[0, :25] = -100  # the first micro-batch predicts far fewer tokens than the second
+    y[1, 3:9] = -100
+
+    def grads_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+        captured = {}
+
+        def capture(*a, **k):
+            captured.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+
+        trainer.optimizer.step = capture
+        trainer.train_step()
+        return captured
+
+    split = lambda *a, **k: [(x[:2], y[:2]), (x[2:], y[2:])]  # noqa: E731
+    monkeypatch.setattr(minillm.data, "train_batch", split)
+    t1 = Trainer(make_cfg(data_dir, tmp_path / "a", grad_accum=2, batch_size=2), verbose=False)
+    accumulated = grads_of(t1)
+    t1.close()
+    monkeypatch.setattr(minillm.data, "train_batch", lambda *a, **k: [(x, y)])
+    t2 = Trainer(make_cfg(data_dir, tmp_path / "b", grad_accum=1, batch_size=4), verbose=False)
+    big = grads_of(t2)
+    t2.close()
+    for name in big:
+        torch.testing.assert_close(accumulated[name], big[name], rtol=1e-5, atol=1e-7)
+
+
+def test_failed_save_leaves_previous_checkpoint_and_latest(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    cfg = make_cfg(data_dir, tmp_path / "run")
+    trainer = run_trainer(cfg, stop_at=4)
+    ckpt_root = tmp_path / "run" / "checkpoints"
+    assert (ckpt_root / "LATEST").read_text().strip() == "step_000004"
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer = Trainer(cfg, verbose=False)
+    try:
+        trainer.train_step()
+        trainer.step += 1
+        monkeypatch.setattr(ckpt.torch, "save", full_disk)
+        with pytest.raises(OSError):
+            trainer.save()
+    finally:
+        trainer.close()
+    assert (ckpt_root / "LATEST").read_text().strip() == "step_000004"
+    assert sorted(p.name for p in ckpt_root.iterdir()) == ["BEST", "LATEST", "step_000004"]
+    ckpt.verify_checkpoint(ckpt_root / "step_000004")
+    loaded = ckpt.load_checkpoint(tmp_path / "run")
+    assert loaded.state["step"] == 4
+
+
+def test_tensorboard_has_the_scalars(data_dir: Path, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=20, log_every=2)
+    run_trainer(cfg)
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec",
+                "train/mfu", "val/loss", "val/bits_per_byte", "val/perplexity"):  # fmt: skip
+        assert tag in tags, tag
+    assert any(t.startswith("layers/update_ratio/") for t in tags)
+    assert any(t.startswith("layers/activation_rms/") for t in tags)
+    losses = [e.value for e in acc.Scalars("train/loss")]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    assert [e.step for e in acc.Scalars("val/loss")] == [4, 8, 12, 16, 20]
+
+
+class NaNAt(Trainer):
+    """Poisons the loss of chosen steps."""
+
+    bad_steps: set[int] = set()
+
+    def micro_loss(self, x, y):
+        loss = super().micro_loss(x, y)
+        return loss * float("nan") if self.step in self.bad_steps else loss
+
+
+def test_nan_step_is_skipped_and_counted(data_dir: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=6)
+    NaNAt.bad_steps = {2}
+    trainer = NaNAt(cfg, verbose=False)
+    try:
+        trainer.fit(stop_at=2)
+        before = weights(trainer)
+        out = trainer.train_step()  # step 2 is poisoned
+        assert not out["finite"]
+        after = weights(trainer)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        trainer.step += 1
+        trainer._count_bad(out)
+        trainer.fit()
+        assert trainer.skipped_steps == 1 and trainer.step == 6
+        assert all(torch.isfinite(v).all() for v in weights(trainer).values())
+    finally:
+        trainer.close()
+
+
+def test_too_many_bad_steps_stop_with_the_last_good_checkpoint(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=20, max_bad_steps=3)
+    NaNAt.bad_steps = set(range(5, 20))
+    trainer = NaNAt(cfg, verbose=False)
+    try:
+        with pytest.raises(TrainingDiverged, match="step 8: 3 non-finite steps in a row") as err:
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert "step_000004" in str(err.value)
+
+
+def test_resume_with_other_architecture_is_refused_naming_keys(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    cfg = make_cfg(data_dir, tmp_path / "run")
+    run_trainer(cfg, stop_at=4)
+    raw = config_to_dict(cfg)
+    raw["model"]["n_layer"] = 3
+    raw["model"]["d_model"] = 64
+    with pytest.raises(UserError, match=r"model\.d_model.*model\.n_layer"):
+        Trainer(config_from_dict(raw), verbose=False)
+    raw = config_to_dict(cfg)
+    raw["train"]["max_steps"] = 12  # a schedule-only change is fine
+    trainer = run_trainer(config_from_dict(raw))
+    assert trainer.step == 12
+
+
+def test_no_resume_needs_force(data_dir: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(data_dir, tmp_path / "run")
+    run_trainer(cfg, stop_at=4)
+    with pytest.raises(UserError, match="--force"):
+        Trainer(cfg, resume=False, verbose=False)
+    trainer = run_trainer(cfg, resume=False, force=True, stop_at=2)
+    assert trainer.step == 2
+
+
+def test_second_trainer_on_the_same_run_is_refused(data_dir: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(data_dir, tmp_path / "run")
+    first = Trainer(cfg, verbose=False)
+    try:
+        with pytest.raises(UserError, match="another `minillm train`"):
+            Trainer(cfg, verbose=False)
+    finally:
+        first.close()
+    Trainer(cfg, verbose=False).close()  # released: the next one may start
