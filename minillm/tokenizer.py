@@ -1,0 +1,136 @@
+"""The byte-level BPE tokenizer (Hugging Face `tokenizers`): train, save, load, check.
+
+Offers `EOT`, `SPECIAL_TOKENS`, `MIN_VOCAB`, `new_tokenizer`, `train_tokenizer`, `save_tokenizer`,
+`load_tokenizer`, `check_tokenizer`, `check_vocab_size`, `special_tokens` and `eot_id`.
+
+The tokenizer is GPT-2's recipe: text is split by the byte-level regex (no prefix space), every
+byte is in the base alphabet, and merges are learned on top. So any string, whatever its script,
+emoji or whitespace, encodes without an unknown token and decodes back byte for byte.
+
+`EOT` (`<|endoftext|>`) is the one special token: it separates documents in the token shards. It
+is only ever inserted by id. Tokenizers returned here encode the literal text `<|endoftext|>` as
+ordinary text (`encode_special_tokens = True`), so a document that quotes it cannot fake a
+document boundary and still round-trips. (That flag is not stored in tokenizer.json.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from minillm.config import ConfigError
+from minillm.fsutil import atomic_write_text
+
+EOT = "<|endoftext|>"
+SPECIAL_TOKENS: tuple[str, ...] = (EOT,)
+# Every byte is a token of its own, so the vocabulary can't be smaller than this.
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+
+
+def new_tokenizer() -> Tokenizer:
+    """An untrained byte-level BPE with GPT-2's pre-tokenization and decoder."""
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False: a document's first word is not given a space it did not have.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """The vocabulary must hold every byte plus the special tokens."""
+    if vocab_size < MIN_VOCAB:
+        raise ConfigError(
+            "data.vocab_size",
+            f"{vocab_size} is too small: the 256 byte tokens plus {len(SPECIAL_TOKENS)} special "
+            f"token(s) need at least {MIN_VOCAB}",
+        )
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 0) -> Tokenizer:
+    """Learn a byte-level BPE with exactly `vocab_size` tokens (specials included) from `texts`.
+
+    `texts` may be cut anywhere the byte-level regex would split anyway (see minillm.corpus):
+    word counts, hence merges, are the same as for the uncut documents. A corpus too small to
+    support `vocab_size` distinct tokens is a UserError naming `data.vocab_size`, because a
+    tokenizer smaller than the config asks for would be rejected the next time it is reused.
+    """
+    check_vocab_size(vocab_size)
+    tok = new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # the caller wraps `texts` in its own progress bar
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    got = tok.get_vocab_size()
+    if got < vocab_size:
+        raise ConfigError(
+            "data.vocab_size",
+            f"the corpus only supports {got} tokens, fewer than the {vocab_size} asked for; "
+            f"lower data.vocab_size to at most {got} or add text",
+        )
+    tok.encode_special_tokens = True
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
+    """Write tokenizer.json atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, tok.to_str())
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Read a tokenizer.json; a missing or unreadable file is a UserError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            "data.tokenizer", "no such tokenizer; run `minillm tokenize CONFIG` first", str(path)
+        )
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for bad JSON or schema
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            "data.tokenizer", f"not a readable tokenizer.json: {first}", str(path)
+        ) from None
+    tok.encode_special_tokens = True
+    return tok
+
+
+def special_tokens(tok: Tokenizer) -> list[str]:
+    """The special added tokens of `tok`, in id order."""
+    added = tok.get_added_tokens_decoder()
+    return [added[i].content for i in sorted(added) if added[i].special]
+
+
+def check_tokenizer(tok: Tokenizer, vocab_size: int, path: str | Path) -> None:
+    """A reused tokenizer must have the configured size and exactly our special tokens."""
+    got = tok.get_vocab_size()
+    if got != vocab_size:
+        raise ConfigError(
+            "data.vocab_size",
+            f"the existing tokenizer has {got} tokens but data.vocab_size is {vocab_size}; "
+            "pass --retrain to replace it",
+            str(path),
+        )
+    specials = special_tokens(tok)
+    if specials != list(SPECIAL_TOKENS):
+        raise ConfigError(
+            "data.tokenizer",
+            f"the existing tokenizer's special tokens are {specials}, expected "
+            f"{list(SPECIAL_TOKENS)}; pass --retrain to replace it",
+            str(path),
+        )
+
+
+def eot_id(tok: Tokenizer) -> int:
+    """The id of the end-of-text (document separator) token."""
+    i = tok.token_to_id(EOT)
+    if i is None:
+        raise ConfigError("data.tokenizer", f"the tokenizer has no {EOT} token")
+    return i
