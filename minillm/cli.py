@@ -72,6 +72,22 @@ def info(
         print_info(result, title=str(config))
 
 
+@app.command()
+def tokenize(
+    config: Path = typer.Argument(..., help="The YAML config."),
+    set_: list[str] | None = SetOption,
+    retrain: bool = typer.Option(
+        False, "--retrain", help="Train a new tokenizer even if data.tokenizer exists."
+    ),
+) -> None:
+    """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
+    from minillm.data import prepare_data, print_summary
+
+    cfg = _config(config, set_)
+    summary = _run(prepare_data, cfg, retrain=retrain)
+    print_summary(summary)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,380 @@
+"""Writing token shards: the pass behind `minillm tokenize` (minillm.data.prepare_data).
+
+Offers `write_shards(cfg, retrain) -> summary` and `print_summary(summary)`; the format of the
+files is described in minillm.data.
+
+Steps: open the corpus (minillm.corpus); reuse the tokenizer, or train one on the train split
+with a progress bar over the text it reads; then one pass over the documents that encodes each
+split's pieces in ~1 MB batches (`encode_batch_fast`: the ids of `encode_batch`, no offsets,
+multithreaded in Rust) on a worker thread while this thread reads ahead and writes the previous
+batch. Ids go straight to a temporary file, so memory does not grow with the corpus.
+
+Crash safety: tokenizer.json (when trained), train.bin, val.bin and meta.json are all written to
+temporary names and fsynced; only when all are whole is meta.json removed, the others renamed
+into place and the new meta.json renamed in last. Until then the previous files are untouched;
+during the renames no meta.json exists, so no reader can pair old counts with new files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minillm.config import Config, ConfigError
+from minillm.corpus import Corpus, Document, open_corpus
+from minillm.data import DTYPES, META_VERSION, SPLITS, shard_dtype
+from minillm.fsutil import fsync_dir, sha256_file
+from minillm.progress import ByteProgress
+from minillm.text import split_pieces
+from minillm.tokenizer import (
+    check_tokenizer,
+    check_vocab_size,
+    eot_id,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from tokenizers import Encoding, Tokenizer
+
+BATCH_CHARS = 1 << 20  # text per encode_batch call: enough pieces for every core, ~30 MB of ids
+
+
+def _pieces(doc: Document, nbytes: int, progress: ByteProgress, by_bytes: bool) -> Iterator[str]:
+    """The document's pieces, advancing `progress` (in characters ~ bytes, or in documents)."""
+    done, seen = progress.done, progress.nbytes
+    for piece in split_pieces(doc.blocks()):
+        if by_bytes:
+            progress.update(progress.done + len(piece), progress.nbytes + len(piece))
+        yield piece
+    progress.update(done + (nbytes if by_bytes else 1), seen + nbytes)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class _Staged:
+    """A file written under a temporary name in its folder until `commit` renames it in place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+    @classmethod
+    def text(cls, path: Path, text: str) -> _Staged:
+        staged = cls(path)
+        with open(staged.tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return staged
+
+    def commit(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.tmp.unlink()
+
+
+class _ShardWriter(_Staged):
+    """Appends ids to a staged shard, counting and hashing what it writes."""
+
+    def __init__(self, path: Path, dtype: str) -> None:
+        super().__init__(path)
+        self.dtype = DTYPES[dtype]
+        self.sha = hashlib.sha256()
+        self.tokens = 0
+        self.file = open(self.tmp, "wb")  # closed by finish() or discard()
+
+    def write(self, ids: np.ndarray) -> None:
+        data = ids.astype(self.dtype, copy=False).tobytes()
+        self.file.write(data)
+        self.sha.update(data)
+        self.tokens += len(ids)
+
+    def finish(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+    def discard(self) -> None:
+        self.file.close()
+        super().discard()
+
+
+class _SplitEncoder:
+    """Collects one split's pieces and encodes them in parallel batches into its shard.
+
+    A batch is encoded on `pool`'s thread (Rust releases the GIL and fans out over every core)
+    while this thread reads the next one and writes the previous one's ids, so reading and
+    writing hide behind encoding.
+    """
+
+    def __init__(self, tok: Tokenizer, eot: int, writer: _ShardWriter, pool: Executor) -> None:
+        self.tok, self.eot, self.writer, self.pool = tok, eot, writer, pool
+        self.pieces: list[str] = []
+        self.ends: list[bool] = []  # whether a piece is the last of its document
+        self.chars = 0
+        self.pending: tuple[Future[list[Encoding]], list[bool]] | None = None
+        self.seconds = 0.0  # spent encoding this split's batches
+
+    def add_document(self, pieces: Iterable[str]) -> None:
+        prev = None
+        for piece in pieces:  # one piece behind, to know which is the last
+            if prev is not None:
+                self._add(prev, False)
+            prev = piece
+        self._add(prev or "", True)
+
+    def _add(self, piece: str, end: bool) -> None:
+        self.pieces.append(piece)
+        self.ends.append(end)
+        self.chars += len(piece)
+        if self.chars >= BATCH_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start encoding the collected pieces, then write the batch before them."""
+        started = None
+        if self.pieces:
+            future = self.pool.submit(self._encode_batch, self.pieces)
+            started = (future, self.ends)
+            self.pieces, self.ends, self.chars = [], [], 0
+        self._write_pending()
+        self.pending = started
+
+    def finish(self) -> None:
+        self.flush()
+        self._write_pending()
+
+    def _encode_batch(self, pieces: list[str]) -> list[Encoding]:
+        start = time.perf_counter()
+        encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
+        self.seconds += time.perf_counter() - start  # only the pool's one thread adds here
+        return encodings
+
+    def _write_pending(self) -> None:
+        if self.pending is None:
+            return
+        future, ends = self.pending
+        self.pending = None
+        ids: list[int] = []
+        for enc, end in zip(future.result(), ends):
+            ids += enc.ids
+            if end:
+                ids.append(self.eot)
+        self.writer.write(np.array(ids, dtype=self.writer.dtype))
+
+
+def _ensure_writable(folder: Path, key: str) -> None:
+    """Create `folder` and a file in it now, so that a bad out_dir fails before hours of work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        why = f"{blocker} is a file" if blocker and not blocker.is_dir() else e.strerror or e
+        raise ConfigError(key, f"not writable: {why}", str(folder)) from None
+
+
+def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
+    """Train the tokenizer on the train split, with a progress bar over the text it reads."""
+    by_bytes = corpus.unit == "bytes"
+    docs = [d for d in corpus.documents() if d.split == "train"] if by_bytes else None
+    total = sum(d.nbytes for d in docs) if docs is not None else int((~corpus.mask).sum())
+    progress = ByteProgress(console, "train tokenizer", total)
+    seen = 0
+
+    def texts() -> Iterator[str]:
+        nonlocal seen
+        for doc in docs if docs is not None else corpus.documents():
+            if doc.split == "train":
+                nbytes = doc.nbytes
+                yield from _pieces(doc, nbytes, progress, by_bytes)
+                seen += nbytes
+        progress.describe("train tokenizer: merging")
+
+    try:
+        tok = train_tokenizer(texts(), vocab_size)
+    except ConfigError:
+        if not seen:
+            raise ConfigError("data.source", "no text: the corpus is empty", corpus.label) from None
+        raise
+    finally:
+        progress.close()
+    return tok
+
+
+def _encode(
+    corpus: Corpus, tok: Tokenizer, writers: dict[str, _ShardWriter], console: Console
+) -> dict[str, dict[str, Any]]:
+    """One pass over the corpus into both shards; per split: documents, bytes, encoding seconds."""
+    tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a text is text, not a boundary
+    eot = eot_id(tok)
+    stats = {s: {"documents": 0, "bytes": 0, "seconds": 0.0} for s in SPLITS}
+    by_bytes = corpus.unit == "bytes"
+    progress = ByteProgress(console, "encode", corpus.total)
+    try:
+        # On an error the pool waits for the batch in flight (a second or so), then is gone.
+        with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
+            encoders = {s: _SplitEncoder(tok, eot, writers[s], pool) for s in SPLITS}
+            for doc in corpus.documents():
+                nbytes = doc.nbytes
+                encoders[doc.split].add_document(_pieces(doc, nbytes, progress, by_bytes))
+                stats[doc.split]["documents"] += 1
+                stats[doc.split]["bytes"] += nbytes
+            for s in SPLITS:
+                encoders[s].finish()
+                stats[s]["seconds"] = encoders[s].seconds
+    finally:
+        progress.close()
+    return stats
+
+
+def _split_summary(documents: int, nbytes: int, tokens: int, seconds: float) -> dict[str, Any]:
+    return {
+        "documents": documents,
+        "bytes": nbytes,
+        "tokens": tokens,
+        "bytes_per_token": nbytes / tokens if tokens else 0.0,
+        "seconds": seconds,
+        "mb_per_s": nbytes / 1e6 / seconds if seconds > 0 else 0.0,
+    }
+
+
+def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
+    if not stats["train"]["bytes"] + stats["val"]["bytes"]:
+        raise ConfigError("data.source", "no text: the corpus is empty", corpus.label)
+    for s in SPLITS:
+        if not stats[s]["documents"]:
+            raise ConfigError(
+                "data.val_fraction", f"the {s} split has no text (empty documents are skipped)"
+            )
+
+
+def _commit(staged: list[_Staged], meta_path: Path) -> None:
+    """Swap the staged files in, meta.json (the last of `staged`) last.
+
+    From the unlink until the new meta.json lands no meta.json exists, so no reader can pair the
+    old token counts with new shards. Only renames here: nothing that could fill a disk.
+    """
+    meta_path.unlink(missing_ok=True)
+    for s in staged:
+        s.commit()
+    for folder in {s.path.parent for s in staged}:
+        fsync_dir(folder)
+
+
+def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
+    """What `minillm.data.prepare_data` does (see there and the module docstring)."""
+    from rich.console import Console
+
+    data = cfg.data
+    start = time.perf_counter()
+    out_dir, tok_path = Path(data.out_dir), data.tokenizer_path
+    reuse = tok_path.exists() and not retrain
+    if not reuse:
+        check_vocab_size(data.vocab_size)  # before any pass over the data
+    corpus = open_corpus(data)
+    _ensure_writable(out_dir, "data.out_dir")
+    if not reuse:
+        _ensure_writable(tok_path.parent, "data.tokenizer")
+    console = Console(highlight=False)
+    staged: list[_Staged] = []
+    try:
+        if reuse:
+            tok = load_tokenizer(tok_path)
+            check_tokenizer(tok, data.vocab_size, tok_path)
+            tok_sha, tok_seconds = sha256_file(tok_path), 0.0
+        else:
+            tok = _train(corpus, data.vocab_size, console)
+            tok_seconds = time.perf_counter() - start
+            tok_json = tok.to_str()
+            staged.append(_Staged.text(tok_path, tok_json))
+            tok_sha = hashlib.sha256(tok_json.encode("utf-8")).hexdigest()
+        vocab, dtype = tok.get_vocab_size(), shard_dtype(tok.get_vocab_size())
+        writers = {s: _ShardWriter(out_dir / f"{s}.bin", dtype) for s in SPLITS}
+        staged += writers.values()
+        pass_start = time.perf_counter()
+        stats = _encode(corpus, tok, writers, console)
+        for w in writers.values():
+            w.finish()
+        pass_seconds = time.perf_counter() - pass_start
+        _check_splits(stats, corpus)
+        meta: dict[str, Any] = {"version": META_VERSION, "dtype": dtype, "vocab_size": vocab}
+        meta["eot_id"] = eot_id(tok)
+        for s in SPLITS:
+            meta[s] = {
+                "tokens": writers[s].tokens,
+                "bytes": stats[s]["bytes"],
+                "documents": stats[s]["documents"],
+                "sha256": writers[s].sha.hexdigest(),
+            }
+        meta["tokenizer_sha256"] = tok_sha
+        meta["source_fingerprint"] = corpus.fingerprint
+        meta_path = out_dir / "meta.json"
+        staged.append(_Staged.text(meta_path, json.dumps(meta, indent=2) + "\n"))
+        _commit(staged, meta_path)
+    except BaseException:
+        for s in staged:
+            s.discard()
+        raise
+    splits = {
+        s: _split_summary(
+            stats[s]["documents"], stats[s]["bytes"], writers[s].tokens, stats[s]["seconds"]
+        )
+        for s in SPLITS
+    }
+    splits["total"] = _split_summary(
+        *(sum(splits[s][k] for s in SPLITS) for k in ("documents", "bytes", "tokens")),
+        pass_seconds,
+    )
+    return {
+        "out_dir": str(out_dir),
+        "dtype": dtype,
+        "vocab_size": vocab,
+        "tokenizer": {"path": str(tok_path), "trained": not reuse, "seconds": tok_seconds},
+        "splits": splits,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """The table `minillm tokenize` prints: per split and in total, then what the numbers mean."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary['out_dir']} ({summary['dtype']}, vocab {summary['vocab_size']})")
+    for name in ("split", "documents", "bytes", "tokens", "bytes/token", "MB/s"):
+        table.add_column(name, justify="left" if name == "split" else "right")
+    for name, s in summary["splits"].items():
+        table.add_row(
+            name,
+            f"{s['documents']:,}",
+            f"{s['bytes']:,}",
+            f"{s['tokens']:,}",
+            f"{s['bytes_per_token']:.2f}",
+            f"{s['mb_per_s']:.1f}",
+        )
+    tok = summary["tokenizer"]
+    how = f"trained in {tok['seconds']:.1f}s" if tok["trained"] else "reused"
+    console = Console(highlight=False)
+    console.print(table)
+    console.print(
+        f"MB/s: per split, encoding only; total, the whole pass (read, encode, write). "
+        f"Tokenizer {tok['path']} {how}; {summary['seconds']:.1f}s in all."
+    )
