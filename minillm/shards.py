@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,16 +49,6 @@ if TYPE_CHECKING:
     from tokenizers import Encoding, Tokenizer
 
 BATCH_CHARS = 1 << 20  # text per encode_batch call: enough pieces for every core, ~30 MB of ids
-
-
-def _pieces(doc: Document, nbytes: int, progress: ByteProgress, by_bytes: bool) -> Iterator[str]:
-    """The document's pieces, advancing `progress` (in characters ~ bytes, or in documents)."""
-    done, seen = progress.done, progress.nbytes
-    for piece in split_pieces(doc.blocks()):
-        if by_bytes:
-            progress.update(progress.done + len(piece), progress.nbytes + len(piece))
-        yield piece
-    progress.update(done + (nbytes if by_bytes else 1), seen + nbytes)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -119,29 +109,47 @@ class _SplitEncoder:
 
     A batch is encoded on `pool`'s thread (Rust releases the GIL and fans out over every core)
     while this thread reads the next one and writes the previous one's ids, so reading and
-    writing hide behind encoding.
+    writing hide behind encoding. Progress advances when a batch is written, not when it is read.
     """
 
-    def __init__(self, tok: Tokenizer, eot: int, writer: _ShardWriter, pool: Executor) -> None:
+    def __init__(
+        self,
+        tok: Tokenizer,
+        eot: int,
+        writer: _ShardWriter,
+        pool: Executor,
+        progress: ByteProgress,
+        by_bytes: bool,
+    ) -> None:
         self.tok, self.eot, self.writer, self.pool = tok, eot, writer, pool
+        self.progress, self.by_bytes = progress, by_bytes
         self.pieces: list[str] = []
         self.ends: list[bool] = []  # whether a piece is the last of its document
         self.chars = 0
-        self.pending: tuple[Future[list[Encoding]], list[bool]] | None = None
+        self.units = self.nbytes = 0  # progress units and bytes of the batch being collected
+        self.pending: tuple[Future[list[Encoding]], list[bool], int, int] | None = None
         self.seconds = 0.0  # spent encoding this split's batches
 
-    def add_document(self, pieces: Iterable[str]) -> None:
-        prev = None
-        for piece in pieces:  # one piece behind, to know which is the last
+    def add_document(self, doc: Document) -> int:
+        """Queue the document's pieces; returns its UTF-8 bytes."""
+        nbytes, chars, prev = doc.nbytes, 0, None
+        for piece in split_pieces(doc.blocks()):  # one piece behind, to know which is last
             if prev is not None:
                 self._add(prev, False)
+            chars += len(piece)
             prev = piece
+        # Pieces were counted in characters; settle the document at its exact bytes.
+        self.units += (nbytes - chars) if self.by_bytes else 1
+        self.nbytes += nbytes - chars
         self._add(prev or "", True)
+        return nbytes
 
     def _add(self, piece: str, end: bool) -> None:
         self.pieces.append(piece)
         self.ends.append(end)
         self.chars += len(piece)
+        self.units += len(piece) if self.by_bytes else 0
+        self.nbytes += len(piece)
         if self.chars >= BATCH_CHARS:
             self.flush()
 
@@ -150,8 +158,8 @@ class _SplitEncoder:
         started = None
         if self.pieces:
             future = self.pool.submit(self._encode_batch, self.pieces)
-            started = (future, self.ends)
-            self.pieces, self.ends, self.chars = [], [], 0
+            started = (future, self.ends, self.units, self.nbytes)
+            self.pieces, self.ends, self.chars, self.units, self.nbytes = [], [], 0, 0, 0
         self._write_pending()
         self.pending = started
 
@@ -168,7 +176,7 @@ class _SplitEncoder:
     def _write_pending(self) -> None:
         if self.pending is None:
             return
-        future, ends = self.pending
+        future, ends, units, nbytes = self.pending
         self.pending = None
         ids: list[int] = []
         for enc, end in zip(future.result(), ends):
@@ -176,6 +184,7 @@ class _SplitEncoder:
             if end:
                 ids.append(self.eot)
         self.writer.write(np.array(ids, dtype=self.writer.dtype))
+        self.progress.update(self.progress.done + units, self.progress.nbytes + nbytes)
 
 
 def _ensure_writable(folder: Path, key: str) -> None:
@@ -202,11 +211,16 @@ def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
     def texts() -> Iterator[str]:
         nonlocal seen
         for doc in docs if docs is not None else corpus.documents():
-            if doc.split == "train":
-                nbytes = doc.nbytes
-                yield from _pieces(doc, nbytes, progress, by_bytes)
-                seen += nbytes
-        progress.describe("train tokenizer: merging")
+            if doc.split != "train":
+                continue
+            nbytes, done = doc.nbytes, progress.done
+            for piece in split_pieces(doc.blocks()):
+                if by_bytes:  # in characters ~ bytes, settled at the document's end
+                    progress.update(progress.done + len(piece), progress.nbytes + len(piece))
+                yield piece
+            seen += nbytes
+            progress.update(done + (nbytes if by_bytes else 1), seen)
+        progress.describe("train tokenizer: merging")  # the trainer's last step, after reading
 
     try:
         tok = train_tokenizer(texts(), vocab_size)
@@ -231,12 +245,12 @@ def _encode(
     try:
         # On an error the pool waits for the batch in flight (a second or so), then is gone.
         with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
-            encoders = {s: _SplitEncoder(tok, eot, writers[s], pool) for s in SPLITS}
+            encoders = {
+                s: _SplitEncoder(tok, eot, writers[s], pool, progress, by_bytes) for s in SPLITS
+            }
             for doc in corpus.documents():
-                nbytes = doc.nbytes
-                encoders[doc.split].add_document(_pieces(doc, nbytes, progress, by_bytes))
+                stats[doc.split]["bytes"] += encoders[doc.split].add_document(doc)
                 stats[doc.split]["documents"] += 1
-                stats[doc.split]["bytes"] += nbytes
             for s in SPLITS:
                 encoders[s].finish()
                 stats[s]["seconds"] = encoders[s].seconds
@@ -301,8 +315,9 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
             check_tokenizer(tok, data.vocab_size, tok_path)
             tok_sha, tok_seconds = sha256_file(tok_path), 0.0
         else:
+            train_start = time.perf_counter()
             tok = _train(corpus, data.vocab_size, console)
-            tok_seconds = time.perf_counter() - start
+            tok_seconds = time.perf_counter() - train_start
             tok_json = tok.to_str()
             staged.append(_Staged.text(tok_path, tok_json))
             tok_sha = hashlib.sha256(tok_json.encode("utf-8")).hexdigest()

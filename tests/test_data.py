@@ -486,6 +486,32 @@ def test_progress_prints_plain_lines_off_a_terminal(
     assert "encode: 50%" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+def test_progress_ends_at_its_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The bars count bytes of text files or rows of tables and must end exactly full."""
+    seen: dict[str, tuple[int, int, int]] = {}
+
+    class Recording(progress_mod.ByteProgress):
+        def close(self) -> None:
+            seen[self.description] = (self.done, self.total, self.nbytes)
+            super().close()
+
+    monkeypatch.setattr(shards_mod, "ByteProgress", Recording)
+    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 5000)
+    if fmt == "txt":
+        src = str(write_text(tmp_path / "s.txt", EXCERPT))
+    else:
+        src = str(shutil.copy(DATA / "grimm_stories.jsonl", tmp_path / "g.jsonl"))
+    prepare_data(make_cfg(tmp_path, source=src))
+    meta = load_meta(tmp_path / "tokens")
+    done, total, nbytes = seen["encode"]
+    assert done == total and nbytes == meta["train"]["bytes"] + meta["val"]["bytes"]
+    done, total, nbytes = seen["train tokenizer"]
+    assert done == total and nbytes == meta["train"]["bytes"]
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 
