@@ -1,0 +1,284 @@
+"""Sampling: exact filter tables, the loop (EOT, batching, seeds), HF parity, streaming, the CLI."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_run import make_run, tiny_tokenizer
+from typer.testing import CliRunner
+
+from minillm.checkpoint import load_checkpoint
+from minillm.cli import app
+from minillm.config import ModelConfig
+from minillm.generate import (
+    IncrementalDecoder,
+    apply_temperature,
+    generate,
+    row_seed,
+    sample_from_probs,
+    sample_next,
+    top_k_filter,
+    top_p_filter,
+)
+from minillm.tokenizer import eot_id
+
+INF = math.inf
+
+# ----------------------------------------------------------------------------- pure filters
+
+
+def test_temperature_divides_logits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5]])
+    assert torch.equal(apply_temperature(logits, 0.5), torch.tensor([[4.0, -2.0, 1.0]]))
+    assert apply_temperature(logits, 1.0) is logits
+
+
+@pytest.mark.parametrize(
+    "k, expected",
+    [
+        (0, [3.0, 1.0, 2.0, 1.0, 0.0]),  # off
+        (1, [3.0, -INF, -INF, -INF, -INF]),
+        (2, [3.0, -INF, 2.0, -INF, -INF]),
+        (3, [3.0, 1.0, 2.0, 1.0, -INF]),  # a tie with the k-th is kept (as in HF)
+        (5, [3.0, 1.0, 2.0, 1.0, 0.0]),
+        (9, [3.0, 1.0, 2.0, 1.0, 0.0]),
+    ],
+)
+def test_top_k_table(k: int, expected: list[float]) -> None:
+    logits = torch.tensor([[3.0, 1.0, 2.0, 1.0, 0.0]])
+    assert top_k_filter(logits, k).tolist() == [expected]
+
+
+# Probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625 in a shuffled order.
+P_LOGITS = torch.log(torch.tensor([[0.125, 0.5, 0.0625, 0.25, 0.0625]]))
+
+
+@pytest.mark.parametrize(
+    "p, kept",
+    [
+        (1.0, [0, 1, 2, 3, 4]),
+        (0.3, [1]),  # the top token alone holds 0.5 >= 0.3
+        (0.5, [1]),
+        (0.6, [1, 3]),
+        (0.8, [0, 1, 3]),
+        (0.9, [0, 1, 2, 3]),  # 0.875 < 0.9: one 0.0625 token more, the lower id of the tie
+        (0.95, [0, 1, 2, 3, 4]),  # 0.9375 < 0.95
+        (1e-9, [1]),  # the most likely token always stays
+    ],
+)
+def test_top_p_table(p: float, kept: list[int]) -> None:
+    out = top_p_filter(P_LOGITS, p)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == kept
+    assert torch.equal(out[0, kept], P_LOGITS[0, kept])
+
+
+@pytest.mark.parametrize(
+    "u, token",
+    [(0.0, 1), (0.12, 1), (0.125, 3), (0.5, 3), (0.625, 4), (0.999, 4)],
+)
+def test_inverse_cdf_table_never_picks_zero_probability(u: float, token: int) -> None:
+    probs = torch.tensor([[0.0, 0.125, 0.0, 0.5, 0.375]])  # cdf 0, 1/8, 1/8, 5/8, 1: exact
+    assert sample_from_probs(probs, torch.tensor([u])).tolist() == [token]
+
+
+def test_sample_next_greedy_and_filters_compose() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0], [5.0, 0.0, 0.0, 0.0]])
+    assert sample_next(logits, 0.0).tolist() == [1, 0]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    for _ in range(20):  # top-k 1 at any temperature is greedy
+        assert sample_next(logits, 1.7, top_k=1, generators=gens).tolist() == [1, 0]
+    seen = {sample_next(logits[:1], 1.0, top_k=2, generators=gens[:1]).item() for _ in range(50)}
+    assert seen == {1, 2}
+
+
+def test_row_seeds_are_distinct_and_stable() -> None:
+    seeds = [row_seed(7, r) for r in range(100)]
+    assert len(set(seeds)) == 100 and row_seed(7, 3) == seeds[3] != row_seed(8, 3)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class CountingModel(torch.nn.Module):
+    """A mock: the next token is always last token + 1 (mod V), whatever the cache holds."""
+
+    def __init__(self, vocab: int = 16) -> None:
+        super().__init__()
+        self.cfg = ModelConfig(vocab_size=vocab, d_model=8, n_layer=1, n_head=2, max_seq_len=32)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.calls: list[tuple[int, int]] = []
+
+    def forward(self, idx, attention_mask=None, kv_cache=None, last_only=False):
+        self.calls.append(tuple(idx.shape))
+        nxt = (idx[:, -1] + 1) % self.cfg.vocab_size
+        logits = torch.nn.functional.one_hot(nxt, self.cfg.vocab_size).float()[:, None] * 10
+        return logits, None
+
+
+def test_rows_stop_at_end_of_text_and_the_batch_stops_when_all_have() -> None:
+    model = CountingModel()
+    seen: list[tuple[int, int]] = []
+    out = generate(
+        model,
+        [[1], [9, 10]],
+        max_new_tokens=6,
+        temperature=0.0,
+        eot_id=4,
+        on_token=lambda r, t: seen.append((r, t)),
+    )
+    assert out == [[2, 3, 4], [11, 12, 13, 14, 15, 0]]
+    assert seen[:4] == [(0, 2), (1, 11), (0, 3), (1, 12)]
+    assert len(model.calls) == 6  # prefill + 5 steps: the last token needs no forward
+    model = CountingModel()
+    out = generate(model, [[1]], max_new_tokens=8, temperature=0.0, eot_id=4)
+    assert out == [[2, 3, 4]] and len(model.calls) == 3  # stops as soon as every row is done
+    out = generate(CountingModel(), [[1]], max_new_tokens=5, temperature=0.0, eot_id=4,
+                   ignore_eos=True)  # fmt: skip
+    assert out == [[2, 3, 4, 5, 6]]
+
+
+def test_vocab_limit_keeps_the_padded_embedding_rows_out() -> None:
+    # The mock wants 15 next; ids >= 15 are off-limits, so greedy falls back to id 0.
+    out = generate(CountingModel(), [[14]], max_new_tokens=1, temperature=0.0, vocab_limit=15)
+    assert out == [[0]]
+    sampled = generate(
+        CountingModel(), [[3]] * 8, max_new_tokens=12, temperature=50.0, seed=0, vocab_limit=6
+    )
+    assert {t for row in sampled for t in row} == set(range(6))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    root = tmp_path_factory.mktemp("gen")
+    run_dir, cfg, _ = make_run(root)
+    return run_dir, load_checkpoint(run_dir)
+
+
+PROMPTS = [[5, 17, 42, 99, 7, 8, 120], [3], [250, 11, 12]]
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens(run) -> None:
+    model = run[1].model
+    kw = dict(max_new_tokens=20, temperature=1.0, top_k=50, top_p=0.95, ignore_eos=True)
+    a = generate(model, PROMPTS, seed=123, **kw)
+    b = generate(model, PROMPTS, seed=123, **kw)
+    c = generate(model, PROMPTS, seed=124, **kw)
+    assert a == b and a != c
+    assert all(len(row) == 20 for row in a)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_equals_one_at_a_time(run, temperature: float) -> None:
+    model = run[1].model
+    kw = dict(max_new_tokens=25, temperature=temperature, top_k=40, top_p=0.9, ignore_eos=True)
+    batched = generate(model, PROMPTS, seed=7, **kw)
+    for r, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], seed=[row_seed(7, r)], **kw)
+        assert alone[0] == batched[r], f"row {r}"
+    if temperature > 0:  # the rows really are sampled, not all greedy
+        greedy = generate(model, PROMPTS, **dict(kw, temperature=0.0))
+        assert greedy != batched
+
+
+def test_generation_limits_are_user_errors(run) -> None:
+    from minillm.errors import UserError
+
+    model = run[1].model
+    with pytest.raises(UserError, match="context of 64"):
+        generate(model, [[1] * 60], max_new_tokens=6, temperature=0.0)
+    assert len(generate(model, [[1] * 60], max_new_tokens=5, temperature=0.0)[0]) <= 5
+    with pytest.raises(UserError, match="top-p"):
+        generate(model, [[1]], max_new_tokens=2, top_p=0.0)
+    with pytest.raises(UserError, match="at least one token"):
+        generate(model, [[]], max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def test_incremental_decoding_never_breaks_a_character() -> None:
+    tok = tiny_tokenizer()
+    text = "Grüße — 日本語 🙂🚀 and plain words"
+    ids = tok.encode(text).ids
+    assert len(ids) > len(text.split())  # characters really are split over byte tokens
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(i) for i in ids]
+    pieces.append(dec.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 5  # it did stream
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["sample", *args])
+
+
+def test_cli_sample_streams_the_prompt_and_is_reproducible(run) -> None:
+    run_dir, loaded = run
+    args = ["--ckpt", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "12"]
+    first = invoke(*args, "--seed", "5")
+    assert first.exit_code == 0, first.output
+    assert first.stdout.startswith("ROMEO:")
+    assert invoke(*args, "--seed", "5").stdout == first.stdout
+    greedy = invoke(*args, "--temperature", "0")
+    tok = loaded.tokenizer
+    eot = eot_id(tok)
+    ids = [eot, *tok.encode("ROMEO:").ids]
+    expected = generate(loaded.model, [ids], max_new_tokens=12, temperature=0.0, eot_id=eot)
+    assert greedy.stdout == "ROMEO:" + tok.decode(expected[0]) + "\n"
+
+
+def test_cli_several_prompts_give_their_one_at_a_time_text(run) -> None:
+    run_dir, _ = run
+    common = ["--ckpt", str(run_dir), "--temperature", "0", "--max-new-tokens", "10"]
+    both = invoke(*common, "--prompt", "The king", "--prompt", "日本 and", "--num-samples", "2")
+    assert both.exit_code == 0, both.output
+    blocks = both.stdout.split("\n" + "-" * 40 + "\n")
+    assert len(blocks) == 4 and blocks[0] == blocks[1] and blocks[2] == blocks[3]
+    for block, prompt in ((blocks[0], "The king"), (blocks[2], "日本 and")):
+        alone = invoke(*common, "--prompt", prompt)
+        assert alone.stdout.rstrip("\n") == block.rstrip("\n")
+
+
+def test_cli_without_prompt_starts_a_fresh_document_from_the_defaults(run) -> None:
+    run_dir, _ = run
+    result = invoke("--ckpt", str(run_dir), "--seed", "1")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "--prompt number 1 is empty"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--temperature", "-0.1"], "--temperature must be >= 0"),
+        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--num-samples", "0"], "--num-samples must be >= 1"),
+        (["--prompt", "to be or not " * 40], "the model's context is 64 tokens"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "no such prompt file"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(run, args: list[str], message: str) -> None:
+    result = invoke("--ckpt", str(run[0]), *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_cli_path_that_is_no_run_is_one_line(tmp_path: Path) -> None:
+    result = invoke("--ckpt", str(tmp_path), "--prompt", "x")
+    assert result.exit_code == 2
+    assert "not a minillm run directory" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
