@@ -1,0 +1,251 @@
+"""Hugging Face Llama folders: export a checkpoint as one, and import one as our config + weights.
+
+Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs), `hf_tokenizer_config`,
+`generation_config` and `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)`
+(what `train.init_from: DIR` uses). Parameter names and the config mapping live in minillm/hf.py.
+
+An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
+tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm.checkpoint import CheckpointError, load_weights_into
+from minillm.config import ModelConfig, SampleConfig
+from minillm.errors import UserError
+from minillm.fsutil import fsync_dir
+from minillm.hf import from_hf_state_dict, hf_config_dict, model_config_from_hf, to_hf_state_dict
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+# ----------------------------------------------------------------------------- export
+
+
+def hf_tokenizer_config(eot: str, eot_id: int, max_len: int) -> dict[str, Any]:
+    """tokenizer_config.json for PreTrainedTokenizerFast: end-of-text is bos, eos and pad."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eot,
+        "eos_token": eot,
+        "pad_token": eot,
+        "unk_token": None,
+        # Our tokenizer adds no special tokens and decodes byte-exactly; keep HF from "cleaning".
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "padding_side": "left",
+        "added_tokens_decoder": {
+            str(eot_id): {
+                "content": eot,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+        },
+    }
+
+
+def generation_config(sample: SampleConfig, eot_id: int, max_len: int) -> dict[str, Any]:
+    """generation_config.json: the run's `sample` defaults, stopping at end-of-text."""
+    out: dict[str, Any] = {
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "pad_token_id": eot_id,
+        "max_length": max_len,
+    }
+    if sample.temperature > 0:
+        out.update(do_sample=True, temperature=sample.temperature, top_p=sample.top_p)
+        out["top_k"] = sample.top_k  # 0 = off, in HF as here
+    else:
+        out["do_sample"] = False
+    return out
+
+
+def check_export_target(out: str | Path, force: bool) -> None:
+    """UserError if `out` is a file, or a non-empty folder and not force."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"{out}: folder exists and is not empty (pass --force to replace it)")
+
+
+def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
+    """Write a LoadedCheckpoint as an HF Llama folder at `out`, all at once (temp + rename).
+
+    A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
+    """
+    from safetensors.torch import save_file
+
+    from minillm.tokenizer import EOT, eot_id
+
+    out = Path(out)
+    check_export_target(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = ckpt.config
+    eot = eot_id(ckpt.tokenizer)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
+        tensors = to_hf_state_dict(state, cfg.model)
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        files: dict[str, Any] = {
+            CONFIG_FILE: hf_config_dict(cfg.model, bos_id=eot, eos_id=eot),
+            "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len),
+            "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
+            "generation_config.json": generation_config(cfg.sample, eot, cfg.model.max_seq_len),
+        }
+        for name, obj in files.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        ckpt.tokenizer.save(str(tmp / TOKENIZER_FILE))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        check_export_target(out, force)  # again: someone may have written there meanwhile
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _read_hf_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {CONFIG_FILE}; not a Hugging Face model folder")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs):
+        raise CheckpointError(
+            f"{path}: a {hf.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}), "
+            "not LlamaForCausalLM; only Llama folders can be imported"
+        )
+    # transformers >= 5 moved RoPE scaling into rope_parameters, where hf.py does not look.
+    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise CheckpointError(
+            f"{path}: rope_parameters.rope_type {rope_type!r} (RoPE scaling) is not supported"
+        )
+    return hf
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors file(s) of an HF folder: one file or the shards of an index."""
+    single, index = folder / WEIGHTS_FILE, folder / WEIGHTS_INDEX
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e!r})") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard {missing[0]} is missing")
+        return [folder / s for s in shards]
+    if any((folder / n).is_file() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        raise CheckpointError(
+            f"{folder}: has pytorch_model.bin (pickle) weights only; minillm loads safetensors, "
+            "which run no code. Convert it: AutoModelForCausalLM.from_pretrained(DIR)"
+            ".save_pretrained(NEW_DIR, safe_serialization=True)"
+        )
+    raise CheckpointError(f"{folder}: no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX})")
+
+
+def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            tensors.update(load_file(str(path), device="cpu"))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{path}: not a readable safetensors file ({reason})") from None
+    return tensors
+
+
+def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """Our ModelConfig, our float32 state_dict and the tokenizer.json path of an HF Llama folder.
+
+    CheckpointError (a UserError) names the file at fault: no config.json, another architecture,
+    missing, pickled or truncated weights, tensors missing or of the wrong shape.
+    """
+    from minillm.config import ConfigError
+    from minillm.model import Transformer
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such folder")
+    hf = _read_hf_config(folder)
+    cfg_path = str(folder / CONFIG_FILE)
+    try:
+        cfg = model_config_from_hf(hf, where=cfg_path)
+    except ConfigError as e:
+        e.file = e.file or cfg_path
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path}: {e.args[0]}: missing") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid value ({e})") from None
+    tokenizer = folder / TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise CheckpointError(
+            f"{folder}: no {TOKENIZER_FILE} (minillm needs the fast tokenizer file of the model)"
+        )
+    files = _weight_files(folder)
+    tensors = _load_safetensors(files)
+    where = str(files[0]) if len(files) == 1 else str(folder / WEIGHTS_INDEX)
+    try:
+        state = from_hf_state_dict(tensors, cfg)
+    except KeyError as e:
+        raise CheckpointError(
+            f"{where}: weights do not fit {CONFIG_FILE}: tensor {e.args[0]} is missing"
+        ) from None
+    except RuntimeError as e:  # q/k/v or gate/up of different widths cannot be joined
+        raise CheckpointError(f"{where}: weights do not fit {CONFIG_FILE} ({e})") from None
+    state = {k: v.float() for k, v in state.items()}
+    # Names and shapes checked against a model on the meta device: no memory for a second copy,
+    # the same messages as a checkpoint's. Loading into meta tensors is a no-op torch warns about.
+    with torch.device("meta"):
+        skeleton = Transformer(cfg)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*meta parameter.*")
+        load_weights_into(skeleton, state, where)
+    return cfg, state, tokenizer

@@ -1,0 +1,253 @@
+"""HF folders: export loads in transformers with our logits and ids; import gives HF's logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tiny_run import make_run, tiny_tokenizer
+from typer.testing import CliRunner
+
+from minillm.checkpoint import CheckpointError, load_checkpoint
+from minillm.cli import app
+from minillm.errors import UserError
+from minillm.export import export_checkpoint, import_hf_folder
+from minillm.generate import generate
+from minillm.hf import hf_config_dict
+from minillm.model import Transformer
+from minillm.tokenizer import EOT, eot_id
+
+TEXT = "First Citizen:\nBefore we proceed — Grüße, 日本語 🙂 <|endoftext|> the end."
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp(f"export-{request.param}")
+    model_kw = dict(tie_embeddings=request.param == "tied", rope_theta=5000.0, norm_eps=1e-6)
+    run_dir, _, _ = make_run(root, model=model_kw, sample=dict(temperature=0.7, top_k=20))
+    loaded = load_checkpoint(run_dir)
+    out = export_checkpoint(loaded, root / "hf")
+    return loaded, out
+
+
+def test_exported_folder_has_the_hf_files(exported) -> None:
+    loaded, out = exported
+    names = {p.name for p in out.iterdir()}
+    assert names == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    }
+    assert not list(out.parent.glob(".hf.*"))  # no temporary folder left behind
+    cfg = json.loads((out / "config.json").read_text())
+    m = loaded.config.model
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_key_value_heads"], cfg["rms_norm_eps"], cfg["rope_theta"]) == (2, 1e-6, 5000)
+    assert cfg["tie_word_embeddings"] == m.tie_embeddings and cfg["vocab_size"] == m.vocab_size
+    eot = eot_id(loaded.tokenizer)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == eot and gen["do_sample"] and gen["top_k"] == 20
+
+
+def test_transformers_loads_our_logits_and_token_ids(exported) -> None:
+    loaded, out = exported
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    idx = torch.randint(0, loaded.config.model.vocab_size, (2, 40))
+    with torch.no_grad():
+        ours, _ = loaded.model(idx)
+        ref = hf(idx).logits
+    torch.testing.assert_close(ref, ours, atol=1e-5, rtol=0)
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = TEXT.replace("<|endoftext|>", "")  # HF always treats the literal as the special token
+    ours_ids = loaded.tokenizer.encode(text).ids
+    assert hf_tok(text)["input_ids"] == ours_ids
+    assert hf_tok.decode(ours_ids) == text
+    eot = eot_id(loaded.tokenizer)
+    assert hf_tok.eos_token == hf_tok.bos_token == hf_tok.pad_token == EOT
+    assert hf_tok.eos_token_id == eot
+
+
+def test_greedy_generation_equals_hf_generate(exported) -> None:
+    loaded, out = exported
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    eot = eot_id(loaded.tokenizer)
+    prompts = [[eot, 40, 41, 42, 43, 44, 45, 46], [eot, 100, 7]]
+    ours = generate(loaded.model, prompts, max_new_tokens=30, temperature=0.0, eot_id=eot)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+        assert got == ref[0, len(prompt) :].tolist()
+    # HF's own left-padded batch agrees as well.
+    T = max(map(len, prompts))
+    idx = torch.tensor([[eot] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = hf.generate(idx, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    for r, got in enumerate(ours):
+        assert ref[r, T : T + len(got)].tolist() == got
+
+
+def test_export_refuses_a_non_empty_folder_unless_forced(tmp_path: Path) -> None:
+    run_dir, _, _ = make_run(tmp_path)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    runner = CliRunner()
+    result = runner.invoke(app, ["export", "--ckpt", str(run_dir), "--out", str(target)])
+    assert result.exit_code == 2 and "--force" in result.stderr
+    assert (target / "keep.txt").read_text() == "mine"
+    args = ["export", "--ckpt", str(run_dir), "--out", str(target), "--force"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (target / "model.safetensors").is_file() and not (target / "keep.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (
+        runner.invoke(app, ["export", "--ckpt", str(run_dir), "--out", str(empty)]).exit_code == 0
+    )
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def hf_folder(
+    root: Path, tie: bool = False, **save_kw
+) -> tuple[Path, transformers.PreTrainedModel]:
+    """A tiny LlamaForCausalLM with random weights saved by transformers, plus our tokenizer."""
+    from minillm.config import ModelConfig
+
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=320, d_model=64, n_layer=2, n_head=4, n_kv_head=1,
+                      ffn_hidden=96, max_seq_len=64, tie_embeddings=tie, rope_theta=500.0,
+                      norm_eps=1e-5)  # fmt: skip
+    hf_cfg = hf_config_dict(cfg, bos_id=0, eos_id=0)
+    for key in ("architectures", "model_type", "torch_dtype"):
+        hf_cfg.pop(key)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    folder = root / "hf"
+    hf.save_pretrained(folder, **save_kw)
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder, hf
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_import_gives_hf_logits(tmp_path: Path, tie: bool) -> None:
+    folder, hf = hf_folder(tmp_path, tie=tie)
+    cfg, state, tok_path = import_hf_folder(folder)
+    assert cfg.tie_embeddings == tie and cfg.kv_heads == 1 and tok_path == folder / "tokenizer.json"
+    assert (cfg.rope_theta, cfg.norm_eps) == (500.0, 1e-5)
+    model = Transformer(cfg).eval()
+    model.load_state_dict(state)
+    idx = torch.randint(0, 320, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=0)
+
+
+def test_import_reads_sharded_safetensors(tmp_path: Path) -> None:
+    folder, hf = hf_folder(tmp_path, max_shard_size="60KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    cfg, state, _ = import_hf_folder(folder)
+    model = Transformer(cfg).eval()
+    model.load_state_dict(state)
+    idx = torch.randint(0, 320, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=0)
+
+
+def test_round_trip_export_then_import_is_exact(tmp_path: Path) -> None:
+    run_dir, cfg, net = make_run(tmp_path, model=dict(tie_embeddings=False))
+    out = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
+    got_cfg, state, _ = import_hf_folder(out)
+    assert got_cfg.kv_heads == cfg.model.kv_heads and got_cfg.hidden_dim == cfg.model.hidden_dim
+    own = net.state_dict()
+    assert set(state) == set(own) and all(torch.equal(state[k], own[k]) for k in own)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj))
+
+
+def _break_truncate(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _break_gpt2(folder: Path) -> None:
+    _write_json(
+        folder / "config.json", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    )
+
+
+def _break_bin_only(folder: Path) -> None:
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+
+
+def _break_missing_tensor(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(folder / "model.safetensors")
+    del sd["model.layers.1.mlp.up_proj.weight"]
+    save_file(sd, folder / "model.safetensors")
+
+
+def _break_shape(folder: Path) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    _write_json(folder / "config.json", dict(cfg, intermediate_size=128))
+
+
+def _break_shard(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    (folder / sorted(set(index["weight_map"].values()))[-1]).unlink()
+
+
+def _break_rope_scaling(folder: Path) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}
+    _write_json(folder / "config.json", dict(cfg, rope_parameters=rope))
+
+
+def _break_no_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize(
+    "breaker, message",
+    [
+        (lambda f: (f / "config.json").unlink(), "no config.json; not a Hugging Face model folder"),
+        (_break_gpt2, "'gpt2' model (GPT2LMHeadModel), not LlamaForCausalLM"),
+        (_break_truncate, "model.safetensors: not a readable safetensors file"),
+        (_break_bin_only, "pytorch_model.bin (pickle) weights only"),
+        (_break_missing_tensor, "model.layers.1.mlp.up_proj.weight is missing"),
+        (_break_shape, "weights do not fit the model: shape mismatch"),
+        (_break_rope_scaling, "rope_type 'llama3' (RoPE scaling) is not supported"),
+        (_break_no_tokenizer, "no tokenizer.json"),
+    ],
+)
+def test_import_refuses_broken_folders_clearly(tmp_path: Path, breaker, message: str) -> None:
+    folder, _ = hf_folder(tmp_path)
+    breaker(folder)
+    with pytest.raises(UserError) as err:
+        import_hf_folder(folder)
+    assert message in str(err.value)
+    assert isinstance(err.value, CheckpointError) or "config.json" in str(err.value)
+
+
+def test_import_refuses_a_missing_shard(tmp_path: Path) -> None:
+    folder, _ = hf_folder(tmp_path, max_shard_size="60KB")
+    _break_shard(folder)
+    with pytest.raises(CheckpointError, match="shard model-.* is missing"):
+        import_hf_folder(folder)
