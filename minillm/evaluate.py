@@ -1,0 +1,223 @@
+"""Loss, perplexity and bits per byte of a checkpoint over its validation shard or a text file.
+
+Offers `evaluate_tokens(model, ids, seq_len, batch_size, device) -> (total_nll, n_predicted)`,
+`metrics(total_nll, n_predicted, n_bytes) -> dict`, `evaluate_checkpoint(ckpt, data, max_tokens)`
+(what `minillm eval` runs) and `format_result`.
+
+Every token after the first is predicted exactly once: windows of T tokens start at 0, T, 2T, ...
+(inputs ids[i:i+T], targets ids[i+1:i+T+1], the last window shorter), the window logic of
+`minillm.data.eval_batches`. T is the run's train.seq_len, the context the model was trained on
+and the one the trainer's val/loss uses, so `minillm eval` reproduces it. Bits per byte divide
+the total negative log-likelihood by ln 2 and by the UTF-8 bytes of the text: unlike loss per
+token, that compares models with different tokenizers.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from minillm.errors import UserError
+
+LN2 = math.log(2.0)
+JSON_KEYS = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
+
+
+@torch.inference_mode()
+def evaluate_tokens(
+    model: torch.nn.Module,
+    ids: np.ndarray | torch.Tensor,
+    seq_len: int,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> tuple[float, int]:
+    """Summed cross-entropy (nats) over every token of `ids` after the first, and their count."""
+    from minillm.data import eval_batches
+
+    if isinstance(ids, torch.Tensor):
+        ids = ids.cpu().numpy()
+    n_predicted = max(len(ids) - 1, 0)
+    n_batches = math.ceil(math.ceil(n_predicted / seq_len) / batch_size)
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    bar = _Progress(n_batches, "eval", enabled=progress)
+    try:
+        for x, y in eval_batches(ids, seq_len=seq_len, batch_size=batch_size):
+            x, y = x.to(device), y.to(device)
+            _, loss_sum = model(x, y, reduction="sum")
+            total += loss_sum.double()
+            count += int((y != -100).sum())
+            bar.advance()
+    finally:
+        bar.close()
+        model.train(was_training)
+    return float(total), count
+
+
+def metrics(total_nll: float, n_predicted: int, n_bytes: float) -> dict[str, Any]:
+    """The DESIGN.md eval object from the summed NLL (nats), predicted tokens and text bytes."""
+    loss = total_nll / n_predicted
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:
+        perplexity = math.inf
+    return {
+        "loss": loss,
+        "perplexity": perplexity,
+        "bits_per_byte": total_nll / LN2 / n_bytes,
+        "tokens": n_predicted,
+        "bytes": int(round(n_bytes)),
+    }
+
+
+def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np.ndarray, float]:
+    """Token ids of a text file (one document, no special tokens added) and its UTF-8 bytes."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    # The file is one document: a literal "<|endoftext|>" in it is text, as in the shards.
+    tokenizer.encode_special_tokens = True
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if max_tokens is not None and len(ids) > max_tokens + 1:
+        ids = ids[: max_tokens + 1]
+        # The bytes the kept tokens stand for (byte-level BPE decodes exactly; a character cut
+        # at the end counts as its replacement character, at most 2 bytes off).
+        n_bytes = len(tokenizer.decode(ids).encode("utf-8"))
+    else:
+        n_bytes = len(text.encode("utf-8"))
+    return np.asarray(ids, dtype=np.int64), float(n_bytes)
+
+
+def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
+    """The run's validation shard, its bytes (scaled to the share used) and a note saying so."""
+    from minillm.data import load_meta, open_split
+    from minillm.fsutil import sha256_file
+    from minillm.tokenizer import eot_id
+
+    out_dir = Path(ckpt.config.data.out_dir)
+    if not (out_dir / "val.bin").is_file():
+        raise UserError(
+            f"{out_dir / 'val.bin'}: no validation shard (the run's data.out_dir, relative to the "
+            "folder you trained in); run from there, or pass --data FILE"
+        )
+    meta = load_meta(out_dir)
+    tok = ckpt.tokenizer
+    same = meta["eot_id"] == eot_id(tok) and meta["vocab_size"] == tok.get_vocab_size()
+    tok_file = Path(ckpt.path) / "tokenizer.json"
+    if same and meta.get("tokenizer_sha256") and tok_file.is_file():
+        same = sha256_file(tok_file) == meta["tokenizer_sha256"]
+    if not same:
+        raise UserError(
+            f"{out_dir / 'meta.json'}: these shards were made with another tokenizer than the "
+            f"checkpoint's; pass --data FILE, or re-tokenize with the run's tokenizer"
+        )
+    tokens = open_split(out_dir, "val")
+    n_bytes = float(meta["val"]["bytes"])
+    note = f"{out_dir / 'val.bin'}"
+    if max_tokens is not None and len(tokens) > max_tokens + 1:
+        share = max_tokens / (len(tokens) - 1)
+        n_bytes *= share
+        note += f" (first {max_tokens + 1} tokens; bytes scaled by their share, {share:.2%})"
+        tokens = tokens[: max_tokens + 1]
+    return tokens, n_bytes, note
+
+
+def evaluate_checkpoint(
+    ckpt: Any,
+    data: str | Path | None = None,
+    max_tokens: int | None = None,
+    batch_size: int | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Evaluate a LoadedCheckpoint over its validation shard, or over a text file `data`.
+
+    max_tokens caps the predicted tokens. batch_size defaults to the run's train.batch_size.
+    Returns the DESIGN.md object plus `source`, `seq_len` and `seconds`.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    cfg = ckpt.config
+    if data is not None:
+        ids, n_bytes = _file_tokens(Path(data), ckpt.tokenizer, max_tokens)
+        source = str(data)
+    else:
+        ids, n_bytes, source = _val_tokens(ckpt, max_tokens)
+    if len(ids) < 2:
+        raise UserError(f"{source}: {len(ids)} token(s); at least 2 are needed to predict one")
+    seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    if device is None:
+        device = next(ckpt.model.parameters()).device
+    start = time.perf_counter()
+    total, n = evaluate_tokens(
+        ckpt.model, ids, seq_len, batch_size or cfg.train.batch_size, device, progress=progress
+    )
+    result = metrics(total, n, n_bytes)
+    result.update(source=source, seq_len=seq_len, seconds=time.perf_counter() - start)
+    return result
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """A few human lines for the terminal."""
+    return (
+        f"loss {result['loss']:.4f} nats/token   perplexity {result['perplexity']:.3f}   "
+        f"bits/byte {result['bits_per_byte']:.4f}\n"
+        f"{result['tokens']:,} tokens predicted, {result['bytes']:,} bytes, "
+        f"context {result['seq_len']}, {result['seconds']:.1f}s: {result['source']}"
+    )
+
+
+class _Progress:
+    """A rich bar on a terminal, a line every ~10% otherwise (on stderr: stdout may be JSON)."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.done = total, label, 0
+        self.bar = None
+        self.enabled = enabled and total > 0
+        self.next_line = 0.1
+        if not self.enabled:
+            return
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        if console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+            self.bar = Progress(
+                f"[bold]{label}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=console,
+                transient=True,
+            )
+            self.task = self.bar.add_task(label, total=total)
+            self.bar.start()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+        elif self.enabled and self.done / self.total >= self.next_line:
+            print(f"{self.label}: batch {self.done}/{self.total}", file=sys.stderr, flush=True)
+            self.next_line += 0.1
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
