@@ -88,6 +88,130 @@ def tokenize(
     print_summary(summary)
 
 
+CkptOption = typer.Option(
+    ..., "--ckpt", help="A run directory (its newest intact checkpoint) or one checkpoint folder."
+)
+DeviceOption = typer.Option("auto", "--device", help="auto (cuda, then mps, then cpu), cpu, cuda.")
+
+
+def _load(ckpt: Path, device: str):  # noqa: ANN202
+    from minillm.checkpoint import load_checkpoint
+    from minillm.runtime import resolve_device
+
+    return _run(load_checkpoint, ckpt, _run(resolve_device, device))
+
+
+EVAL_HELP = (
+    "Loss (nats/token), perplexity and bits per byte of a checkpoint, over the run's validation "
+    "shard (data.out_dir/val.bin) or over --data FILE, tokenized with the run's tokenizer as one "
+    "document (no special tokens added).\n\n"
+    "Every token after the first is predicted exactly once: windows of T = train.seq_len tokens "
+    "start at 0, T, 2T, ...; a window's inputs are tokens i .. i+T-1 and its targets tokens "
+    "i+1 .. i+T, and the last window is shorter. Bits per byte = total NLL / ln 2 / UTF-8 bytes "
+    "of the text; with --max-tokens on the shard, its bytes are scaled by the share of tokens "
+    "evaluated."
+)
+
+
+@app.command("eval", help=EVAL_HELP)
+def eval_(
+    ckpt: Path = CkptOption,
+    data: Path | None = typer.Option(
+        None, "--data", help="A UTF-8 text file (one document) instead of the validation shard."
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", help="Predict at most N tokens (the first N+1 of the data)."
+    ),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", help="Windows per forward pass; default: the run's train.batch_size."
+    ),
+    device: str = DeviceOption,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    from minillm.evaluate import JSON_KEYS, evaluate_checkpoint, format_result
+
+    loaded = _load(ckpt, device)
+    result = _run(
+        evaluate_checkpoint,
+        loaded,
+        data=data,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        progress=True,
+    )
+    if as_json:
+        print(json.dumps({k: result[k] for k in JSON_KEYS}))
+    else:
+        print(format_result(result))
+
+
+@app.command()
+def sample(
+    ckpt: Path = CkptOption,
+    prompt: list[str] | None = typer.Option(
+        None, "--prompt", help="Text to continue (repeatable: one batch). None: a fresh document."
+    ),
+    prompt_file: Path | None = typer.Option(
+        None, "--prompt-file", help="A UTF-8 file whose whole text is one more prompt."
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="Tokens to generate (default: sample.max_new_tokens)."
+    ),
+    temperature: float | None = typer.Option(
+        None, "--temperature", help="0 = greedy (default: sample.temperature)."
+    ),
+    top_k: int | None = typer.Option(
+        None, "--top-k", help="Keep the k most likely tokens, 0 = off (default: sample.top_k)."
+    ),
+    top_p: float | None = typer.Option(
+        None, "--top-p", help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p)."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Same seed, same text (default: random)."),
+    num_samples: int = typer.Option(1, "--num-samples", help="Samples per prompt."),
+    ignore_eos: bool = typer.Option(
+        False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."
+    ),
+    device: str = DeviceOption,
+) -> None:
+    """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
+
+    Each prompt starts a fresh document (after end-of-text). All rows run as one batch.
+    """
+    from minillm.generate import SampleSettings, read_prompts, sample_checkpoint
+
+    texts = _run(read_prompts, prompt, prompt_file)
+    settings = SampleSettings(
+        prompts=texts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        num_samples=num_samples,
+        ignore_eos=ignore_eos,
+    )
+    loaded = _load(ckpt, device)
+    _run(sample_checkpoint, loaded, settings)
+
+
+@app.command()
+def export(
+    ckpt: Path = CkptOption,
+    out: Path = typer.Option(..., "--out", help="The folder to write."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
+) -> None:
+    """Write a Hugging Face LlamaForCausalLM folder: config, safetensors weights, tokenizer.
+
+    It loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained(OUT).
+    """
+    from minillm.export import check_export_target, export_checkpoint
+
+    _run(check_export_target, out, force)  # before the (slow) load
+    loaded = _load(ckpt, "cpu")
+    path = _run(export_checkpoint, loaded, out, force=force)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     app()
 
