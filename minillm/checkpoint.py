@@ -21,14 +21,13 @@ import os
 import re
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from minillm.errors import UserError
+from minillm.errors import UserError, warn
 from minillm.fsutil import atomic_write_json, atomic_write_text, fsync_dir, sha256_file
 
 CKPT_DIR = "checkpoints"
@@ -121,6 +120,10 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _step_of(path: Path) -> int:
+    return int(_STEP_RE.match(path.name).group(1))
+
+
 def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` checkpoints (not LATEST, BEST) and dead temp dirs."""
     keep = {_read_pointer(ckpt_root, "LATEST"), _read_pointer(ckpt_root, "BEST")}
@@ -174,26 +177,27 @@ def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
 
 
 def find_latest(run_dir: str | Path, verify: bool = True) -> Path | None:
-    """The newest checkpoint of a run that passes its integrity check, or None if it has none.
+    """The checkpoint LATEST names (else the newest), or None if the run has none.
 
-    If the newest fails, older ones are tried in turn and a warning names the damaged checkpoint
-    and the one used instead.
+    If it fails its integrity check, older ones are tried in turn and a warning names the damaged
+    checkpoint and the one used instead.
     """
     ckpt_root = Path(run_dir) / CKPT_DIR
-    # Folders are renamed into place only when whole, so one newer than LATEST is a complete
-    # checkpoint whose LATEST update a crash cut short: newest first is right.
+    candidates = list_checkpoints(ckpt_root)
+    latest = _read_pointer(ckpt_root, "LATEST")
+    if latest in [p.name for p in candidates]:
+        # LATEST decides; a folder newer than it is one whose LATEST update a crash cut short
+        # (or one a user stepped back from), and will be replaced when that step is saved again.
+        candidates = [p for p in candidates if _step_of(p) <= _step_of(ckpt_root / latest)]
     failures = []
-    for candidate in reversed(list_checkpoints(ckpt_root)):
+    for candidate in reversed(candidates):
         try:
             verify_checkpoint(candidate) if verify else read_state(candidate)
         except CheckpointError as e:
             failures.append(f"{candidate.name} ({e})")
             continue
         if failures:
-            warnings.warn(
-                f"checkpoint {'; '.join(failures)} failed its integrity check; using {candidate}",
-                stacklevel=2,
-            )
+            warn(f"checkpoint {'; '.join(failures)} failed its integrity check; using {candidate}")
         return candidate
     if failures:
         raise CheckpointError(f"{ckpt_root}: no intact checkpoint: {'; '.join(failures)}")

@@ -3,3 +3,10 @@
 
 class UserError(Exception):
     """Bad input from the user (a file, key or value); the message names what is at fault."""
+
+
+def warn(message: str) -> None:
+    """One line on stderr: something the user should know that does not stop the command."""
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr, flush=True)

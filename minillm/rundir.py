@@ -28,6 +28,7 @@ SCHEDULE_KEYS = {
     "train.device",
     "train.compile",
     "train.out_dir",
+    "train.parallel",  # a change of world size or wrapping is reported on its own
 }
 
 

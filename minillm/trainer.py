@@ -15,7 +15,6 @@ import math
 import shutil
 import signal
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from minillm.distributed import (
     local_device,
     shutdown_distributed,
 )
-from minillm.errors import UserError
+from minillm.errors import UserError, warn
 from minillm.fsutil import atomic_write_text, sha256_file
 from minillm.model import Transformer
 from minillm.monitor import Monitor, format_duration
@@ -177,12 +176,11 @@ class Trainer:
                 + "; ".join(refused)
             )
         if changed and self.verbose:
-            warnings.warn(f"resuming with changed settings: {'; '.join(changed)}", stacklevel=2)
+            warn(f"resuming with changed settings: {'; '.join(changed)}")
         if state.get("world_size", 1) != self.dist.world_size and self.verbose:
-            warnings.warn(
+            warn(
                 f"resuming a run of world size {state.get('world_size', 1)} with "
-                f"{self.dist.world_size}: batches differ from here on",
-                stacklevel=2,
+                f"{self.dist.world_size}: the batches differ from here on"
             )
         return found
 
@@ -203,7 +201,8 @@ class Trainer:
         self.skipped_steps = int(trainer_state.get("skipped_steps", 0))
         self.last_ckpt = path
         if self.verbose:
-            print(f"resuming from {path} (step {self.step}, {state.get('saved_at', 0):.0f})")
+            saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(state.get("saved_at", 0)))
+            print(f"resuming from {path} (step {self.step}, saved {saved})")
 
     # ------------------------------------------------------------------ one step
 
@@ -372,6 +371,7 @@ class Trainer:
         stop = _StopSignal()
         last_eval: dict[str, float] = {}
         window_tokens, window_time = 0.0, 0.0
+        world = self.dist.world_size
         saved_at_step = self.step if self.last_ckpt is not None else -1
         t_start = time.perf_counter()
         try:
@@ -389,7 +389,7 @@ class Trainer:
                     self._count_bad(out)
                     log = self.step % tc.log_every == 0 or self.step == end
                     tps = window_tokens / max(window_time, 1e-9)
-                    mfu = self.flops_per_token * tps / peak if peak else float("nan")
+                    mfu = self.flops_per_token * tps / (peak * world) if peak else math.nan
                     if log and self.is_main:
                         monitor.scalars(
                             {

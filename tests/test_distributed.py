@@ -1,0 +1,114 @@
+"""`torchrun --nproc_per_node 2` on CPU (gloo): DDP and FSDP2 against one process, and resume."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minillm.checkpoint import load_model_state
+from tests.helpers import SHAKESPEARE
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """\
+model: {d_model: 32, n_layer: 2, n_head: 4, n_kv_head: 2, ffn_hidden: 64, max_seq_len: 64}
+data: {source: corpus.txt, vocab_size: 300, out_dir: tokens}
+train: {out_dir: run, batch_size: 2, grad_accum: 2, seq_len: 32, max_steps: 6, lr: 1.0e-2,
+        min_lr: 1.0e-3, warmup_steps: 2, eval_every: 3, eval_steps: 2, ckpt_every: 3,
+        log_every: 1, device: cpu, precision: fp32}
+"""
+BIN = Path(sys.executable).parent
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def torchrun(cwd: Path, *sets: str) -> subprocess.CompletedProcess:
+    args = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    args += ["-m", "minillm", "train", "cfg.yaml"]
+    for s in sets:
+        args += ["--set", s]
+    return run(args, cwd)
+
+
+def single(cwd: Path, *sets: str) -> subprocess.CompletedProcess:
+    args = [str(BIN / "minillm"), "train", "cfg.yaml"]
+    for s in sets:
+        args += ["--set", s]
+    return run(args, cwd)
+
+
+def losses(run_dir: Path) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("train/loss")]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("dist")
+    (d / "corpus.txt").write_text(SHAKESPEARE.read_text()[:60_000])
+    (d / "cfg.yaml").write_text(CONFIG)
+    run([str(BIN / "minillm"), "tokenize", "cfg.yaml"], d)
+    # The reference: one process, the same global batch of 2 x 2 x 2 sequences.
+    single(d, "train.grad_accum=4", "train.out_dir=single")
+    return d
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_follow_the_single_process_loss_curve(workdir: Path, parallel: str) -> None:
+    out = f"run_{parallel}"
+    torchrun(workdir, f"train.parallel={parallel}", f"train.out_dir={out}")
+    ref = losses(workdir / "single")
+    got = losses(workdir / out)
+    assert len(got) == len(ref) == 6
+    assert got == pytest.approx(ref, rel=1e-4)
+    # One run directory, one set of checkpoints, written by rank 0 alone.
+    ckpts = sorted(p.name for p in (workdir / out / "checkpoints").iterdir())
+    assert ckpts == ["BEST", "LATEST", "step_000003", "step_000006"]
+    assert len(list((workdir / out / "tb").iterdir())) == 1
+    final = load_model_state(workdir / out / "checkpoints" / "step_000006")
+    ref_final = load_model_state(workdir / "single" / "checkpoints" / "step_000006")
+    for name, tensor in ref_final.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_resume_from_a_checkpoint_under_torchrun(workdir: Path, parallel: str) -> None:
+    out = workdir / f"run_{parallel}"
+    if not (out / "checkpoints" / "step_000006").is_dir():
+        torchrun(workdir, f"train.parallel={parallel}", f"train.out_dir={out.name}")
+    full = load_model_state(out / "checkpoints" / "step_000006")
+    # Go back to step 3 as if the job had been stopped there, and run it again.
+    resumed = workdir / f"resumed_{parallel}"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000006")
+    (resumed / "checkpoints" / "LATEST").write_text("step_000003\n")
+    proc = torchrun(workdir, f"train.parallel={parallel}", f"train.out_dir={resumed.name}")
+    assert "resuming from" in proc.stdout
+    again = load_model_state(resumed / "checkpoints" / "step_000006")
+    for name, tensor in full.items():
+        torch.testing.assert_close(again[name], tensor, rtol=0, atol=0)
+
+
+def test_single_process_resumes_a_two_rank_checkpoint_with_a_warning(workdir: Path) -> None:
+    src = workdir / "run_fsdp"
+    if not src.is_dir():
+        torchrun(workdir, "train.parallel=fsdp", "train.out_dir=run_fsdp")
+    dst = workdir / "from_fsdp"
+    shutil.copytree(src, dst)
+    proc = single(workdir, "train.out_dir=from_fsdp", "train.max_steps=8")
+    assert "world size 2 with 1" in proc.stderr
+    assert (dst / "checkpoints" / "step_000008").is_dir()
