@@ -28,9 +28,19 @@ BIN = Path(sys.executable).parent
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    proc = subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not SIGKILL: torchrun forwards it to its workers, which live in sessions of
+        # their own and would otherwise outlive the test.
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"timed out: {' '.join(args)}\n{out[-2000:]}{err[-2000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def torchrun(cwd: Path, *sets: str) -> subprocess.CompletedProcess:
