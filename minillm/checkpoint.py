@@ -79,7 +79,9 @@ def save_checkpoint(
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
+        _crash_test_pause()
         torch.save(trainer_state, tmp / TRAINER_FILE)
+        _crash_test_pause()
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
         files = sorted(p.name for p in tmp.iterdir())
@@ -98,11 +100,19 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _crash_test_pause()
     atomic_write_text(ckpt_root / "LATEST", name + "\n")
     if is_best:
         atomic_write_text(ckpt_root / "BEST", name + "\n")
     prune_checkpoints(ckpt_root, keep_last)
     return final
+
+
+def _crash_test_pause() -> None:
+    """Stretch a checkpoint write so that the kill -9 test (scripts/crash_test.py) can hit it."""
+    pause = os.environ.get("MINILLM_TEST_CKPT_PAUSE")
+    if pause:
+        time.sleep(float(pause))
 
 
 def _read_pointer(ckpt_root: Path, pointer: str) -> str | None:
