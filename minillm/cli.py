@@ -73,19 +73,26 @@ def info(
 
 
 @app.command()
-def tokenize(
+def train(
     config: Path = typer.Argument(..., help="The YAML config."),
     set_: list[str] | None = SetOption,
-    retrain: bool = typer.Option(
-        False, "--retrain", help="Train a new tokenizer even if data.tokenizer exists."
+    resume: bool = typer.Option(
+        True, "--resume/--no-resume", help="Continue from the run's latest checkpoint if any."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="With --no-resume: delete the run's checkpoints and start over."
     ),
 ) -> None:
-    """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
-    from minillm.data import prepare_data, print_summary
+    """Train the model of CONFIG; Ctrl-C checkpoints and stops, running it again resumes.
+
+    Under `torchrun --nproc_per_node N -m minillm train CONFIG` it trains with DDP or FSDP.
+    """
+    from minillm.trainer import train as run_training
 
     cfg = _config(config, set_)
-    summary = _run(prepare_data, cfg, retrain=retrain)
-    print_summary(summary)
+    summary = _run(run_training, cfg, resume=resume, force=force)
+    if summary.get("interrupted"):
+        raise typer.Exit(130)
 
 
 CkptOption = typer.Option(
@@ -210,6 +217,22 @@ def export(
     loaded = _load(ckpt, "cpu")
     path = _run(export_checkpoint, loaded, out, force=force)
     print(f"wrote {path}")
+
+
+@app.command()
+def tokenize(
+    config: Path = typer.Argument(..., help="The YAML config."),
+    set_: list[str] | None = SetOption,
+    retrain: bool = typer.Option(
+        False, "--retrain", help="Train a new tokenizer even if data.tokenizer exists."
+    ),
+) -> None:
+    """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
+    from minillm.data import prepare_data, print_summary
+
+    cfg = _config(config, set_)
+    summary = _run(prepare_data, cfg, retrain=retrain)
+    print_summary(summary)
 
 
 def main() -> None:
