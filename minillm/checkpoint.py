@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,7 +254,9 @@ def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
     """Optimizer, scaler and RNG state; `weights_only=True` refuses pickled code."""
     path = Path(ckpt) / TRAINER_FILE
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a foreign pickle protocol: noise here
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except Exception as e:  # torch raises UnpicklingError and friends for unsafe or broken files

@@ -1,6 +1,7 @@
 """Crash-safe file writing: write to a temporary name in the same folder, fsync, rename.
 
-Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `fsync_dir` and `sha256_file`.
+Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `fsync_dir`, `sha256_file` and
+`ensure_writable_dir`.
 A reader therefore sees the old file or the new one, never a half-written one, whatever instant a
 crash or a full disk strikes.
 """
@@ -11,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -67,3 +69,22 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def ensure_writable_dir(folder: str | Path, key: str) -> None:
+    """Create `folder` and a file in it now, so that a bad out_dir fails before hours of work.
+
+    Raises a ConfigError naming `key` (the config key that chose the folder).
+    """
+    from minillm.config import ConfigError
+
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        why = f"{blocker} is a file" if blocker and not blocker.is_dir() else e.strerror or e
+        raise ConfigError(key, f"not writable: {why}", str(folder)) from None

@@ -29,7 +29,7 @@ from minillm.distributed import (
     shutdown_distributed,
 )
 from minillm.errors import UserError, warn
-from minillm.fsutil import atomic_write_text, sha256_file
+from minillm.fsutil import atomic_write_text, ensure_writable_dir, sha256_file
 from minillm.model import Transformer
 from minillm.monitor import Monitor, format_duration
 from minillm.optim import build_optimizer, schedule_lr
@@ -66,6 +66,8 @@ class Trainer:
         self.precision = resolve_precision(tc.precision, self.device)
         self.is_main = self.dist.is_main
         self.verbose = verbose and self.is_main
+        if self.is_main:
+            ensure_writable_dir(self.run_dir, "train.out_dir")
         self.lock = RunLock(self.run_dir).acquire() if self.is_main else None
         try:
             self._setup(resume, force)
