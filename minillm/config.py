@@ -70,7 +70,10 @@ class ModelConfig(_Section):
 
     _section: typing.ClassVar[str] = "model"
 
-    vocab_size: int = _f(help="Rows of the embedding table; at least the tokenizer's vocabulary.")
+    vocab_size: int = _f(
+        help="Rows of the embedding table, at least the tokenizer's vocabulary. "
+        "In a YAML file it defaults to data.vocab_size."
+    )
     d_model: int = _f(help="Width of the residual stream (C).")
     n_layer: int = _f(help="Number of Transformer blocks.")
     n_head: int = _f(help="Query heads per attention layer; must divide d_model.")
