@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -178,12 +179,12 @@ class _SplitEncoder:
             return
         future, ends, units, nbytes = self.pending
         self.pending = None
-        ids: list[int] = []
-        for enc, end in zip(future.result(), ends):
-            ids += enc.ids
-            if end:
-                ids.append(self.eot)
-        self.writer.write(np.array(ids, dtype=self.writer.dtype))
+        eot = (self.eot,)
+        ids = itertools.chain.from_iterable(
+            itertools.chain(enc.ids, eot) if end else enc.ids
+            for enc, end in zip(future.result(), ends)
+        )
+        self.writer.write(np.fromiter(ids, dtype=self.writer.dtype))  # no list of all ids
         self.progress.update(self.progress.done + units, self.progress.nbytes + nbytes)
 
 

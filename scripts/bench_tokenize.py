@@ -1,0 +1,203 @@
+"""Benchmark `minillm tokenize`: pipeline MB/s against raw `Tokenizer.encode_batch`, and peak RSS.
+
+    .venv/bin/python scripts/bench_tokenize.py [--sizes-mb 10,100] [--repeats 3]
+                                               [--formats jsonl,txt]
+
+The corpus is the shipped Grimm stories (64 documents), repeated to each size, written either as
+one JSONL file (loaded through `datasets`) or as a folder of .txt files (one document each). A
+tokenizer (vocab 4096) is trained once beforehand, so every run measures loading, splitting,
+encoding and writing shards, not BPE training.
+
+- throughput, at the smallest size: the median over `--repeats` interleaved rounds of the
+  pipeline (`prepare_data` in a fresh process with an empty datasets cache, so json -> arrow
+  conversion included; imports excluded) against raw `encode_batch` and `encode_batch_fast` on
+  the same documents already in memory, batched by ~1 MB like the pipeline. Ratios are medians of
+  the per-round ratios. MB = 10^6 bytes of UTF-8 text.
+- peak RSS, at every size: `prepare_data` in a fresh process, its ru_maxrss at the end. It
+  includes a warm-up of ~40 MB (allocator arenas of the encoding threads) that is reached after
+  ~15 MB of input and stays flat after that.
+
+The machine's load is printed first: on a shared machine, numbers move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from minillm.config import Config, config_from_dict  # noqa: E402
+from minillm.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
+
+STORIES = ROOT / "data" / "grimm_stories.jsonl"
+VOCAB = 4096
+WHAT = (
+    "pipeline, whole prepare_data call",
+    "pipeline, its encode pass (read, encode, write)",
+    "raw encode_batch",
+    "raw encode_batch_fast",
+)
+
+
+def make_corpus(folder: Path, size_mb: int, fmt: str) -> tuple[Path, list[str]]:
+    """The stories repeated to at least size_mb MB, as one .jsonl or a folder of .txt files."""
+    stories = [
+        json.loads(line)["text"] for line in STORIES.read_text(encoding="utf-8").splitlines()
+    ]
+    docs, total = [], 0
+    while total < size_mb * 1e6:
+        for story in stories:
+            docs.append(story)
+            total += len(story.encode("utf-8"))
+    if fmt == "jsonl":
+        path = folder / f"corpus_{size_mb}mb.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for doc in docs:
+                f.write(json.dumps({"text": doc}) + "\n")
+    else:
+        path = folder / f"corpus_{size_mb}mb"
+        path.mkdir()
+        for i, doc in enumerate(docs):
+            (path / f"{i:06d}.txt").write_bytes(doc.encode("utf-8"))
+    return path, docs
+
+
+def bench_config(source: Path, out_dir: Path, tokenizer: Path) -> Config:
+    return config_from_dict(
+        {
+            "model": {"d_model": 64, "n_layer": 1, "n_head": 1},
+            "data": {
+                "source": str(source),
+                "vocab_size": VOCAB,
+                "out_dir": str(out_dir),
+                "tokenizer": str(tokenizer),
+            },
+        }
+    )
+
+
+def child(source: str, out_dir: str, tokenizer: str) -> None:
+    """One pipeline run in this (fresh) process; prints its MB/s and peak RSS as JSON."""
+    import datasets  # noqa: F401 - imported before the clock starts: an import is no throughput
+
+    from minillm.data import prepare_data
+
+    start = time.perf_counter()
+    summary = prepare_data(bench_config(Path(source), Path(out_dir), Path(tokenizer)))
+    seconds = time.perf_counter() - start
+    total = summary["splits"]["total"]
+    print(
+        json.dumps(
+            {
+                "mb": total["bytes"] / 1e6,
+                "mb_per_s": total["bytes"] / 1e6 / seconds,
+                "pass_mb_per_s": total["mb_per_s"],
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        )
+    )
+
+
+def run_child(source: Path, out_dir: Path, tokenizer: Path) -> dict:
+    """`child` in a fresh interpreter with its own (empty) datasets cache."""
+    env = dict(os.environ, HF_DATASETS_CACHE=str(out_dir.with_name(out_dir.name + "_hf")))
+    cmd = [sys.executable, __file__, "--child", str(source), str(out_dir), str(tokenizer)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def raw_mb_per_s(tok: object, docs: list[str], fast: bool) -> float:
+    from minillm.shards import BATCH_CHARS
+
+    batches, batch, chars = [], [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= BATCH_CHARS:
+            batches.append(batch)
+            batch, chars = [], 0
+    batches.append(batch)
+    encode = tok.encode_batch_fast if fast else tok.encode_batch  # type: ignore[attr-defined]
+    start = time.perf_counter()
+    for b in batches:
+        encode(b, add_special_tokens=False)
+    seconds = time.perf_counter() - start
+    return sum(len(d.encode("utf-8")) for d in docs) / 1e6 / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mb", default="10,100", help="corpus sizes for peak RSS")
+    parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
+    parser.add_argument("--formats", default="jsonl,txt", help="jsonl and/or txt")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes_mb.split(",")]
+    formats = args.formats.split(",")
+
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    print(f"cpus {os.cpu_count()}, load average {' '.join(load) or 'unknown'}")
+    if load and float(load[0]) > 0.5 * (os.cpu_count() or 1):
+        print("warning: the machine is busy; expect noisy numbers")
+
+    with tempfile.TemporaryDirectory(prefix="bench_tokenize_") as tmp_name:
+        tmp = Path(tmp_name)
+        tokenizer = tmp / "tokenizer.json"
+        text = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+        stories = STORIES.read_text(encoding="utf-8")
+        save_tokenizer(train_tokenizer([text, stories], VOCAB), tokenizer)
+        tok = load_tokenizer(tokenizer)
+
+        rows = []
+        for fmt in formats:
+            source, docs = make_corpus(tmp, sizes[0], fmt)
+            # Interleaved rounds, so that each ratio compares runs made under the same load.
+            runs: dict[str, list[float]] = {what: [] for what in WHAT}
+            for i in range(args.repeats):
+                child_run = run_child(source, tmp / f"out_{fmt}_{i}", tokenizer)
+                runs[WHAT[0]].append(child_run["mb_per_s"])
+                runs[WHAT[1]].append(child_run["pass_mb_per_s"])
+                runs[WHAT[2]].append(raw_mb_per_s(tok, docs, fast=False))
+                runs[WHAT[3]].append(raw_mb_per_s(tok, docs, fast=True))
+            print(
+                f"\nthroughput, {fmt}, {sizes[0]} MB, median of {args.repeats} interleaved rounds"
+            )
+            print("| what | MB/s | / raw encode_batch | / raw encode_batch_fast |")
+            print("|---|---:|---:|---:|")
+            for what, mb_s in runs.items():
+                to_raw = [x / r for x, r in zip(mb_s, runs[WHAT[2]])]
+                to_fast = [x / r for x, r in zip(mb_s, runs[WHAT[3]])]
+                print(
+                    f"| {what} | {statistics.median(mb_s):.2f} | "
+                    f"{statistics.median(to_raw):.2f}x | {statistics.median(to_fast):.2f}x |"
+                )
+            rounds = ", ".join(f"{x:.2f}" for x in runs[WHAT[0]])
+            print(f"(pipeline, whole call, each round: {rounds} MB/s)")
+            for size in sizes:
+                source = make_corpus(tmp, size, fmt)[0] if size != sizes[0] else source
+                rows.append((fmt, run_child(source, tmp / f"rss_{fmt}_{size}", tokenizer)))
+
+        print("\npeak RSS of prepare_data, each in a fresh process")
+        print("| format | input MB | peak RSS MB | MB/s |")
+        print("|---|---:|---:|---:|")
+        for fmt, r in rows:
+            print(f"| {fmt} | {r['mb']:.1f} | {r['peak_rss_mb']:.0f} | {r['mb_per_s']:.2f} |")
+        print(f"load average now {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        child(*sys.argv[2:])
+    else:
+        main()
