@@ -53,6 +53,17 @@ def adversarial_text(n: int = 20_000, seed: int = 0) -> str:
     return "".join(rng.choice(parts) for _ in range(n))
 
 
+@pytest.fixture(autouse=True)
+def _datasets_cache(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keep the arrow files `datasets` converts our tmp corpora into out of ~/.cache."""
+    import datasets.config
+
+    cache = tmp_path_factory.getbasetemp() / "hf_datasets"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+
+
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return train_tokenizer([EXCERPT, adversarial_text()], 400)
