@@ -136,7 +136,8 @@ class DataConfig(_Section):
     )
     text_field: str = _f(
         "text",
-        help="Column holding the text; a column of {role, content} messages is rendered as chat.",
+        help="Column holding the text. A column of [{role, content}, ...] messages is rendered "
+        "as chat: each message becomes <|role|>, a newline, its content and a newline.",
     )
     val_fraction: float = _f(
         0.1, help="Share of documents held out for validation (the tail of a single document)."
@@ -151,7 +152,12 @@ class DataConfig(_Section):
             self._fail("source", "must not be empty")
         if not 0.0 < self.val_fraction < 1.0:
             self._fail("val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        self._positive("vocab_size")
+        # 256 byte tokens and the end-of-text token (minillm.tokenizer.MIN_VOCAB).
+        if self.vocab_size < 257:
+            self._fail(
+                "vocab_size",
+                f"{self.vocab_size} is too small: the 256 byte tokens plus <|endoftext|> need 257",
+            )
         if not self.text_field:
             self._fail("text_field", "must not be empty")
         if not self.out_dir:

@@ -22,7 +22,6 @@ import hashlib
 import itertools
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -34,7 +33,7 @@ import numpy as np
 from minillm.config import Config, ConfigError
 from minillm.corpus import Corpus, Document, open_corpus
 from minillm.data import DTYPES, META_VERSION, SPLITS, shard_dtype
-from minillm.fsutil import fsync_dir, sha256_file
+from minillm.fsutil import ensure_writable_dir, fsync_dir, sha256_file
 from minillm.progress import ByteProgress
 from minillm.text import split_pieces
 from minillm.tokenizer import (
@@ -188,19 +187,6 @@ class _SplitEncoder:
         self.progress.update(self.progress.done + units, self.progress.nbytes + nbytes)
 
 
-def _ensure_writable(folder: Path, key: str) -> None:
-    """Create `folder` and a file in it now, so that a bad out_dir fails before hours of work."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
-        why = f"{blocker} is a file" if blocker and not blocker.is_dir() else e.strerror or e
-        raise ConfigError(key, f"not writable: {why}", str(folder)) from None
-
-
 def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
     """Train the tokenizer on the train split, with a progress bar over the text it reads."""
     by_bytes = corpus.unit == "bytes"
@@ -305,9 +291,9 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
     if not reuse:
         check_vocab_size(data.vocab_size)  # before any pass over the data
     corpus = open_corpus(data)
-    _ensure_writable(out_dir, "data.out_dir")
+    ensure_writable_dir(out_dir, "data.out_dir")
     if not reuse:
-        _ensure_writable(tok_path.parent, "data.tokenizer")
+        ensure_writable_dir(tok_path.parent, "data.tokenizer")
     console = Console(highlight=False)
     staged: list[_Staged] = []
     try:
