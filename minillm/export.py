@@ -61,13 +61,17 @@ def hf_tokenizer_config(eot: str, eot_id: int, max_len: int) -> dict[str, Any]:
     }
 
 
-def generation_config(sample: SampleConfig, eot_id: int, max_len: int) -> dict[str, Any]:
-    """generation_config.json: the run's `sample` defaults, stopping at end-of-text."""
+def generation_config(sample: SampleConfig, eot_id: int) -> dict[str, Any]:
+    """generation_config.json: the run's `sample` defaults, stopping at end-of-text.
+
+    It sets max_new_tokens, not max_length: transformers warns when a caller's max_new_tokens
+    meets a max_length from the folder.
+    """
     out: dict[str, Any] = {
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
         "pad_token_id": eot_id,
-        "max_length": max_len,
+        "max_new_tokens": sample.max_new_tokens,
     }
     if sample.temperature > 0:
         out.update(do_sample=True, temperature=sample.temperature, top_p=sample.top_p)
@@ -111,7 +115,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
             CONFIG_FILE: hf_config_dict(cfg.model, bos_id=eot, eos_id=eot),
             "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len),
             "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
-            "generation_config.json": generation_config(cfg.sample, eot, cfg.model.max_seq_len),
+            "generation_config.json": generation_config(cfg.sample, eot),
         }
         for name, obj in files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

@@ -53,6 +53,7 @@ def test_exported_folder_has_the_hf_files(exported) -> None:
     eot = eot_id(loaded.tokenizer)
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == eot and gen["do_sample"] and gen["top_k"] == 20
+    assert gen["max_new_tokens"] == 20 and "max_length" not in gen
 
 
 def test_transformers_loads_our_logits_and_token_ids(exported) -> None:
