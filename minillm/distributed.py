@@ -1,6 +1,7 @@
 """torchrun detection, the process group, and rank helpers.
 
-Offers `DistInfo`, `init_distributed`, `shutdown_distributed`, `all_reduce_sum` and `barrier`.
+Offers `DistInfo`, `init_distributed`, `local_device`, `shutdown_distributed`, `all_reduce_sum`,
+`all_gather_objects` and `barrier`.
 `minillm train` alone is one process (world size 1, no process group); under `torchrun` the
 environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR) says who we are.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (a list of one without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

@@ -1,6 +1,7 @@
 """What a person watches during training: a rich progress bar (or plain lines) and TensorBoard.
 
-Offers `Monitor`. Only rank 0 creates one that writes; other ranks get a silent one.
+Offers `Monitor` and `Meter` (tokens/s and MFU over a window of steps). Only rank 0 creates a
+Monitor that writes; other ranks get a silent one.
 """
 
 from __future__ import annotations
@@ -103,3 +104,49 @@ class Monitor:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+class Meter:
+    """Tokens per second and MFU over the steps since the last log line."""
+
+    def __init__(self, flops_per_token: int, peak: float, world_size: int) -> None:
+        self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.seconds = 0.0, 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs per second over the peak of all devices (MFU, as in the PaLM paper)."""
+        if not self.peak:
+            return math.nan
+        return self.flops_per_token * self.tokens_per_sec / (self.peak * self.world_size)
+
+    def scalars(self, out: dict[str, float], skipped: int) -> dict[str, float]:
+        return {
+            "train/loss": out["loss"],
+            "train/lr": out["lr"],
+            "train/grad_norm": out["grad_norm"],
+            "train/tokens_per_sec": self.tokens_per_sec,
+            "train/mfu": self.mfu,
+            "train/skipped_steps": skipped,
+        }
+
+    def stats(self, out: dict[str, float]) -> dict[str, str]:
+        stats = {
+            "loss": f"{out['loss']:.4f}",
+            "lr": f"{out['lr']:.2e}",
+            "tok/s": f"{self.tokens_per_sec:,.0f}",
+        }
+        if math.isfinite(self.mfu):
+            stats["mfu"] = f"{100 * self.mfu:.1f}%"
+        return stats

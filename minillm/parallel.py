@@ -1,12 +1,13 @@
 """How the model is wrapped for the run: DDP or FSDP2 under torchrun, torch.compile if asked.
 
-Offers `wrap_model`, `full_state` and `load_full_state`. Checkpoints always hold full, unsharded
-tensors keyed by parameter name (torch.distributed.checkpoint's "full state dict"), whatever the
-wrapping, so single-device, DDP and FSDP runs read each other's checkpoints.
+Offers `wrap_model`, `no_sync`, `full_state` and `load_full_state`. Checkpoints always hold full,
+unsharded tensors keyed by parameter name (torch.distributed.checkpoint's "full state dict"),
+whatever the wrapping, so single-device, DDP and FSDP runs read each other's checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -35,6 +36,29 @@ def wrap_model(
     if cfg.train.compile:
         wrapped = torch.compile(wrapped)
     return wrapped
+
+
+def no_sync(
+    wrapped: torch.nn.Module, model: torch.nn.Module, sync: bool
+) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce on accumulation micro-steps (`sync` False); DDP or FSDP2."""
+    if sync:
+        return contextlib.nullcontext()
+    inner = getattr(wrapped, "_orig_mod", wrapped)  # under torch.compile
+    if hasattr(inner, "no_sync"):  # DDP
+        return inner.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: torch.nn.Module) -> Any:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def shard_model(model: torch.nn.Module, precision: str) -> None:

@@ -1,17 +1,20 @@
 """The run directory: one trainer at a time (a lock), and what a resume may change.
 
-Offers `RunLock` and `resume_differences(old, new) -> (refused, changed)`.
+Offers `RunLock`, `resume_point` (which checkpoint a `minillm train` continues from) and
+`resume_differences(old, new) -> (refused, changed)`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
 
+from minillm import checkpoint as ckpt
 from minillm.config import Config, config_to_dict
-from minillm.errors import UserError
+from minillm.errors import UserError, warn
 
 LOCK_FILE = "train.lock"
 
@@ -94,8 +97,60 @@ def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], lis
         if a == b or key in SCHEDULE_KEYS:
             continue
         entry = f"{key} ({a!r} -> {b!r})"
-        if key.startswith("model.") or key in ("data.vocab_size", "data.tokenizer"):
+        if (key.startswith("model.") and key != "model.dropout") or key == "data.vocab_size":
             refused.append(entry)
         else:
             changed.append(entry)
     return refused, changed
+
+
+def resume_point(
+    run_dir: Path,
+    cfg: Config,
+    tokenizer_file: str | Path,
+    tokenizer_sha: str,
+    world_size: int,
+    *,
+    resume: bool,
+    force: bool,
+    clear: bool,
+    verbose: bool,
+) -> Path | None:
+    """The checkpoint a run continues from, or None to start afresh.
+
+    Starting over a run that has checkpoints needs `resume=False` and `force`; then (where
+    `clear`, i.e. on rank 0) its checkpoints and TensorBoard files are deleted. A checkpoint whose
+    architecture or tokenizer differs from `cfg` is refused, naming the keys.
+    """
+    ckpt_root = run_dir / ckpt.CKPT_DIR
+    if not ckpt.list_checkpoints(ckpt_root):
+        return None
+    if not resume:
+        if not force:
+            raise UserError(
+                f"{run_dir}: has checkpoints; --no-resume starts over only with --force"
+            )
+        if clear:
+            shutil.rmtree(ckpt_root)
+            shutil.rmtree(run_dir / "tb", ignore_errors=True)
+        return None
+    found = ckpt.find_latest(run_dir)
+    if found is None:
+        return None
+    state = ckpt.read_state(found)
+    refused, changed = resume_differences(state["config"], cfg)
+    if state.get("tokenizer_sha256") not in (None, tokenizer_sha):
+        refused.append(f"tokenizer ({tokenizer_file} differs from the run's)")
+    if refused:
+        raise UserError(
+            f"{found}: cannot resume with a different architecture or tokenizer: "
+            + "; ".join(refused)
+        )
+    if changed and verbose:
+        warn(f"resuming with changed settings: {'; '.join(changed)}")
+    if state.get("world_size", 1) != world_size and verbose:
+        warn(
+            f"resuming a run of world size {state.get('world_size', 1)} with {world_size}: "
+            "the batches differ from here on"
+        )
+    return found

@@ -1,13 +1,14 @@
 """Where and how the math runs: device and precision choice, autocast, RNG state.
 
 Offers `resolve_device`, `resolve_precision`, `autocast_context`, `make_grad_scaler`,
-`rng_state`, `set_rng_state` and `seed_everything`.
+`rng_state`, `set_rng_state`, `seed_everything` and `StopSignal`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import signal
 from typing import Any
 
 import numpy as np
@@ -98,3 +99,32 @@ def _encode_python_state(st: tuple) -> tuple:
 def _decode_python_state(st: list) -> tuple:
     version, internal, gauss = st
     return version, tuple(internal), gauss
+
+
+class StopSignal:
+    """Turns SIGINT/SIGTERM into a request to checkpoint and stop after the current step.
+
+    A second signal gets the default behaviour back (Ctrl-C twice stops at once; the atomic
+    checkpoint writes keep the previous checkpoint whole either way).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signame = ""
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        self.signame = signal.Signals(signum).name
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def __enter__(self) -> StopSignal:
+        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)

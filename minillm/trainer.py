@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -22,20 +21,23 @@ import torch
 
 from minillm import checkpoint as ckpt
 from minillm.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config
+from minillm.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.distributed import (
+    all_gather_objects,
     all_reduce_sum,
     init_distributed,
     local_device,
     shutdown_distributed,
 )
-from minillm.errors import UserError, warn
+from minillm.errors import UserError
 from minillm.fsutil import atomic_write_text, ensure_writable_dir, sha256_file
 from minillm.model import Transformer
-from minillm.monitor import Monitor, format_duration
+from minillm.monitor import Meter, Monitor, format_duration
 from minillm.optim import build_optimizer, schedule_lr
-from minillm.parallel import full_state, load_full_state, wrap_model
-from minillm.rundir import RunLock, resume_differences
+from minillm.parallel import full_state, load_full_state, no_sync, wrap_model
+from minillm.rundir import RunLock, resume_point
 from minillm.runtime import (
+    StopSignal,
     autocast_context,
     make_grad_scaler,
     resolve_device,
@@ -95,7 +97,17 @@ class Trainer:
         self.val_tokens = open_split(cfg.data.out_dir, "val")
         self._check_data()
 
-        resume_from = self._resume_point(resume, force)
+        resume_from = resume_point(
+            self.run_dir,
+            cfg,
+            self.tokenizer_file,
+            self.tokenizer_sha,
+            self.dist.world_size,
+            resume=resume,
+            force=force,
+            clear=self.is_main,
+            verbose=self.verbose,
+        )
         seed_everything(tc.seed)  # the same initial weights on every rank
         self.model = Transformer(cfg.model)
         if init_state is not None and resume_from is None:
@@ -149,42 +161,6 @@ class Trainer:
                 "train.seq_len",
                 f"the train split has {len(self.train_tokens)} tokens, fewer than seq_len+1",
             )
-
-    def _resume_point(self, resume: bool, force: bool) -> Path | None:
-        """The checkpoint to continue from, or None to start afresh (old ones cleared if forced)."""
-        ckpt_root = self.run_dir / ckpt.CKPT_DIR
-        has_ckpts = bool(ckpt.list_checkpoints(ckpt_root))
-        if not has_ckpts:
-            return None
-        if not resume:
-            if not force:
-                raise UserError(
-                    f"{self.run_dir}: has checkpoints; --no-resume starts over only with --force"
-                )
-            if self.is_main:
-                shutil.rmtree(ckpt_root)
-                shutil.rmtree(self.run_dir / "tb", ignore_errors=True)
-            return None
-        found = ckpt.find_latest(self.run_dir)
-        if found is None:
-            return None
-        state = ckpt.read_state(found)
-        refused, changed = resume_differences(state["config"], self.cfg)
-        if state.get("tokenizer_sha256") not in (None, self.tokenizer_sha):
-            refused.append(f"tokenizer ({self.tokenizer_file} differs from the run's)")
-        if refused:
-            raise UserError(
-                f"{found}: cannot resume with a different architecture or tokenizer: "
-                + "; ".join(refused)
-            )
-        if changed and self.verbose:
-            warn(f"resuming with changed settings: {'; '.join(changed)}")
-        if state.get("world_size", 1) != self.dist.world_size and self.verbose:
-            warn(
-                f"resuming a run of world size {state.get('world_size', 1)} with "
-                f"{self.dist.world_size}: the batches differ from here on"
-            )
-        return found
 
     def _restore(self, path: Path) -> None:
         state = ckpt.read_state(path)
@@ -242,7 +218,7 @@ class Trainer:
         for i, (x, y) in enumerate(micro):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             sync = i == len(micro) - 1
-            with self._no_sync(sync):
+            with no_sync(self.train_model, self.model, sync):
                 loss_sum = self.micro_loss(x, y)
                 loss = loss_sum * scale
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -267,16 +243,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": n_tokens,
                 "finite": finite}  # fmt: skip
-
-    def _no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        if sync:
-            return contextlib.nullcontext()
-        if hasattr(self.train_model, "no_sync"):  # DDP: all-reduce only on the last micro-step
-            return self.train_model.no_sync()
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-            self.model.set_requires_gradient_sync(False)
-            return _ReenableGradSync(self.model)
-        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ evaluation
 
@@ -325,7 +291,7 @@ class Trainer:
     def save(self, is_best: bool = False) -> Path | None:
         """Checkpoint the state after `self.step` completed steps (a collective under FSDP)."""
         model_sd, optim_sd = full_state(self.model, self.optimizer)
-        rngs = _gather_rng_states(self.dist.world_size)
+        rngs = all_gather_objects(rng_state())  # index = rank
         if not self.is_main:
             return None
         trainer_state = {
@@ -367,68 +333,46 @@ class Trainer:
         monitor = Monitor(self.run_dir, tc.max_steps, self.step, enabled=self.is_main)
         if self.step == 0:
             monitor.text("config", "```yaml\n" + dump_config(self.cfg) + "```")
-        peak = self._peak_flops() if self.is_main else 0.0
+        meter = Meter(self.flops_per_token, self._peak_flops() if self.is_main else 0.0,
+                       self.dist.world_size)  # fmt: skip
         if self.verbose:
-            monitor.print(self._banner(peak))
-        stop = _StopSignal()
+            monitor.print(self._banner(meter.peak))
+        saved_at = self.step if self.last_ckpt is not None else -1
         last_eval: dict[str, float] = {}
-        window_tokens, window_time = 0.0, 0.0
-        world = self.dist.world_size
-        saved_at_step = self.step if self.last_ckpt is not None else -1
         t_start = time.perf_counter()
-        try:
-            with stop:
-                while self.step < end and not stop.requested:
-                    t0 = time.perf_counter()
-                    probe = self.is_main and (self.step + 1) % (tc.log_every * 10) == 0
-                    probe = probe and not (self.dist.enabled and tc.parallel == "fsdp")
-                    before = _block_snapshot(self.model) if probe else None
-                    out = self.train_step()
-                    self.step += 1
-                    self.tokens_seen += int(out["tokens"])
-                    dt = time.perf_counter() - t0
-                    window_tokens, window_time = window_tokens + out["tokens"], window_time + dt
-                    self._count_bad(out)
-                    log = self.step % tc.log_every == 0 or self.step == end
-                    tps = window_tokens / max(window_time, 1e-9)
-                    mfu = self.flops_per_token * tps / (peak * world) if peak else math.nan
-                    if log and self.is_main:
-                        monitor.scalars(
-                            {
-                                "train/loss": out["loss"],
-                                "train/lr": out["lr"],
-                                "train/grad_norm": out["grad_norm"],
-                                "train/tokens_per_sec": tps,
-                                "train/mfu": mfu,
-                                "train/skipped_steps": self.skipped_steps,
-                            },
-                            self.step,
-                        )
-                        window_tokens, window_time = 0.0, 0.0
-                    if before is not None:
-                        monitor.scalars(self._layer_stats(before), self.step)
-                    monitor.step(self.step, _stats(out, tps, mfu), log)
-                    is_best = False
-                    if (
-                        tc.eval_every
-                        and self.step % tc.eval_every == 0
-                        or self.step == tc.max_steps
-                    ):
-                        last_eval = self.evaluate()
-                        monitor.scalars({f"val/{k}": v for k, v in last_eval.items()}, self.step)
-                        monitor.print(
-                            f"step {self.step}: val loss {last_eval['loss']:.4f}, "
-                            f"bits/byte {last_eval['bits_per_byte']:.4f}"
-                        )
-                        if last_eval["loss"] < self.best_val:
-                            self.best_val, is_best = last_eval["loss"], True
-                    if is_best or (tc.ckpt_every and self.step % tc.ckpt_every == 0):
-                        self.save(is_best=is_best)
-                        saved_at_step = self.step
-            if saved_at_step != self.step:
+        with StopSignal() as stop, contextlib.closing(monitor):
+            while self.step < end and not stop.requested:
+                # Every log_every*10 steps, per-layer numbers (not under FSDP: shards only).
+                probe = self.is_main and (self.step + 1) % (tc.log_every * 10) == 0
+                probe = probe and not (self.dist.enabled and tc.parallel == "fsdp")
+                before = block_snapshot(self.model) if probe else None
+                t0 = time.perf_counter()
+                out = self.train_step()
+                meter.add(out["tokens"], time.perf_counter() - t0)
+                self.step += 1
+                self.tokens_seen += int(out["tokens"])
+                self._count_bad(out)
+                log = self.step % tc.log_every == 0 or self.step == end
+                if log:
+                    monitor.scalars(meter.scalars(out, self.skipped_steps), self.step)
+                if before is not None:
+                    monitor.scalars(self._layer_stats(before), self.step)
+                monitor.step(self.step, meter.stats(out), log)
+                if log:
+                    meter.reset()
+                is_best = False
+                if (tc.eval_every and self.step % tc.eval_every == 0) or self.step == tc.max_steps:
+                    last_eval = self.evaluate()
+                    monitor.scalars({f"val/{k}": v for k, v in last_eval.items()}, self.step)
+                    monitor.print(f"step {self.step}: val loss {last_eval['loss']:.4f}, "
+                                  f"bits/byte {last_eval['bits_per_byte']:.4f}")  # fmt: skip
+                    if last_eval["loss"] < self.best_val:
+                        self.best_val, is_best = last_eval["loss"], True
+                if is_best or (tc.ckpt_every and self.step % tc.ckpt_every == 0):
+                    self.save(is_best=is_best)
+                    saved_at = self.step
+            if saved_at != self.step:
                 self.save()
-        finally:
-            monitor.close()
         elapsed = time.perf_counter() - t_start
         summary = {
             "step": self.step,
@@ -461,38 +405,12 @@ class Trainer:
 
     def _layer_stats(self, before: list[torch.Tensor]) -> dict[str, float]:
         """Per-block update/weight ratio of this step and RMS of the block outputs."""
-        stats = {}
-        for i, (block, old) in enumerate(zip(self.model.blocks, before)):
-            new = torch.cat([p.detach().float().flatten() for p in block.parameters()])
-            stats[f"layers/update_ratio/{i:02d}"] = float(
-                (new - old).norm() / new.norm().clamp(min=1e-12)
-            )
-        stats.update(self._activation_rms())
-        return stats
-
-    @torch.no_grad()
-    def _activation_rms(self) -> dict[str, float]:
         from minillm.data import eval_batches
 
-        rms: dict[str, float] = {}
-        hooks = [
-            block.register_forward_hook(
-                lambda m, i, o, n=n: rms.__setitem__(
-                    f"layers/activation_rms/{n:02d}", float(o.float().pow(2).mean().sqrt())
-                )
-            )
-            for n, block in enumerate(self.model.blocks)
-        ]
         x, _ = next(eval_batches(self.train_tokens, seq_len=self.cfg.train.seq_len, batch_size=1))
-        self.model.eval()
-        try:
-            with self.autocast:
-                self.model(x.to(self.device))
-        finally:
-            self.model.train()
-            for h in hooks:
-                h.remove()
-        return rms
+        stats = update_ratios(self.model, before)
+        stats.update(activation_rms(self.model, x.to(self.device), self.autocast))
+        return stats
 
     def _peak_flops(self) -> float:
         """train.peak_flops, else a known GPU's datasheet peak, else a one-second matmul probe."""
@@ -523,76 +441,6 @@ class Trainer:
             self.lock.release()
             self.lock = None
         shutdown_distributed()
-
-
-class _ReenableGradSync:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        self.model.set_requires_gradient_sync(True)
-
-
-class _StopSignal:
-    """Turns SIGINT/SIGTERM into a request to checkpoint and stop after the current step.
-
-    A second signal gets the default behaviour back (Ctrl-C twice stops at once; the atomic
-    checkpoint writes keep the previous checkpoint whole either way).
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signame = ""
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        self.signame = signal.Signals(signum).name
-        for s, old in self._old.items():
-            signal.signal(s, old)
-
-    def __enter__(self) -> _StopSignal:
-        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
-
-
-def _stats(out: dict[str, float], tps: float, mfu: float) -> dict[str, str]:
-    stats = {
-        "loss": f"{out['loss']:.4f}",
-        "lr": f"{out['lr']:.2e}",
-        "tok/s": f"{tps:,.0f}",
-    }
-    if math.isfinite(mfu):
-        stats["mfu"] = f"{100 * mfu:.1f}%"
-    return stats
-
-
-def _block_snapshot(model: Transformer) -> list[torch.Tensor]:
-    return [
-        torch.cat([p.detach().float().flatten() for p in block.parameters()]).clone()
-        for block in model.blocks
-    ]
-
-
-def _gather_rng_states(world_size: int) -> list[dict[str, Any]]:
-    """Every rank's RNG state, gathered on all ranks (index = rank)."""
-    state = rng_state()
-    if world_size == 1:
-        return [state]
-    import torch.distributed as dist
-
-    states: list[Any] = [None] * world_size
-    dist.all_gather_object(states, state)
-    return states
 
 
 def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, Any]:
