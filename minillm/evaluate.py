@@ -51,10 +51,9 @@ def evaluate_tokens(
     bar = _Progress(n_batches, "eval", enabled=progress)
     try:
         for x, y in eval_batches(ids, seq_len=seq_len, batch_size=batch_size):
-            x, y = x.to(device), y.to(device)
-            _, loss_sum = model(x, y, reduction="sum")
+            count += int((y != -100).sum())  # counted on the host: no device sync per batch
+            _, loss_sum = model(x.to(device), y.to(device), reduction="sum")
             total += loss_sum.double()
-            count += int((y != -100).sum())
             bar.advance()
     finally:
         bar.close()
