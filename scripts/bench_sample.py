@@ -1,0 +1,200 @@
+"""Decode speed of `minillm.generate.generate` against Hugging Face `generate` on the same weights.
+
+Batch 1, a 16-token prompt, 256 new tokens, greedy, end-of-text ignored (both run all 256 steps).
+Both models hold the same random weights (minillm/hf.py's mapping); the two are timed alternately
+in one process, and the median of --repeats runs of each is reported with their ratio. Decode
+tokens/s counts the generated tokens over the whole call (prefill included: 16 tokens, small).
+
+    python scripts/bench_sample.py                      # CPU: the small and the medium shape
+    python scripts/bench_sample.py --shapes small --repeats 3 --profile
+    python scripts/bench_sample.py --threads 1          # steadier on a shared machine
+
+Timings on a shared machine drift; the load average is printed before and after, and a warning
+when it exceeds the threads this process uses; the CPU-time ratio (process CPU seconds of HF over
+ours) suffers less from other processes than the wall-clock one. Compare rows within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+
+from minillm.config import ModelConfig
+from minillm.generate import generate
+from minillm.hf import hf_config_dict, to_hf_state_dict
+from minillm.model import Transformer
+
+
+@dataclasses.dataclass
+class Shape:
+    vocab: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=self.vocab,
+            d_model=self.d_model,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_kv_head=self.n_kv_head,
+            max_seq_len=512,
+        )
+
+
+SHAPES = {
+    "small": Shape(vocab=4096, d_model=256, n_layer=4, n_head=4, n_kv_head=4),
+    "medium": Shape(vocab=16384, d_model=512, n_layer=8, n_head=8, n_kv_head=4),
+}
+
+
+def build_pair(shape: Shape) -> tuple[Transformer, transformers.LlamaForCausalLM]:
+    torch.manual_seed(0)
+    cfg = shape.model_config()
+    ours = Transformer(cfg).eval()
+    hf_cfg = hf_config_dict(cfg, bos_id=None, eos_id=None)
+    for key in ("architectures", "model_type", "torch_dtype"):
+        hf_cfg.pop(key)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=False)
+    if cfg.tie_embeddings:
+        hf.tie_weights()
+    return ours, hf
+
+
+def loadavg() -> float:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return float("nan")
+
+
+def time_call(fn: Callable[[], int]) -> tuple[float, float, int]:
+    """Wall seconds, process CPU seconds (all threads) and the tokens generated."""
+    start, cpu = time.perf_counter(), time.process_time()
+    n = fn()
+    return time.perf_counter() - start, time.process_time() - cpu, n
+
+
+def bench_shape(name: str, shape: Shape, prompt_len: int, new: int, repeats: int) -> dict:
+    ours, hf = build_pair(shape)
+    prompt = torch.randint(
+        1, shape.vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)
+    )
+
+    def run_ours() -> int:
+        out = generate(
+            ours, [prompt[0].tolist()], max_new_tokens=new, temperature=0.0, ignore_eos=True
+        )
+        return len(out[0])
+
+    def run_hf() -> int:
+        with torch.inference_mode():
+            out = hf.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out.shape[1] - prompt_len
+
+    # Same weights, same greedy tokens: a check that the comparison is fair.
+    got = generate(ours, [prompt[0].tolist()], max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        ref = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    same = got[0] == ref[0, prompt_len:].tolist()
+
+    run_ours(), run_hf()  # warm-up
+    wall: dict[str, list[float]] = {"minillm": [], "hf": []}
+    cpu: dict[str, list[float]] = {"minillm": [], "hf": []}
+    for _ in range(repeats):
+        for label, fn in (("minillm", run_ours), ("hf", run_hf)):
+            seconds, cpu_seconds, n = time_call(fn)
+            assert n == new, f"{label} generated {n} tokens, not {new}"
+            wall[label].append(seconds)
+            cpu[label].append(cpu_seconds)
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    params = sum(p.numel() for p in ours.parameters())
+    return {
+        "shape": name,
+        "params": params,
+        "minillm": new / med["minillm"],
+        "hf": new / med["hf"],
+        "ratio": med["hf"] / med["minillm"],
+        "cpu_ratio": med_cpu["hf"] / med_cpu["minillm"],
+        "same_tokens": same,
+    }
+
+
+def profile_ours(shape: Shape, prompt_len: int, new: int) -> None:
+    """Where minillm's decode time goes: the top operators of one generate call."""
+    ours, _ = build_pair(shape)
+    prompt = list(range(1, prompt_len + 1))
+    generate(ours, [prompt], max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        generate(ours, [prompt], max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="small,medium", help=f"from {', '.join(SHAPES)}")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="profile minillm's decode loop")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0 = torch's default); 1 is "
+        "steadier on a busy machine, where threads wait on each other",
+    )
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    before = loadavg()
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads, "
+        f"{os.cpu_count()} cores; loadavg {before:.2f}"
+    )
+    if before > threads:
+        print(f"warning: load average {before:.2f} > {threads} threads: timings will be noisy")
+    rows = []
+    for name in args.shapes.split(","):
+        row = bench_shape(name, SHAPES[name], args.prompt_len, args.new_tokens, args.repeats)
+        rows.append(row)
+        if args.profile:
+            profile_ours(SHAPES[name], args.prompt_len, args.new_tokens)
+    after = loadavg()
+    print(
+        f"\nbatch 1, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
+        f"median of {args.repeats}; loadavg {before:.2f} -> {after:.2f}\n"
+    )
+    print("| shape | params | minillm tok/s | HF generate tok/s | ratio | CPU-time ratio | same |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['minillm']:.0f} | {r['hf']:.0f} | "
+            f"{r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {'yes' if r['same_tokens'] else 'NO'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
