@@ -120,7 +120,9 @@ EVAL_HELP = (
 )
 
 
-@app.command("eval", help=EVAL_HELP)
+@app.command(
+    "eval", help=EVAL_HELP, short_help="Loss, perplexity and bits per byte of a checkpoint."
+)
 def eval_(
     ckpt: Path = CkptOption,
     data: Path | None = typer.Option(
