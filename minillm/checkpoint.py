@@ -303,10 +303,9 @@ def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu", verify: bool = True
 ) -> LoadedCheckpoint:
     """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run or a checkpoint)."""
-    from tokenizers import Tokenizer
-
     from minillm.config import ConfigError, config_from_dict
     from minillm.model import Transformer
+    from minillm.tokenizer import load_tokenizer
 
     ckpt = resolve_checkpoint(path, verify=verify)
     state = read_state(ckpt)
@@ -321,8 +320,8 @@ def load_checkpoint(
     if not tok_path.is_file():
         tok_path = ckpt.parent.parent / TOKENIZER_FILE
     try:
-        tokenizer = Tokenizer.from_file(str(tok_path))
-    except Exception as e:
+        tokenizer = load_tokenizer(tok_path)  # literal "<|endoftext|>" in text stays text
+    except UserError as e:
         raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
     if tokenizer.get_vocab_size() > cfg.model.vocab_size:
         raise CheckpointError(

@@ -60,7 +60,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     ):
         if hf.get(key, ok) != ok:
             raise ConfigError(key, f"{hf[key]!r} is not supported (minillm needs {ok!r})", where)
-    if hf.get("rope_scaling"):
+    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
+    if hf.get("rope_scaling") or rope_type != "default":  # transformers >= 5: rope_parameters
         raise ConfigError("rope_scaling", "RoPE scaling is not supported", where)
     rope_theta = hf.get("rope_theta")
     if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
