@@ -22,6 +22,16 @@ from minillm.config import ModelConfig
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
+def _compiling() -> bool:
+    """True while torch.compile traces: the plain formulas are what inductor fuses best."""
+    return torch.compiler.is_compiling()
+
+
+def _eager_cpu(x: torch.Tensor) -> bool:
+    """Whether to use the hand-written CPU kernels below (see "Eager CPU kernels")."""
+    return x.device.type == "cpu" and not _compiling()
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * g, computed in float32 like LLaMA."""
 
@@ -32,6 +42,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if _eager_cpu(x) and self.weight.dtype == torch.float32:
+                return _RMSNormCPU.apply(x, self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * y.to(x.dtype)
@@ -46,10 +58,17 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by cos/sin, (T, 1, D) or (B, T, 1, D)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by cos/sin, (T, 1, D) or (B, T, 1, D).
+
+    x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. The two halves of the tables are equal, so only
+    the first is read. Returns a new contiguous tensor.
+    """
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    if _compiling():  # the plain formula: inductor fuses it and its backward
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return _RoPE.apply(x, cos, sin)
 
 
 class KVCache:
@@ -123,9 +142,11 @@ class Attention(nn.Module):
         B, T, C = x.shape
         H, K, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * K, D)
-        qk = apply_rope(qkv[:, :, : H + K], cos, sin)  # q and k rotated in one pass
-        q, k = qk.split((H, K), dim=2)
-        v = qkv[:, :, H + K :]
+        # split, not slicing: the backward of a split is one cat, that of a slice a zero-filled copy
+        qk, v = qkv.split((H + K, K), dim=2)
+        q, k = apply_rope(qk, cos, sin).split((H, K), dim=2)  # q and k rotated in one pass
+        # SDPA takes these strided views as they are; its output is laid out (B, T, H, D) in
+        # memory, so the transpose back below is free.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (B, K, S, D)
@@ -162,8 +183,13 @@ class SwiGLU(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.hidden, dim=-1)  # (B, T, F) each
-        return self.drop(self.w_down(F.silu(gate) * up))
+        gate_up = self.w_gate_up(x)  # (B, T, 2F)
+        if _eager_cpu(gate_up) and gate_up.dtype == torch.float32:
+            h = _SwiGLUCPU.apply(gate_up)
+        else:
+            gate, up = gate_up.split(self.hidden, dim=-1)  # (B, T, F) each
+            h = F.silu(gate) * up
+        return self.drop(self.w_down(h))
 
 
 class Block(nn.Module):
@@ -328,12 +354,13 @@ class Transformer(nn.Module):
         logits = F.linear(x, self.head_weight)  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=-100,
-            reduction=reduction,
-        )
+        flat = logits.view(-1, logits.shape[-1])  # (B*T, V)
+        if _eager_cpu(flat) and flat.dtype == torch.float32 and reduction in ("mean", "sum"):
+            loss = _CrossEntropyCPU.apply(flat, targets.reshape(-1), reduction == "sum")
+        else:  # .float(): the softmax of bf16 logits in fp32 (a no-op on fp32 logits)
+            loss = F.cross_entropy(
+                flat.float(), targets.reshape(-1), ignore_index=-100, reduction=reduction
+            )
         return logits, loss
 
     @staticmethod
@@ -383,3 +410,120 @@ class Transformer(nn.Module):
         if self.lm_head is None:
             matmul += self.tok_emb.weight.numel()
         return 6 * matmul + 12 * cfg.n_layer * cfg.d_model * seq_len
+
+
+# ----------------------------------------------------------------------------- eager CPU kernels
+# Eager PyTorch makes one pass over memory per elementwise op, and autograd's generic backward of
+# small formulas makes several more. On CPU, where these passes cost as much as the matmuls around
+# them, the Functions below compute the same math in fewer passes and with fewer temporaries.
+# They serve eager mode only: under torch.compile the plain formulas are traced and fused by
+# inductor, and on a GPU the native fused kernels (F.rms_norm, F.cross_entropy) are used.
+
+
+class _RMSNormCPU(torch.autograd.Function):
+    """F.rms_norm(x, weight) in fp32; saves x_hat = x / rms(x) for a 7-pass backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))  # (..., 1)
+        x_hat = x * rstd
+        ctx.save_for_backward(x_hat, rstd, weight)
+        return x_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_hat, rstd, weight = ctx.saved_tensors
+        grad_weight = (grad * x_hat).flatten(0, -2).sum(0)
+        grad_x_hat = grad * weight
+        # d/dx of x * rstd(x): rstd * (g - x_hat * mean(g * x_hat))
+        dot = (grad_x_hat * x_hat).mean(-1, keepdim=True)
+        grad_x = torch.addcmul(grad_x_hat, x_hat, dot, value=-1.0).mul_(rstd)
+        return grad_x, grad_weight, None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[x1 cos - x2 sin, x2 cos + x1 sin] for half tables cos, sin, written half by half."""
+    dtype = torch.result_type(x, cos)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    x1, x2 = x.chunk(2, dim=-1)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out.to(x.dtype)
+
+
+class _RoPE(torch.autograd.Function):
+    """RoPE as a rotation: its backward is the inverse rotation (sin negated), and saves no x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
+class _SwiGLUCPU(torch.autograd.Function):
+    """silu(gate) * up from the fused (..., 2F) projection; the backward writes both halves of
+    one gradient buffer in place of autograd's separate gradients and their concatenation."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(gate, up, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gate, up, act = ctx.saved_tensors
+        out = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
+        grad_gate, grad_up = out.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, act, out=grad_up)
+        return out
+
+
+class _CrossEntropyCPU(torch.autograd.Function):
+    """Cross-entropy of fp32 logits (N, V) with ignore_index -100, mean or sum.
+
+    F.cross_entropy materialises log_softmax (N, V) and, in the backward, a zero-filled (N, V)
+    gradient and a second (N, V) one. This keeps only the per-row logsumexp and builds the
+    gradient softmax - onehot once, in cache-sized chunks of rows.
+    """
+
+    CHUNK_BYTES = 1 << 21  # 2 MiB of logits per chunk, about one core's L2
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, sum_: bool) -> torch.Tensor:
+        N, V = logits.shape
+        rows = max(1, _CrossEntropyCPU.CHUNK_BYTES // (4 * V))
+        lse = torch.empty(N, dtype=logits.dtype, device=logits.device)
+        for i in range(0, N, rows):
+            torch.logsumexp(logits[i : i + rows], dim=-1, out=lse[i : i + rows])
+        valid = targets != -100
+        safe = torch.where(valid, targets, 0)
+        losses = (lse - logits.gather(1, safe[:, None]).squeeze(1)).masked_fill_(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(logits, safe, valid, lse, count)
+        ctx.sum_ = sum_
+        return losses.sum() if sum_ else losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, safe, valid, lse, count = ctx.saved_tensors
+        N, V = logits.shape
+        scale = grad if ctx.sum_ else grad / count
+        row_scale = torch.where(valid, scale, 0.0)[:, None]  # ignored rows get no gradient
+        out = torch.empty_like(logits)
+        rows = max(1, _CrossEntropyCPU.CHUNK_BYTES // (4 * V))
+        for i in range(0, N, rows):
+            chunk = out[i : i + rows]
+            torch.sub(logits[i : i + rows], lse[i : i + rows, None], out=chunk).exp_()
+            idx = safe[i : i + rows, None]
+            chunk.scatter_(1, idx, chunk.gather(1, idx) - 1.0)  # softmax - onehot
+            chunk.mul_(row_scale[i : i + rows])
+        return out, None, None

@@ -1,0 +1,133 @@
+"""Throughput helpers shared by the trainer and the benchmarks.
+
+Offers `measure_matmul_peak` (a square-matmul probe of what the device sustains), `known_peak_flops`
+(datasheet dense bf16/fp16 tensor-core peaks of common GPUs), `mfu` and `synchronize`.
+
+MFU, here and in the trainer, is model FLOP/s over peak FLOP/s, where model FLOP/s is
+`model.flops_per_token(seq_len)` (6 per matmul weight, head included, plus 12 * L * C * T for
+attention) times tokens per second. Work the model does not need (recomputation, padding) earns
+nothing, and causal attention is counted in full.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s. Matched by
+# substring of torch.cuda.get_device_name(), first match wins, so variants come before the family.
+_GPU_PEAKS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM (HBM3)
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+)
+
+
+def known_peak_flops(
+    device: torch.device | str, dtype: torch.dtype = torch.bfloat16
+) -> float | None:
+    """Datasheet dense peak FLOP/s of a known CUDA GPU for bf16/fp16 matmuls, else None.
+
+    None for CPUs, MPS, other dtypes (fp32 peaks depend on TF32 settings) and unknown GPUs: the
+    caller then measures with `measure_matmul_peak` or takes a configured value.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in _GPU_PEAKS:
+        if key in name:
+            return flops
+    return None
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels, so that a wall-clock time covers them (no-op on CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def measure_matmul_peak(
+    seconds: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    n: int | None = None,
+) -> float:
+    """FLOP/s of (n, n) @ (n, n) matmuls sustained over about `seconds`: the best of ~10 timings.
+
+    The best rather than the median, because interference from other processes only ever slows a
+    timing down; a higher peak also makes MFU conservative. n defaults to 2048 on CPU (as the
+    issue's reference numbers) and 8192 on a GPU. Uses the current torch thread setting.
+    """
+    device = torch.device(device)
+    if n is None:
+        n = 2048 if device.type == "cpu" else 8192
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    flops = 2.0 * n**3
+
+    def timed(reps: int) -> float:
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=out)
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    timed(1)  # warm-up: thread pools, kernel selection, caches
+    # Time groups of matmuls of about seconds/10 each, so that one timing is long enough to trust.
+    one = max(timed(1), 1e-6)
+    reps = max(1, round(seconds / 10 / one))
+    rates = []
+    deadline = time.perf_counter() + seconds
+    while len(rates) < 3 or time.perf_counter() < deadline:
+        rates.append(reps * flops / timed(reps))
+    return max(rates)
+
+
+def tune_cpu_allocator(threshold: int = 1 << 30) -> bool:
+    """Serve large CPU tensors from glibc's heap, not from a fresh mmap each time; True if set.
+
+    glibc maps every block of 32 MiB or more anew and unmaps it on free, so each such tensor (the
+    (B*T, V) logits and their gradient, at B*T*V >= 8M) pays a page fault per 4 KiB page, about
+    10 ms per 32 MiB on a 2-core machine. Raising the mmap and trim thresholds keeps the freed
+    blocks for reuse. Process-wide: the memory is not returned to the OS until exit. Linux/glibc
+    only; elsewhere nothing is changed.
+    """
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
+    value = ctypes.c_int(min(threshold, 2**31 - 1))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, value)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, value)
+    )
+
+
+def mfu(flops_per_token: float, tokens_per_sec: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (0..1)."""
+    return flops_per_token * tokens_per_sec / peak_flops

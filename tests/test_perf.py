@@ -1,0 +1,137 @@
+"""Throughput work that must not change the math: the eager CPU kernels against the plain formulas
+and HF's gradients, the MFU helpers, and a smoke run of the training benchmark."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_model import make_pair
+
+import minillm.model as model_mod
+from minillm import perf
+from minillm.hf import to_hf_state_dict
+from minillm.model import Transformer, apply_rope, rope_tables
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _train_pass(model: Transformer, idx: torch.Tensor, targets: torch.Tensor, **kw):
+    model.zero_grad(set_to_none=True)
+    logits, loss = model(idx, targets, **kw)
+    (loss * 1.7).backward()  # a non-unit upstream gradient exercises the scaling
+    return logits.detach(), loss.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("case", ["mha-tied", "gqa-untied"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_eager_cpu_kernels_equal_the_plain_formulas(
+    case: str, reduction: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kw = {"mha-tied": dict(n_kv_head=4), "gqa-untied": dict(n_kv_head=2, tie_embeddings=False)}
+    ours, _, cfg = make_pair(**kw[case])
+    ours.train()
+    idx = torch.randint(0, cfg.vocab_size, (3, 40))
+    targets = torch.randint(0, cfg.vocab_size, (3, 40))
+    targets[0, :7] = -100
+    fast = _train_pass(ours, idx, targets, reduction=reduction)
+    # What torch.compile traces: F.rms_norm, the plain RoPE formula, F.cross_entropy...
+    monkeypatch.setattr(model_mod, "_compiling", lambda: True)
+    plain = _train_pass(ours, idx, targets, reduction=reduction)
+    torch.testing.assert_close(fast[0], plain[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast[1], plain[1], atol=1e-5, rtol=1e-6)
+    for name in fast[2]:
+        torch.testing.assert_close(fast[2][name], plain[2][name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_training_gradients_match_hf_llama() -> None:
+    ours, hf, cfg = make_pair(n_kv_head=2)
+    ours.train(), hf.train()
+    # HF's nn.Embedding(padding_idx=pad_token_id) gives the pad token's row no lookup gradient;
+    # minillm has no padding row.
+    hf.model.embed_tokens.padding_idx = None
+    idx = torch.randint(0, cfg.vocab_size, (2, 48))
+    targets = torch.randint(0, cfg.vocab_size, (2, 48))
+    _, loss = ours(idx, targets)
+    loss.backward()
+    ref = hf(input_ids=idx, labels=targets, shift_labels=targets).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=0)
+    got = to_hf_state_dict(_grads(ours), cfg)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_rope_is_a_rotation_with_the_inverse_as_backward() -> None:
+    cos, sin = rope_tables(16, 32, 10000.0)
+    x = torch.randn(2, 32, 3, 16, dtype=torch.float64, requires_grad=True)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    ref = x * c + torch.cat((-x2, x1), dim=-1) * s  # the "rotate half" formula of HF
+    got = apply_rope(x, c, s)
+    torch.testing.assert_close(got, ref)
+    assert got.is_contiguous()
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, c, s), (x,))
+    # A rotation keeps the norm of each (i, i + D/2) pair.
+    torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_cross_entropy_kernel_handles_chunks_and_all_ignored_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(model_mod._CrossEntropyCPU, "CHUNK_BYTES", 3 * 4 * 50)  # 3 rows a chunk
+    logits = torch.randn(10, 50, requires_grad=True)
+    targets = torch.randint(0, 50, (10,))
+    targets[[1, 6]] = -100
+    for t in (targets, torch.full((10,), -100)):
+        for sum_, reduction in ((False, "mean"), (True, "sum")):
+            ref = F.cross_entropy(logits, t, reduction=reduction)
+            (g_ref,) = torch.autograd.grad(ref, logits)
+            got = model_mod._CrossEntropyCPU.apply(logits, t, sum_)
+            (g_got,) = torch.autograd.grad(got, logits)
+            torch.testing.assert_close(got, ref, equal_nan=True)
+            torch.testing.assert_close(g_got, g_ref)
+
+
+def test_known_peak_flops_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert perf.known_peak_flops("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, flops in (
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40S", 362e12),
+    ):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        assert perf.known_peak_flops("cuda") == flops, name
+        assert perf.known_peak_flops("cuda", torch.float32) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Some Future GPU")
+    assert perf.known_peak_flops("cuda:0") is None
+
+
+def test_matmul_peak_probe_and_mfu() -> None:
+    peak = perf.measure_matmul_peak(seconds=0.05, n=64)
+    assert math.isfinite(peak) and peak > 0
+    assert perf.mfu(flops_per_token=1e6, tokens_per_sec=500.0, peak_flops=1e9) == 0.5
+
+
+def test_bench_train_runs_on_a_tiny_shape(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = Path(__file__).parent.parent / "scripts" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_train", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    bench.main(["--shapes", "tiny", "--compile", "no", "--steps", "2", "--warmup", "1",
+                "--peak-seconds", "0.05", "--threads", "0"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "HF Llama" in out and "minillm" in out and "MFU" in out
