@@ -1,8 +1,11 @@
-"""The docs stay true: every config key documented, docs/config.md regenerated from the code."""
+"""The docs stay true: every config key documented, docs/config.md regenerated from the code,
+links into the code pointing at lines that still hold what they name, and the numbers, config keys
+and TensorBoard tags that the guides quote matching the code."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +32,158 @@ def test_config_reference_is_up_to_date() -> None:
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- links into the code
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\[([^\[\]]*)\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1", re.S | re.M)
+LINES = re.compile(r"L(\d+)(?:-L(\d+))?")
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
+
+
+def _links(md: Path) -> list[tuple[str, str]]:
+    """(text, target) of every markdown link outside fenced code blocks."""
+    return LINK.findall(FENCE.sub("", md.read_text(encoding="utf-8")))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(md: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    for heading in HEADING.findall(FENCE.sub("", md.read_text(encoding="utf-8"))):
+        slug = _slug(heading)
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+    return {s if i == 0 else f"{s}-{i}" for s, n in seen.items() for i in range(n)}
+
+
+def _names(text: str) -> list[str]:
+    """What must appear in the linked lines: every backticked name of the text, else the text."""
+    names = re.findall(r"`([^`]+)`", text) or [text.strip()]
+    return [n.removesuffix("()") for n in names]
+
+
+def _link_problem(md: Path, text: str, target: str) -> str | None:
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto: ...
+        return None
+    path, _, fragment = target.partition("#")
+    file = (md.parent / path).resolve() if path else md
+    if not file.is_relative_to(ROOT):
+        return "points outside the repository"
+    if not file.is_file():
+        return "no such file"
+    if not fragment:
+        return None
+    lines = LINES.fullmatch(fragment)
+    if lines is None:
+        if file.suffix == ".md" and fragment in _anchors(file):
+            return None
+        return f"no heading #{fragment} in {file.relative_to(ROOT)}"
+    first, last = int(lines.group(1)), int(lines.group(2) or lines.group(1))
+    source = file.read_text(encoding="utf-8").splitlines()
+    if not 1 <= first <= last <= len(source):
+        return f"lines {first}-{last} do not exist ({len(source)} lines)"
+    if file.suffix == ".py":
+        snippet = "\n".join(source[first - 1 : last])
+        missing = [
+            n for n in _names(text) if n not in snippet and n.rsplit(".", 1)[-1] not in snippet
+        ]
+        if missing:
+            return f"{', '.join(missing)} not in lines {first}-{last}"
+    return None
+
+
+def test_links_from_docs_point_at_files_lines_and_names_that_exist() -> None:
+    problems, line_links = [], 0
+    for md in DOCS:
+        for text, target in _links(md):
+            problem = _link_problem(md, text, target)
+            if problem:
+                problems.append(f"{md.relative_to(ROOT)}: [{text}]({target}): {problem}")
+            line_links += bool(LINES.fullmatch(target.partition("#")[2]))
+    assert not problems, "broken links:\n" + "\n".join(problems)
+    assert line_links >= 20, f"only {line_links} links to code lines: is the link pattern broken?"
+
+
+def test_link_checker_catches_drift() -> None:
+    model = ROOT / "minillm" / "model.py"
+    text = model.read_text(encoding="utf-8").splitlines()
+    line = next(i for i, s in enumerate(text, 1) if s.startswith("class RMSNorm"))
+    md = ROOT / "docs" / "architecture.md"
+    assert _link_problem(md, "`RMSNorm`", f"../minillm/model.py#L{line}-L{line + 2}") is None
+    assert _link_problem(md, "`KVCache`", f"../minillm/model.py#L{line}-L{line + 2}")
+    assert _link_problem(md, "x", f"../minillm/model.py#L{len(text) + 1}")
+    assert _link_problem(md, "x", "../minillm/nope.py")
+    assert _link_problem(md, "x", "training.md#no-such-heading")
+    assert _link_problem(md, "x", "https://example.com/anything") is None
+
+
+# ----------------------------------------------------------------------------- facts in the docs
+
+
+def test_architecture_numbers_are_minillm_info() -> None:
+    from minillm.config import load_config
+    from minillm.info import model_info
+
+    info = model_info(load_config(ROOT / "configs" / "llama2-7b.yaml"))
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    for key in ("params", "params_non_embedding", "flops_per_token"):
+        assert f"{info[key]:,}" in text, key
+        assert f'"{key}": {info[key]}' in text, key
+
+
+# `section.key` in a code span, not part of a path (`minillm/model.py`) or a longer dotted name
+# (`model.layers.0.mlp`, Hugging Face's parameter names); file names like `train.bin` are skipped.
+CONFIG_KEY = re.compile(r"(?<![\w./-])(model|data|train|sample)\.(\w+)(?![\w.{])")
+FILE_EXTENSIONS = {"py", "yaml", "md", "json", "jsonl", "bin", "pt", "safetensors", "txt", "csv"}
+
+
+CONFIG_ROW = re.compile(
+    r"^\| `(configs/[\w.-]+\.yaml)` \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d.]+) \|$", re.M
+)
+
+
+def test_config_table_in_training_guide_is_minillm_info() -> None:
+    from minillm.config import load_config
+    from minillm.info import model_info
+
+    rows = CONFIG_ROW.findall((ROOT / "docs" / "training.md").read_text(encoding="utf-8"))
+    shipped = {f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
+    assert {row[0] for row in rows} == shipped, "training.md's table of configs is incomplete"
+    for path, *documented in rows:
+        info = model_info(load_config(ROOT / path))
+        actual = [
+            f"{info['params']:,}",
+            f"{info['flops_per_token']:,}",
+            f"{info['tokens_per_step']:,}",
+            f"{info['memory_bytes']['total'] / 2**30:.2f}",
+        ]
+        assert documented == actual, f"{path}: training.md says {documented}, minillm info {actual}"
+
+
+def test_config_keys_named_in_docs_exist() -> None:
+    fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
+    unknown = []
+    for md in DOCS:
+        for span in re.findall(r"`([^`\n]+)`", md.read_text(encoding="utf-8")):
+            for section, key in CONFIG_KEY.findall(span):
+                if key not in fields[section] and key not in FILE_EXTENSIONS:
+                    unknown.append(f"{md.relative_to(ROOT)}: {section}.{key} in `{span}`")
+    assert not unknown, "\n".join(unknown)
+
+
+def test_tensorboard_tags_in_training_guide_are_written_by_the_code() -> None:
+    text = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
+    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "minillm").glob("*.py"))
+    tags = set(re.findall(r"`((?:train|val|layers)/\w+(?:/\w+)*?)(?:/\*|/NN)?`", text))
+    assert {"train/loss", "val/bits_per_byte", "layers/update_ratio"} <= tags, tags
+    for tag in tags:
+        section, _, name = tag.partition("/")
+        written = f'"{tag}' in code or (section == "val" and f'"{name}"' in code)
+        assert written, f"training.md documents {tag}, which no module writes"
