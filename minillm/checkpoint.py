@@ -98,13 +98,18 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         os.rename(tmp, final)
         fsync_dir(ckpt_root)
-    except BaseException:
+        _crash_test_pause()
+        atomic_write_text(ckpt_root / "LATEST", name + "\n")
+        if is_best:
+            atomic_write_text(ckpt_root / "BEST", name + "\n")
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a quota, an I/O error: say so in one line
+            raise CheckpointError(
+                f"{ckpt_root}: writing checkpoint {name} failed ({e.strerror or e}); "
+                f"LATEST still names the previous one, which is intact"
+            ) from None
         raise
-    _crash_test_pause()
-    atomic_write_text(ckpt_root / "LATEST", name + "\n")
-    if is_best:
-        atomic_write_text(ckpt_root / "BEST", name + "\n")
     prune_checkpoints(ckpt_root, keep_last)
     return final
 

@@ -88,7 +88,9 @@ class ModelConfig(_Section):
     rope_theta: float = _f(10000.0, help="RoPE base frequency.")
     norm_eps: float = _f(1e-5, help="Epsilon inside RMSNorm.")
     tie_embeddings: bool = _f(True, help="Share the output head with the token embedding.")
-    dropout: float = _f(0.0, help="Dropout on attention weights and residual branches (0 = off).")
+    dropout: float = _f(
+        0.0, help="Dropout on the embedding output, attention weights and residual branches."
+    )
 
     def __post_init__(self) -> None:
         self._positive("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden")

@@ -22,7 +22,10 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         model = Transformer(cfg.model)
     m, t = cfg.model, cfg.train
     params = model.param_count()
-    act_bytes = 2 if t.precision in ("bf16", "fp16") else 4
+    # `auto` is bf16 on a GPU and fp32 on a CPU; where the run will happen is unknown here, so
+    # it counts as a GPU run when this machine has one.
+    half = t.precision in ("bf16", "fp16") or (t.precision == "auto" and torch.cuda.is_available())
+    act_bytes = 2 if half else 4
     # Tensors autograd keeps per token and layer: norms, q/k/v (and rotated q/k), attention output,
     # the SwiGLU gate/up/product, residuals. Roughly 10 C + 3 K D + 4 F values; plus the logits and
     # their gradient in fp32. An estimate, good to about 20%.

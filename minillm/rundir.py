@@ -148,9 +148,14 @@ def resume_point(
         )
     if changed and verbose:
         warn(f"resuming with changed settings: {'; '.join(changed)}")
-    if state.get("world_size", 1) != world_size and verbose:
+    old_world = state.get("world_size", 1)
+    old_train = state["config"].get("train", {})
+    old_global = old_train.get("batch_size", 0) * old_train.get("grad_accum", 0) * old_world
+    new_global = cfg.train.batch_size * cfg.train.grad_accum * world_size
+    if old_global != new_global and verbose:
+        # The windows of a step depend on the global batch alone, not on how it is split.
         warn(
-            f"resuming a run of world size {state.get('world_size', 1)} with {world_size}: "
-            "the batches differ from here on"
+            f"resuming a run of global batch {old_global} sequences (world size {old_world}) "
+            f"with {new_global} (world size {world_size}): the batches differ from here on"
         )
     return found

@@ -35,13 +35,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _native_bf16() -> bool:
+    """bf16 in hardware (Ampere and newer); V100/T4 only emulate it, slowly."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch < 2.5 has no such argument and does not count emulation
+        return torch.cuda.is_bf16_supported()
+
+
 def resolve_precision(name: str, device: torch.device) -> str:
     """`auto` is bf16 on a CUDA GPU that supports it, else fp32 (bf16 matmul on CPUs is slow)."""
     if name == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        if device.type == "cuda" and _native_bf16():
             return "bf16"
         return "fp32"
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if name == "bf16" and device.type == "cuda" and not _native_bf16():
         raise ConfigError("train.precision", "bf16 is not supported by this GPU; use fp16")
     return name
 

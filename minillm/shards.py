@@ -33,6 +33,7 @@ import numpy as np
 from minillm.config import Config, ConfigError
 from minillm.corpus import Corpus, Document, open_corpus
 from minillm.data import DTYPES, META_VERSION, SPLITS, shard_dtype
+from minillm.errors import UserError
 from minillm.fsutil import ensure_writable_dir, fsync_dir, sha256_file
 from minillm.progress import ByteProgress
 from minillm.text import split_pieces
@@ -331,9 +332,14 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
         meta_path = out_dir / "meta.json"
         staged.append(_Staged.text(meta_path, json.dumps(meta, indent=2) + "\n"))
         _commit(staged, meta_path)
-    except BaseException:
+    except BaseException as e:
         for s in staged:
             s.discard()
+        if isinstance(e, OSError):  # a full disk, a quota, an I/O error: say so in one line
+            raise UserError(
+                f"{out_dir}: writing the tokenizer and shards failed ({e.strerror or e}); "
+                "free some space and run `minillm tokenize` again"
+            ) from None
         raise
     splits = {
         s: _split_summary(

@@ -58,7 +58,7 @@ def render() -> str:
         parts.append(f"\n## `{name}`\n\n{doc}\n")
         parts.append("| key | type | default | meaning |\n|---|---|---|---|")
         for f in dataclasses.fields(cls):
-            help_text = f.metadata.get("help", "")
+            help_text = f.metadata.get("help", "").replace("|", "\\|")  # not a cell border
             parts.append(
                 f"| `{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {help_text} |"
             )

@@ -397,11 +397,30 @@ def test_crash_between_renames_leaves_no_accepted_shard(
         real_commit(self)
 
     monkeypatch.setattr(shards_mod._Staged, "commit", commit)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match="power cut"):
         prepare_data(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     for split in ("train", "val"):
         with pytest.raises(UserError, match="minillm tokenize"):
             open_split(tmp_path / "tokens", split)
+
+
+def test_full_disk_is_one_line_and_keeps_previous_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    src = str(write_text(tmp_path / "s.txt", EXCERPT))
+    prepare_data(make_cfg(tmp_path, source=src))
+    out = tmp_path / "tokens"
+    before = hashes(out)
+
+    def full(self: Any, ids: np.ndarray) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards_mod._ShardWriter, "write", full)
+    with pytest.raises(UserError, match="No space left on device"):
+        prepare_data(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
+    assert hashes(out) == before
 
 
 def test_open_split_checks_size_against_meta(tmp_path: Path) -> None:

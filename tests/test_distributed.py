@@ -120,5 +120,5 @@ def test_single_process_resumes_a_two_rank_checkpoint_with_a_warning(workdir: Pa
     dst = workdir / "from_fsdp"
     shutil.copytree(src, dst)
     proc = single(workdir, "train.out_dir=from_fsdp", "train.max_steps=8")
-    assert "world size 2 with 1" in proc.stderr
+    assert "global batch 8 sequences (world size 2) with 4 (world size 1)" in proc.stderr
     assert (dst / "checkpoints" / "step_000008").is_dir()

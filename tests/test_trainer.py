@@ -118,7 +118,7 @@ def test_failed_save_leaves_previous_checkpoint_and_latest(
         trainer.train_step()
         trainer.step += 1
         monkeypatch.setattr(ckpt.torch, "save", full_disk)
-        with pytest.raises(OSError):
+        with pytest.raises(ckpt.CheckpointError, match="No space left on device"):
             trainer.save()
     finally:
         trainer.close()
