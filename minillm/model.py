@@ -1,8 +1,10 @@
 """The LLaMA-style decoder-only Transformer.
 
-Offers `RMSNorm`, `rope_tables`, `apply_rope`, `Attention`, `SwiGLU`, `Block`, `Transformer` and
-`KVCache`. The model is the same function as Hugging Face's `LlamaForCausalLM` given the same
-weights (RoPE in its "rotate half" layout; `export.py` maps the parameter names).
+Offers `RMSNorm`, `rope_tables`, `apply_rope`, `cross_entropy`, `Attention`, `SwiGLU`, `Block`,
+`Transformer` and `KVCache`. The model is the same function as Hugging Face's `LlamaForCausalLM`
+given the same weights (RoPE in its "rotate half" layout; `export.py` maps the parameter names).
+In eager mode on CPU a few hand-written autograd Functions (at the end of the file) compute the
+same math in fewer memory passes; under torch.compile the plain formulas are traced instead.
 
 Shape legend: B batch, T new tokens, S keys (cached + new), H query heads, K key/value heads,
 D head dim, C model dim (H*D), F SwiGLU hidden dim, V vocabulary.
@@ -69,6 +71,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
     return _RoPE.apply(x, cos, sin)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """F.cross_entropy(logits.float(), targets, ignore_index=-100) of logits (N, V), in the form
+    that is fastest where it runs (see "Eager CPU kernels" at the end of this file)."""
+    if reduction in ("mean", "sum"):
+        if _eager_cpu(logits) and logits.dtype == torch.float32:
+            return _CrossEntropyCPU.apply(logits, targets, reduction == "sum")
+    # .float(): the softmax of bf16 logits in fp32 (a no-op on fp32 logits)
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction=reduction)
 
 
 class KVCache:
@@ -354,13 +366,7 @@ class Transformer(nn.Module):
         logits = F.linear(x, self.head_weight)  # (B, T, V)
         if targets is None:
             return logits, None
-        flat = logits.view(-1, logits.shape[-1])  # (B*T, V)
-        if _eager_cpu(flat) and flat.dtype == torch.float32 and reduction in ("mean", "sum"):
-            loss = _CrossEntropyCPU.apply(flat, targets.reshape(-1), reduction == "sum")
-        else:  # .float(): the softmax of bf16 logits in fp32 (a no-op on fp32 logits)
-            loss = F.cross_entropy(
-                flat.float(), targets.reshape(-1), ignore_index=-100, reduction=reduction
-            )
+        loss = cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction)
         return logits, loss
 
     @staticmethod
