@@ -103,31 +103,6 @@ def measure_matmul_peak(
     return max(rates)
 
 
-def tune_cpu_allocator(threshold: int = 1 << 30) -> bool:
-    """Serve large CPU tensors from glibc's heap, not from a fresh mmap each time; True if set.
-
-    glibc maps every block of 32 MiB or more anew and unmaps it on free, so each such tensor (the
-    (B*T, V) logits and their gradient, at B*T*V >= 8M) pays a page fault per 4 KiB page, about
-    10 ms per 32 MiB on a 2-core machine. Raising the mmap and trim thresholds keeps the freed
-    blocks for reuse. Process-wide: the memory is not returned to the OS until exit. Linux/glibc
-    only; elsewhere nothing is changed.
-    """
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
-    value = ctypes.c_int(min(threshold, 2**31 - 1))
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, value)) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, value)
-    )
-
-
 def mfu(flops_per_token: float, tokens_per_sec: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (0..1)."""
     return flops_per_token * tokens_per_sec / peak_flops
