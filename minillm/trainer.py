@@ -25,6 +25,7 @@ from minillm.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.distributed import (
     all_gather_objects,
     all_reduce_sum,
+    barrier,
     init_distributed,
     local_device,
     shutdown_distributed,
@@ -447,6 +448,10 @@ def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, An
     """What `minillm train` runs."""
     trainer = Trainer(cfg, resume=resume, force=force)
     try:
-        return trainer.fit()
+        result = trainer.fit()
+        # Every rank leaves its last collective before any tears the group down: gloo aborts a
+        # process whose peer closes the connection under it.
+        barrier()
+        return result
     finally:
         trainer.close()
