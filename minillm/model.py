@@ -30,8 +30,9 @@ def _compiling() -> bool:
 
 
 def _eager_cpu(x: torch.Tensor) -> bool:
-    """Whether to use the hand-written CPU kernels below (see "Eager CPU kernels")."""
-    return x.device.type == "cpu" and not _compiling()
+    """Whether to use the hand-written CPU kernels below (see "Eager CPU kernels"): they pay off
+    in training; without autograd (eval, decoding) the native ops are as fast and cost less."""
+    return x.device.type == "cpu" and torch.is_grad_enabled() and not _compiling()
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +71,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if _compiling():  # the plain formula: inductor fuses it and its backward
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if not torch.is_grad_enabled():  # decoding: no autograd node to build
+        return _rotate(x, cos, sin)
     return _RoPE.apply(x, cos, sin)
 
 
