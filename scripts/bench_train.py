@@ -205,17 +205,17 @@ def _category(name: str) -> str:
 def profile_rows(rows: list[Row], steps: int, top: int, device: torch.device) -> None:
     """Print where each row's step time goes: self time by category and by operator.
 
-    Each of `steps` steps is profiled on its own and each operator's time is the minimum over
-    them, which filters out the interference of other processes. CPU self time on CPU; on CUDA,
-    device self time.
+    The rows take turns, one profiled step each, `steps` times, and each operator's time is the
+    minimum over its row's steps: this filters out other processes and, as the rows alternate,
+    the machine's drift. CPU self time on CPU; on CUDA, device self time.
     """
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    for row in rows:
-        best: dict[str, tuple[float, int]] = {}
-        for _ in range(steps):
+    bests: list[dict[str, tuple[float, int]]] = [{} for _ in rows]
+    for _ in range(steps):
+        for row, best in zip(rows, bests):
             with profile(activities=activities) as prof:
                 row.step()
                 synchronize(device)
@@ -223,6 +223,7 @@ def profile_rows(rows: list[Row], steps: int, top: int, device: torch.device) ->
                 us = e.self_device_time_total if cuda else e.self_cpu_time_total
                 if e.key not in best or us < best[e.key][0]:
                     best[e.key] = (us, e.count)
+    for row, best in zip(rows, bests):
         total = sum(us for us, _ in best.values())
         by_cat: dict[str, float] = {}
         for name, (us, _) in best.items():
