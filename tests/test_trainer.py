@@ -225,3 +225,32 @@ def test_second_trainer_on_the_same_run_is_refused(data_dir: Path, tmp_path: Pat
     finally:
         first.close()
     Trainer(cfg, verbose=False).close()  # released: the next one may start
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_keeps_fp32_weights_and_resumes(
+    data_dir: Path, tmp_path: Path, precision: str
+) -> None:
+    # bf16 is slow on this CPU (no native support), hence the tiny model and few steps.
+    cfg = make_cfg(data_dir, tmp_path / "run", precision=precision, max_steps=4, ckpt_every=2)
+    trainer = Trainer(cfg, verbose=False)
+    try:
+        assert trainer.precision == precision
+        assert (trainer.scaler is not None) == (precision == "fp16")
+        losses = []
+        for _ in range(2):
+            out = trainer.train_step()
+            trainer.step += 1
+            losses.append(out["loss"])
+        assert all(math.isfinite(x) for x in losses) and out["finite"]
+        # Autocast runs the matmuls in low precision; the weights and AdamW moments stay fp32.
+        assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+        trainer.save()
+    finally:
+        trainer.close()
+    state = ckpt.load_trainer_state(ckpt.find_latest(cfg.train.out_dir))
+    if precision == "fp16":
+        assert state["scaler"]["scale"] > 0  # the loss scale resumes with the run
+    resumed = run_trainer(cfg)
+    assert resumed.step == 4
+    assert all(torch.isfinite(v).all() for v in weights(resumed).values())
