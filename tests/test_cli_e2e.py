@@ -40,12 +40,12 @@ def cli(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProces
     return proc
 
 
-def test_ctrl_c_checkpoints_and_the_next_run_resumes(tmp_path: Path) -> None:
+def start_training(tmp_path: Path) -> subprocess.Popen:
+    """Tokenize a Shakespeare slice with CONFIG in tmp_path and start `minillm train` on it."""
     (tmp_path / "corpus.txt").write_text(SHAKESPEARE.read_text()[:80_000])
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     cli(tmp_path, "tokenize", "cfg.yaml")
-
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "minillm", "train", "cfg.yaml"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -53,6 +53,10 @@ def test_ctrl_c_checkpoints_and_the_next_run_resumes(tmp_path: Path) -> None:
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
+
+
+def test_ctrl_c_checkpoints_and_the_next_run_resumes(tmp_path: Path) -> None:
+    proc = start_training(tmp_path)
     for line in proc.stdout:  # wait until some steps are done, then press Ctrl-C
         if line.startswith("step 15/"):
             break
@@ -84,17 +88,7 @@ def test_ctrl_c_checkpoints_and_the_next_run_resumes(tmp_path: Path) -> None:
 
 
 def test_second_trainer_is_refused_while_the_first_runs(tmp_path: Path) -> None:
-    (tmp_path / "corpus.txt").write_text(SHAKESPEARE.read_text()[:80_000])
-    (tmp_path / "cfg.yaml").write_text(CONFIG)
-    cli(tmp_path, "tokenize", "cfg.yaml")
-    first = subprocess.Popen(
-        [sys.executable, "-m", "minillm", "train", "cfg.yaml"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+    first = start_training(tmp_path)
     try:
         for line in first.stdout:
             if line.startswith("training "):
