@@ -215,7 +215,7 @@ def export(
     """
     from minillm.export import check_export_target, export_checkpoint
 
-    _run(check_export_target, out, force)  # before the (slow) load
+    _run(check_export_target, out, force, ckpt)  # before the (slow) load
     loaded = _load(ckpt, "cpu")
     path = _run(export_checkpoint, loaded, out, force=force)
     print(f"wrote {path}")

@@ -81,13 +81,39 @@ def generation_config(sample: SampleConfig, eot_id: int) -> dict[str, Any]:
     return out
 
 
-def check_export_target(out: str | Path, force: bool) -> None:
-    """UserError if `out` is a file, or a non-empty folder and not force."""
+def check_export_target(out: str | Path, force: bool, source: str | Path | None = None) -> None:
+    """UserError if `out` is a file, a non-empty folder without force, or would overwrite the
+    checkpoint being exported (`source`, a run or a checkpoint folder) or any of its run's.
+
+    --force replaces an earlier export only: a folder holding folders (a run directory, a home
+    folder) is never deleted.
+    """
     out = Path(out)
+    if source is not None:
+        _check_not_over_source(out, Path(source))
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"{out}: folder exists and is not empty (pass --force to replace it)")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"{out}: folder exists and is not empty (pass --force to replace it)")
+        if any(p.is_dir() for p in out.iterdir()):
+            raise UserError(
+                f"{out}: holds folders, so it is not an exported model; --force only replaces "
+                "an earlier export (choose another --out)"
+            )
+
+
+def _check_not_over_source(out: Path, source: Path) -> None:
+    o, s = out.resolve(), source.resolve()
+    if s.parent.name == "checkpoints":  # one checkpoint of a run
+        run, ckpts = s.parent.parent, s.parent
+    else:
+        run, ckpts = s, s / "checkpoints"
+    inside = o == s or o.is_relative_to(ckpts) or (s != run and o.is_relative_to(s))
+    if inside or s.is_relative_to(o) or run.is_relative_to(o):
+        raise UserError(
+            f"--out {out}: overlaps the checkpoint being exported ({source}); choose another folder"
+        )
 
 
 def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
@@ -100,7 +126,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     from minillm.tokenizer import EOT, eot_id
 
     out = Path(out)
-    check_export_target(out, force)
+    check_export_target(out, force, ckpt.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = ckpt.config
     eot = eot_id(ckpt.tokenizer)
@@ -124,7 +150,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)
-        check_export_target(out, force)  # again: someone may have written there meanwhile
+        check_export_target(out, force, ckpt.path)  # again: someone may have written there meanwhile
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -117,6 +117,39 @@ def test_export_refuses_a_non_empty_folder_unless_forced(tmp_path: Path) -> None
     )
 
 
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_export_force_never_deletes_the_run_or_a_folder_of_folders(tmp_path: Path) -> None:
+    run_dir, _, _ = make_run(tmp_path / "work")
+    step = run_dir / "checkpoints" / "step_000010"
+    assert step.is_dir()
+    before = _tree(tmp_path)
+    runner = CliRunner()
+    for ckpt, out in [
+        (run_dir, run_dir),  # the run itself
+        (run_dir, run_dir / "checkpoints"),
+        (run_dir, step),  # a checkpoint of the run
+        (step, step),
+        (step, run_dir),  # the run that holds the checkpoint
+        (run_dir, tmp_path / "work"),  # a folder that holds the run
+    ]:
+        args = ["export", "--ckpt", str(ckpt), "--out", str(out), "--force"]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (ckpt, out, result.output)
+        assert len(result.stderr.strip().splitlines()) == 1
+        assert _tree(tmp_path) == before, (ckpt, out)
+    home = tmp_path / "home"
+    (home / "photos").mkdir(parents=True)
+    result = runner.invoke(app, ["export", "--ckpt", str(run_dir), "--out", str(home), "--force"])
+    assert result.exit_code == 2 and "holds folders" in result.stderr
+    assert (home / "photos").is_dir()
+    inside = run_dir / "hf"  # next to the checkpoints is fine
+    result = runner.invoke(app, ["export", "--ckpt", str(run_dir), "--out", str(inside)])
+    assert result.exit_code == 0, result.output
+
+
 # ----------------------------------------------------------------------------- import
 
 
