@@ -150,7 +150,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)
-        check_export_target(out, force, ckpt.path)  # again: someone may have written there meanwhile
+        check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
