@@ -30,7 +30,7 @@ from minillm.distributed import (
     local_device,
     shutdown_distributed,
 )
-from minillm.errors import UserError
+from minillm.errors import UserError, warn
 from minillm.fsutil import atomic_write_text, ensure_writable_dir, sha256_file
 from minillm.model import Transformer
 from minillm.monitor import Meter, Monitor, format_duration
@@ -290,7 +290,16 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self, is_best: bool = False) -> Path | None:
-        """Checkpoint the state after `self.step` completed steps (a collective under FSDP)."""
+        """Checkpoint the state after `self.step` completed steps (a collective under FSDP).
+
+        Weights that have overflowed (a huge lr can make a step with finite gradients do that)
+        are not written: the last checkpoint stays the last good one. Returns None then.
+        """
+        if not self._weights_finite():
+            if self.is_main:
+                warn(f"step {self.step}: the weights are not finite; no checkpoint written "
+                     f"(the last good one: {self.last_ckpt or 'none'})")  # fmt: skip
+            return None
         model_sd, optim_sd = full_state(self.model, self.optimizer)
         rngs = all_gather_objects(rng_state())  # index = rank
         if not self.is_main:
@@ -324,6 +333,15 @@ class Trainer:
             is_best=is_best,
         )
         return self.last_ckpt
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight on every rank is finite (a collective under torchrun)."""
+        bad = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 shard
+                bad += (~torch.isfinite(local)).sum()
+        return all_reduce_sum(bad).item() == 0
 
     # ------------------------------------------------------------------ the loop
 

@@ -254,3 +254,21 @@ def test_mixed_precision_trains_keeps_fp32_weights_and_resumes(
     resumed = run_trainer(cfg)
     assert resumed.step == 4
     assert all(torch.isfinite(v).all() for v in weights(resumed).values())
+
+
+def test_overflowed_weights_are_never_checkpointed(data_dir: Path, tmp_path: Path) -> None:
+    # With a huge lr the first steps have finite gradients but blow the weights up: those
+    # weights must not become a checkpoint, nor LATEST, nor "the last good checkpoint".
+    from safetensors.torch import load_file
+
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=20, lr=1e20, min_lr=0.0, warmup_steps=1,
+                   ckpt_every=1, eval_every=0, max_bad_steps=3)  # fmt: skip
+    with pytest.raises(TrainingDiverged) as err:
+        run_trainer(cfg)
+    latest = ckpt.find_latest(cfg.train.out_dir)
+    saved = sorted((Path(cfg.train.out_dir) / "checkpoints").glob("step_*"))
+    for folder in saved:
+        assert all(
+            torch.isfinite(t).all() for t in load_file(folder / "model.safetensors").values()
+        )
+    assert str(latest or "none") in str(err.value)
