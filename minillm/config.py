@@ -324,14 +324,16 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return int(number)
         raise bad
     if tp is float:
-        if isinstance(value, (int, float)):
-            return float(value)
         if isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        if not isinstance(value, (int, float)):
+            raise bad
+        if not math.isfinite(value):  # nan passes every range check (nan < 0 is False)
+            raise ConfigError(key, f"expected a finite number, got {value!r}")
+        return float(value)
     if tp is str:
         if isinstance(value, str):
             return value

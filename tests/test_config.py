@@ -95,6 +95,17 @@ BAD = [
     ("model: {d_model: 64, n_layer: 2, n_head: 4}\nsample: {top_p: 0}\n", "sample.top_p"),
     ("model: {d_model: 64, n_layer: 2, n_head: 4}\ntrain: {betas: [0.9]}\n", "train.betas"),
     ("- just\n- a list\n", "top level must be a mapping"),
+    # nan slips through every range check (nan > 0 is False): refused by type
+    (
+        "model: {d_model: 64, n_layer: 2, n_head: 4}\ntrain: {lr: .nan}\n",
+        "train.lr: expected a finite",
+    ),
+    ("model: {d_model: 64, n_layer: 2, n_head: 4}\ntrain: {grad_clip: .inf}\n", "train.grad_clip"),
+    ("model: {d_model: 64, n_layer: 2, n_head: 4, rope_theta: nan}\n", "model.rope_theta"),
+    (
+        "model: {d_model: 64, n_layer: 2, n_head: 4}\nsample: {temperature: NaN}\n",
+        "sample.temperature",
+    ),
 ]
 
 
