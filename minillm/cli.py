@@ -105,7 +105,7 @@ def _load(ckpt: Path, device: str):  # noqa: ANN202
     from minillm.checkpoint import load_checkpoint
     from minillm.runtime import resolve_device
 
-    return _run(load_checkpoint, ckpt, _run(resolve_device, device))
+    return _run(load_checkpoint, ckpt, _run(resolve_device, device, "--device"))
 
 
 EVAL_HELP = (

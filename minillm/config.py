@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -216,7 +217,7 @@ class TrainConfig(_Section):
             self._fail("min_lr", f"{self.min_lr} is above lr={self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             self._fail("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
-        if not (self.device in ("auto", "cpu", "cuda", "mps") or self.device.startswith("cuda:")):
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             self._fail("device", f"unknown device {self.device!r} (auto, cpu, cuda, cuda:N, mps)")
 
 

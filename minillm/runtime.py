@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import signal
 from typing import Any
 
@@ -19,8 +20,14 @@ from minillm.config import ConfigError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
-    """`auto` is cuda, then mps, then cpu; an unavailable device is a config error."""
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def resolve_device(name: str, key: str = "train.device") -> torch.device:
+    """`auto` is cuda, then mps, then cpu; an unknown or unavailable device is a ConfigError
+    naming `key` (the config key, or the CLI option that gave it)."""
+    if not DEVICE_PATTERN.fullmatch(name):
+        raise ConfigError(key, f"unknown device {name!r} (auto, cpu, cuda, cuda:N, mps)")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -29,9 +36,12 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device", f"{name!r} asked for, but CUDA is not available")
+        raise ConfigError(key, f"{name!r} asked for, but CUDA is not available")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(key, f"{name!r}: this machine has {torch.cuda.device_count()} GPUs")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("train.device", "'mps' asked for, but MPS is not available")
+        raise ConfigError(key, "'mps' asked for, but MPS is not available")
     return device
 
 

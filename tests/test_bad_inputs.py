@@ -156,6 +156,13 @@ CASES: list[Case] = [
      "train.precision"),
     ("cuda-absent", lambda w, t: ["train", c(w, t), "--set", "train.device=cuda"],
      "train.device"),
+    ("device-garbled", lambda w, t: ["train", c(w, t), "--set", "train.device=cuda:x"],
+     "train.device: unknown device"),
+    ("lr-nan", lambda w, t: ["train", c(w, t), "--set", "train.lr=nan"], "train.lr"),
+    ("eval-device-unknown", lambda w, t: ["eval", "--ckpt", str(w / "run"), "--device", "foo"],
+     "--device: unknown device 'foo'"),
+    ("sample-device-empty", lambda w, t: ["sample", "--ckpt", str(w / "run"), "--device", ""],
+     "--device"),
     # --- data
     ("corpus-missing", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
         source=str(t / "missing.txt"), out_dir=str(t / "tok")))], "missing.txt"),
