@@ -180,8 +180,8 @@ class TextCorpus(Corpus):
                 raise _fail(
                     files[0],
                     "data.val_fraction",
-                    "a single document with no line break or space to split off a validation "
-                    "tail; add text or more documents",
+                    "a single document too short, or without a line break or space, to split "
+                    "off a validation tail; add text or more documents",
                 )
             self.mask = np.zeros(1, dtype=bool)
         else:
@@ -270,7 +270,11 @@ class TableCorpus(Corpus):
             text = next(self._texts())
             cut = _tail_cut([text], len(text.encode("utf-8")), self.val_fraction)
             if cut is None:
-                raise _fail(self.label, "data.val_fraction", "one row, too short to split")
+                raise _fail(
+                    self.label,
+                    "data.val_fraction",
+                    "one row, too short to split off a validation tail; add text or rows",
+                )
             yield Document("train", text=text[: cut[1]])
             yield Document("val", text=text[cut[1] :])
             return

@@ -212,10 +212,15 @@ def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
 
     try:
         tok = train_tokenizer(texts(), vocab_size)
-    except ConfigError:
-        if not seen:
-            raise ConfigError("data.source", "no text: the corpus is empty", corpus.label) from None
-        raise
+    except ConfigError as err:
+        if not seen and err.key == "data.vocab_size":  # the tokenizer saw no text at all
+            raise ConfigError(
+                "data.source",
+                "no text in the train split: the corpus is empty, or all of its text went to "
+                "validation (data.val_fraction)",
+                corpus.label,
+            ) from None
+        raise  # the corpus's own error (say, a row too short to split), as it was
     finally:
         progress.close()
     return tok

@@ -168,6 +168,12 @@ CASES: list[Case] = [
         source=str(t / "missing.txt"), out_dir=str(t / "tok")))], "missing.txt"),
     ("corpus-empty", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
         source=str(write(t / "empty.txt", "")), out_dir=str(t / "tok")))], "empty.txt"),
+    ("corpus-one-short-row", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
+        source=str(write(t / "one.jsonl", '{"text": "abc def ghi"}\n')),
+        out_dir=str(t / "tok")))], "one row, too short to split"),
+    ("train-split-empty", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
+        source=str(write(t / "two.jsonl", '{"text": ""}\n{"text": "abc def ghi jkl mno pqr"}\n')),
+        out_dir=str(t / "tok")))], "no text in the train split"),
     ("corpus-binary", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
         source=str(write(t / "bin.txt", b"ok\n\xff\xfe\x00\x81 binary")),
         out_dir=str(t / "tok")))], "bin.txt"),
