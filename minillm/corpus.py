@@ -65,6 +65,16 @@ def _fail(file: str | Path | None, key: str, message: str) -> ConfigError:
     return ConfigError(key, message, str(file) if file is not None else None)
 
 
+def _reason(e: BaseException) -> BaseException:
+    """The parser's own error under a library's wrapper: the end of the `raise ... from` chain
+    (or, with none, the error being handled when this one was raised)."""
+    if e.__cause__ is None and e.__context__ is not None:
+        e = e.__context__
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -356,7 +366,9 @@ def _quiet_datasets() -> None:
     import huggingface_hub
 
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
+    # CRITICAL, not ERROR: the loaders log "Failed to load JSON from file ..." before raising,
+    # and the error line below already carries their reason.
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     huggingface_hub.utils.logging.set_verbosity_error()  # no "Retrying in 1s" lines offline
 
 
@@ -368,6 +380,7 @@ def _load_files(fmt: str, files: list[Path], source: str) -> Any:
         return datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
     except Exception as e:  # datasets/pyarrow raise many types for unparsable files
         where = files[0] if len(files) == 1 else source
+        e = _reason(e)
         raise _fail(where, "data.source", f"cannot read as {fmt}: {_first_line(e)}") from None
 
 

@@ -168,6 +168,9 @@ CASES: list[Case] = [
         source=str(t / "missing.txt"), out_dir=str(t / "tok")))], "missing.txt"),
     ("corpus-empty", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
         source=str(write(t / "empty.txt", "")), out_dir=str(t / "tok")))], "empty.txt"),
+    ("jsonl-broken-row", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
+        source=str(write(t / "b.jsonl", '{"text": "fine"}\n' * 30 + '{"text": "bro\n')),
+        out_dir=str(t / "tok")))], "cannot read as json: JSON parse error"),
     ("corpus-one-short-row", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
         source=str(write(t / "one.jsonl", '{"text": "abc def ghi"}\n')),
         out_dir=str(t / "tok")))], "one row, too short to split"),
