@@ -9,7 +9,8 @@ little-endian uint16 (uint32 when the vocabulary exceeds 65,536). `meta.json` ho
 
     {"version", "dtype", "vocab_size", "eot_id",
      "train": {"tokens", "bytes", "documents", "sha256"}, "val": {...},
-     "tokenizer_sha256", "source_fingerprint"}
+     "tokenizer_sha256", "source_fingerprint",
+     "data": {"source", "format", "text_field", "val_fraction", "seed"}}
 
 `bytes` counts the UTF-8 bytes of a split's document texts (not the separators), for
 bits-per-byte. Everything a run writes (tokenizer.json when it trains one, both shards, meta.json)
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minillm.config import Config, ConfigError
+from minillm.config import Config, ConfigError, DataConfig
 
 if TYPE_CHECKING:  # torch is imported where batches are made: `minillm tokenize` doesn't need it
     import torch
@@ -65,6 +66,31 @@ def shard_dtype(vocab_size: int) -> str:
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+def data_record(data: DataConfig) -> dict[str, Any]:
+    """The data settings shards are made from, as meta.json keeps them under "data": a run whose
+    config says otherwise is warned that its shards are not what its config describes."""
+    import os
+
+    source = os.path.abspath(data.source) if os.path.exists(data.source) else data.source
+    return {
+        "source": source,
+        "format": data.format,
+        "text_field": data.text_field,
+        "val_fraction": data.val_fraction,
+        "seed": data.seed,
+    }
+
+
+def stale_data_keys(meta: dict[str, Any], data: DataConfig) -> list[str]:
+    """The data.* keys whose values differ from those the shards were made with (meta.json's
+    "data"; none for shards from before it was recorded)."""
+    made = meta.get("data")
+    if not isinstance(made, dict):
+        return []
+    now = data_record(data)
+    return [f"data.{k}" for k in now if k in made and made[k] != now[k]]
 
 
 def load_meta(out_dir: str | Path) -> dict[str, Any]:

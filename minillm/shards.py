@@ -32,7 +32,7 @@ import numpy as np
 
 from minillm.config import Config, ConfigError
 from minillm.corpus import Corpus, Document, open_corpus
-from minillm.data import DTYPES, META_VERSION, SPLITS, shard_dtype
+from minillm.data import DTYPES, META_VERSION, SPLITS, data_record, shard_dtype
 from minillm.errors import UserError
 from minillm.fsutil import ensure_writable_dir, fsync_dir, sha256_file
 from minillm.progress import ByteProgress
@@ -334,6 +334,7 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
             }
         meta["tokenizer_sha256"] = tok_sha
         meta["source_fingerprint"] = corpus.fingerprint
+        meta["data"] = data_record(data)
         meta_path = out_dir / "meta.json"
         staged.append(_Staged.text(meta_path, json.dumps(meta, indent=2) + "\n"))
         _commit(staged, meta_path)

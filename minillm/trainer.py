@@ -139,6 +139,8 @@ class Trainer:
         self.tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * self.dist.world_size
 
     def _check_data(self) -> None:
+        from minillm.data import stale_data_keys
+
         cfg = self.cfg
         if not Path(self.tokenizer_file).is_file():
             raise UserError(
@@ -150,6 +152,11 @@ class Trainer:
                 f"{cfg.data.out_dir}/meta.json: shards were made with another tokenizer than "
                 f"{self.tokenizer_file}; run `minillm tokenize` again"
             )
+        stale = stale_data_keys(self.meta, cfg.data)
+        if stale and self.is_main:
+            warn(f"{cfg.data.out_dir}/meta.json: the shards were made with other "
+                 f"{', '.join(stale)} than this config's; run `minillm tokenize CONFIG` to "
+                 "remake them")  # fmt: skip
         vocab = int(self.meta["vocab_size"])
         if vocab > cfg.model.vocab_size:
             raise ConfigError(

@@ -272,3 +272,17 @@ def test_overflowed_weights_are_never_checkpointed(data_dir: Path, tmp_path: Pat
             torch.isfinite(t).all() for t in load_file(folder / "model.safetensors").values()
         )
     assert str(latest or "none") in str(err.value)
+
+
+def test_shards_from_another_source_are_warned_about(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cfg = make_cfg(data_dir, tmp_path / "same", max_steps=1)
+    Trainer(cfg, verbose=False).close()
+    assert "warning" not in capsys.readouterr().err
+    other = make_cfg(data_dir, tmp_path / "other", max_steps=1)
+    other.data.source = str(tmp_path / "another.jsonl")
+    other.data.text_field = "body"
+    Trainer(other, verbose=False).close()
+    err = capsys.readouterr().err
+    assert "meta.json: the shards were made with other data.source, data.text_field" in err
