@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from minillm.errors import UserError, warn
-from minillm.fsutil import atomic_write_json, atomic_write_text, fsync_dir, sha256_file
+from minillm.fsutil import (
+    atomic_write_json,
+    atomic_write_text,
+    fsync_dir,
+    save_safetensors,
+    sha256_file,
+)
 
 CKPT_DIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
@@ -67,7 +73,6 @@ def save_checkpoint(
 
     `state` is the JSON-able summary (step, tokens, losses, config); file hashes are added here.
     """
-    from safetensors.torch import save_file
 
     ckpt_root = Path(run_dir) / CKPT_DIR
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -79,7 +84,7 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "step": str(step)})
+        save_safetensors(tensors, tmp / MODEL_FILE, metadata={"format": "pt", "step": str(step)})
         _crash_test_pause()
         torch.save(trainer_state, tmp / TRAINER_FILE)
         _crash_test_pause()

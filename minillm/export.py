@@ -23,7 +23,7 @@ import torch
 from minillm.checkpoint import CheckpointError, load_weights_into
 from minillm.config import ModelConfig, SampleConfig
 from minillm.errors import UserError
-from minillm.fsutil import fsync_dir
+from minillm.fsutil import fsync_dir, save_safetensors
 from minillm.hf import from_hf_state_dict, hf_config_dict, model_config_from_hf, to_hf_state_dict
 
 CONFIG_FILE = "config.json"
@@ -121,7 +121,6 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
 
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
     """
-    from safetensors.torch import save_file
 
     from minillm.tokenizer import EOT, eot_id
 
@@ -136,7 +135,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     try:
         state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
         tensors = to_hf_state_dict(state, cfg.model)
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         files: dict[str, Any] = {
             CONFIG_FILE: hf_config_dict(cfg.model, bos_id=eot, eos_id=eot),
             "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len),

@@ -54,6 +54,17 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
     fsync_dir(path.parent)
 
 
+def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the file readable as any other new file (umask applies):
+    safetensors >= 0.5 creates it 0600, which stops another user loading a shared model."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_write(path, "w") as f:
         f.write(text)

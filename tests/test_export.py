@@ -45,6 +45,10 @@ def test_exported_folder_has_the_hf_files(exported) -> None:
         "generation_config.json",
     }
     assert not list(out.parent.glob(".hf.*"))  # no temporary folder left behind
+    # the weights are as readable as the other files (safetensors alone would make them 0600)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (
+        out / "config.json"
+    ).stat().st_mode & 0o777
     cfg = json.loads((out / "config.json").read_text())
     m = loaded.config.model
     assert cfg["architectures"] == ["LlamaForCausalLM"]
