@@ -434,6 +434,23 @@ def apply_override(raw: dict, override: str) -> None:
     target[key] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error, not "last wins"."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an odd key (a list, ...): the schema check names it later
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply `section.key=value` overrides, convert types and validate.
 
@@ -448,7 +465,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError("", f"cannot read: {e}", file) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f"line {where.line + 1}: " if where is not None else ""

@@ -95,6 +95,10 @@ BAD = [
     ("model: {d_model: 64, n_layer: 2, n_head: 4}\nsample: {top_p: 0}\n", "sample.top_p"),
     ("model: {d_model: 64, n_layer: 2, n_head: 4}\ntrain: {betas: [0.9]}\n", "train.betas"),
     ("- just\n- a list\n", "top level must be a mapping"),
+    (
+        "model: {d_model: 64, n_layer: 2, n_head: 4}\ntrain:\n  lr: 1.0e-3\n  lr: 2.0e-3\n",
+        "given twice",
+    ),
     # nan slips through every range check (nan > 0 is False): refused by type
     (
         "model: {d_model: 64, n_layer: 2, n_head: 4}\ntrain: {lr: .nan}\n",
