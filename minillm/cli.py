@@ -115,7 +115,7 @@ EVAL_HELP = (
     "Every token after the first is predicted exactly once: windows of T = train.seq_len tokens "
     "start at 0, T, 2T, ...; a window's inputs are tokens i .. i+T-1 and its targets tokens "
     "i+1 .. i+T, and the last window is shorter. Bits per byte = total NLL / ln 2 / UTF-8 bytes "
-    "of the text; with --max-tokens on the shard, its bytes are scaled by the share of tokens "
+    "of the text; with --max-tokens, the bytes are scaled by the share of tokens "
     "evaluated."
 )
 

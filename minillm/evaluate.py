@@ -90,13 +90,12 @@ def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np
     # The file is one document: a literal "<|endoftext|>" in it is text, as in the shards.
     tokenizer.encode_special_tokens = True
     ids = tokenizer.encode(text, add_special_tokens=False).ids
+    n_bytes = len(text.encode("utf-8"))
     if max_tokens is not None and len(ids) > max_tokens + 1:
+        # Bytes scaled by the share of predictions made, as for the shard: the whole file's
+        # bits per byte, estimated from its first tokens.
+        n_bytes *= max_tokens / (len(ids) - 1)
         ids = ids[: max_tokens + 1]
-        # The bytes the kept tokens stand for (byte-level BPE decodes exactly; a character cut
-        # at the end counts as its replacement character, at most 2 bytes off).
-        n_bytes = len(tokenizer.decode(ids).encode("utf-8"))
-    else:
-        n_bytes = len(text.encode("utf-8"))
     return np.asarray(ids, dtype=np.int64), float(n_bytes)
 
 

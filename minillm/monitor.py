@@ -47,7 +47,10 @@ class Monitor:
         if run_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            # A run resumed from step S after a crash logged steps > S before it died: purge
+            # them, so that each tag's steps only go forward.
+            purge = start_step + 1 if start_step > 0 else None
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge)
         if self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"),

@@ -287,7 +287,8 @@ class Trainer:
         self.model.train()
         loss = (sums[0] / sums[1].clamp(min=1)).item()
         val = self.meta["val"]
-        bytes_per_token = val["bytes"] / max(val["tokens"], 1)
+        # Bytes per prediction: the split's tokens - 1 are predicted, as `minillm eval` counts.
+        bytes_per_token = val["bytes"] / max(val["tokens"] - 1, 1)
         return {
             "loss": loss,
             "perplexity": math.exp(min(loss, 50.0)),

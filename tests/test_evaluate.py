@@ -75,6 +75,12 @@ def test_file_eval_of_a_uniform_model_by_hand(tmp_path: Path) -> None:
     assert got["loss"] == pytest.approx(math.log(320))
     assert got["perplexity"] == pytest.approx(320)
     assert got["bits_per_byte"] == pytest.approx((n_tokens - 1) * math.log2(320) / 46)
+    # --max-tokens on a file: as on the shard, the bytes are scaled by the share predicted
+    args = ["eval", "--ckpt", str(run_dir), "--data", str(path), "--json", "--max-tokens", "3"]
+    got = json.loads(runner.invoke(app, args).stdout)
+    share = 3 / (n_tokens - 1)
+    assert got["tokens"] == 3 and got["bytes"] == round(46 * share)
+    assert got["bits_per_byte"] == pytest.approx(3 * math.log2(320) / (46 * share))
 
 
 def test_val_shard_eval_and_max_tokens_scaling(tmp_path: Path) -> None:

@@ -286,3 +286,33 @@ def test_shards_from_another_source_are_warned_about(
     Trainer(other, verbose=False).close()
     err = capsys.readouterr().err
     assert "meta.json: the shards were made with other data.source, data.text_field" in err
+
+
+def test_val_bits_per_byte_equals_minillm_eval_over_the_whole_split(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    from minillm.evaluate import evaluate_checkpoint
+
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=2, eval_every=2, eval_steps=0)
+    val = run_trainer(cfg).evaluate()
+    got = evaluate_checkpoint(ckpt.load_checkpoint(cfg.train.out_dir))
+    assert got["loss"] == pytest.approx(val["loss"], rel=1e-6)
+    assert got["bits_per_byte"] == pytest.approx(val["bits_per_byte"], rel=1e-6)
+
+
+def test_tensorboard_steps_only_go_forward_after_a_crash(data_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=8, log_every=1, eval_every=4)
+    run_trainer(cfg, stop_at=7)  # checkpoints at 4 and 7, steps 1..7 logged
+    # A crash after step 7 was logged but before its checkpoint: only step 4 is on disk.
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(ckpts / "step_000007")
+    (ckpts / "LATEST").write_text("step_000004")
+    run_trainer(cfg)
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 9))
+    assert [e.step for e in acc.Scalars("val/loss")] == [4, 8]
