@@ -364,6 +364,11 @@ class Trainer:
                        self.dist.world_size)  # fmt: skip
         if self.verbose:
             monitor.print(self._banner(meter.peak))
+            if self.step >= tc.max_steps:
+                monitor.print(
+                    f"the run is already at step {self.step}, train.max_steps is "
+                    f"{tc.max_steps}: nothing to train (raise max_steps to go on)"
+                )
         saved_at = self.step if self.last_ckpt is not None else -1
         last_eval: dict[str, float] = {}
         t_start = time.perf_counter()
