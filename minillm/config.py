@@ -206,7 +206,11 @@ class TrainConfig(_Section):
     log_every: int = _f(10, help="Log scalars every this many steps.")
     max_bad_steps: int = _f(5, help="Stop after this many non-finite steps in a row.")
     peak_flops: float = _f(0.0, help="Peak FLOP/s for MFU; 0 = a known GPU's or a CPU probe.")
-    init_from: str = _f("", help="A Hugging Face Llama folder to start from (weights, tokenizer).")
+    init_from: str = _f(
+        "",
+        help="A Hugging Face Llama folder to start from (its config.json gives the model, its "
+        "weights the initial values; the model section may then be left out).",
+    )
 
     def __post_init__(self) -> None:
         self._positive("batch_size", "grad_accum", "seq_len", "max_steps", "lr", "adam_eps")
@@ -377,6 +381,12 @@ def config_from_dict(raw: Any, file: str | None = None) -> Config:
             if key not in SECTIONS:
                 raise ConfigError(key, f"unknown section (valid: {', '.join(SECTIONS)})")
         raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+        train_raw = raw.get("train")
+        init_from = train_raw.get("init_from") if isinstance(train_raw, dict) else None
+        if "model" not in raw and init_from:  # the model is the HF folder's
+            from minillm.export import hf_model_config
+
+            raw["model"] = dataclasses.asdict(hf_model_config(init_from))
         if "model" not in raw:
             raise ConfigError("model", "section is required")
         # The embedding table defaults to the tokenizer's size.

@@ -230,14 +230,9 @@ def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
-    """Our ModelConfig, our float32 state_dict and the tokenizer.json path of an HF Llama folder.
-
-    CheckpointError (a UserError) names the file at fault: no config.json, another architecture,
-    missing, pickled or truncated weights, tensors missing or of the wrong shape.
-    """
+def hf_model_config(folder: str | Path) -> ModelConfig:
+    """Our ModelConfig from an HF Llama folder's config.json alone (no weights read)."""
     from minillm.config import ConfigError
-    from minillm.model import Transformer
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -245,7 +240,7 @@ def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.T
     hf = _read_hf_config(folder)
     cfg_path = str(folder / CONFIG_FILE)
     try:
-        cfg = model_config_from_hf(hf, where=cfg_path)
+        return model_config_from_hf(hf, where=cfg_path)
     except ConfigError as e:
         e.file = e.file or cfg_path
         raise
@@ -253,6 +248,18 @@ def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.T
         raise CheckpointError(f"{cfg_path}: {e.args[0]}: missing") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{cfg_path}: invalid value ({e})") from None
+
+
+def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """Our ModelConfig, our float32 state_dict and the tokenizer.json path of an HF Llama folder.
+
+    CheckpointError (a UserError) names the file at fault: no config.json, another architecture,
+    missing, pickled or truncated weights, tensors missing or of the wrong shape.
+    """
+    from minillm.model import Transformer
+
+    folder = Path(folder)
+    cfg = hf_model_config(folder)
     tokenizer = folder / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise CheckpointError(

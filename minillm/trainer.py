@@ -11,6 +11,7 @@ and every other piece of state is in the checkpoint, so a resumed run continues 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import shutil
 import time
@@ -91,6 +92,11 @@ class Trainer:
             from minillm.export import import_hf_folder
 
             model_cfg, init_state, self.tokenizer_file = import_hf_folder(init_dir)
+            differ = [f"model.{f.name}" for f in dataclasses.fields(model_cfg)
+                      if getattr(model_cfg, f.name) != getattr(cfg.model, f.name)]  # fmt: skip
+            if differ and self.is_main:
+                warn(f"train.init_from: the model is {init_dir}'s; the config's "
+                     f"{', '.join(differ)} are not used")  # fmt: skip
             cfg.model = model_cfg
             self.cfg = cfg = config_from_dict(config_to_dict(cfg), file="train.init_from")
         self.meta = load_meta(cfg.data.out_dir)

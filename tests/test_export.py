@@ -289,3 +289,40 @@ def test_import_refuses_a_missing_shard(tmp_path: Path) -> None:
     _break_shard(folder)
     with pytest.raises(CheckpointError, match="shard model-.* is missing"):
         import_hf_folder(folder)
+
+
+def test_a_run_starts_from_an_exported_folder_without_a_model_section(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import yaml
+    from tiny_run import write_shards
+
+    from minillm.config import load_config
+    from minillm.trainer import Trainer
+
+    run_dir, cfg, net = make_run(tmp_path / "a")
+    hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
+    raw = {
+        "data": dict(source=str(tmp_path / "corpus.jsonl"), vocab_size=cfg.data.vocab_size,
+                     tokenizer=str(hf_dir / "tokenizer.json"), out_dir=str(tmp_path / "tok")),
+        "train": dict(out_dir=str(tmp_path / "run2"), init_from=str(hf_dir), batch_size=2,
+                      seq_len=16, max_steps=1, device="cpu", precision="fp32"),
+    }  # fmt: skip
+    path = tmp_path / "init.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    new = load_config(path)  # no model section: the folder's config.json gives it
+    assert Transformer(new.model).param_count() == net.param_count()
+    write_shards(new, [TEXT * 20, "Second document, long enough to train on. " * 20] * 3)
+    trainer = Trainer(new, verbose=False)
+    try:
+        got = trainer.model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())
+    finally:
+        trainer.close()
+    assert "warning" not in capsys.readouterr().err
+    raw["model"] = dict(d_model=32, n_layer=1, n_head=2)  # a model section that is not used
+    raw["train"]["out_dir"] = str(tmp_path / "run3")
+    path.write_text(yaml.safe_dump(raw))
+    Trainer(load_config(path), verbose=False).close()
+    err = capsys.readouterr().err
+    assert "model.d_model, model.n_layer, model.n_head" in err and "not used" in err
