@@ -102,8 +102,7 @@ def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np
 def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
     """The run's validation shard, its bytes (scaled to the share used) and a note saying so."""
     from minillm.data import load_meta, open_split
-    from minillm.fsutil import sha256_file
-    from minillm.tokenizer import eot_id
+    from minillm.tokenizer import eot_id, tokenizer_sha256
 
     out_dir = Path(ckpt.config.data.out_dir)
     if not (out_dir / "val.bin").is_file():
@@ -116,7 +115,7 @@ def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, s
     same = meta["eot_id"] == eot_id(tok) and meta["vocab_size"] == tok.get_vocab_size()
     tok_file = Path(ckpt.path) / "tokenizer.json"
     if same and meta.get("tokenizer_sha256") and tok_file.is_file():
-        same = sha256_file(tok_file) == meta["tokenizer_sha256"]
+        same = tokenizer_sha256(tok_file) == meta["tokenizer_sha256"]
     if not same:
         raise UserError(
             f"{out_dir / 'meta.json'}: these shards were made with another tokenizer than the "

@@ -34,7 +34,7 @@ from minillm.config import Config, ConfigError
 from minillm.corpus import Corpus, Document, open_corpus
 from minillm.data import DTYPES, META_VERSION, SPLITS, data_record, shard_dtype
 from minillm.errors import UserError
-from minillm.fsutil import ensure_writable_dir, fsync_dir, sha256_file
+from minillm.fsutil import ensure_writable_dir, fsync_dir
 from minillm.progress import ByteProgress
 from minillm.text import split_pieces
 from minillm.tokenizer import (
@@ -42,6 +42,7 @@ from minillm.tokenizer import (
     check_vocab_size,
     eot_id,
     load_tokenizer,
+    tokenizer_sha256,
     train_tokenizer,
 )
 
@@ -306,7 +307,7 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
         if reuse:
             tok = load_tokenizer(tok_path)
             check_tokenizer(tok, data.vocab_size, tok_path)
-            tok_sha, tok_seconds = sha256_file(tok_path), 0.0
+            tok_sha, tok_seconds = tokenizer_sha256(tok_path), 0.0
         else:
             train_start = time.perf_counter()
             tok = _train(corpus, data.vocab_size, console)

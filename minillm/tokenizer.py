@@ -84,6 +84,21 @@ def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
     atomic_write_text(path, tok.to_str())
 
 
+def tokenizer_sha256(path: str | Path) -> str:
+    """sha256 of a tokenizer's content (its compact JSON), not of the file's bytes: minillm's own
+    files are written compact, so the two agree there, and an exported, pretty-printed copy of
+    the same tokenizer gets the same digest. A file `tokenizers` cannot read: its bytes' digest."""
+    import hashlib
+
+    from minillm.fsutil import sha256_file
+
+    try:
+        text = Tokenizer.from_file(str(path)).to_str()
+    except Exception:  # tokenizers raises a bare Exception for bad JSON or schema
+        return sha256_file(path)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Read a tokenizer.json; a missing or unreadable file is a UserError naming it."""
     path = Path(path)

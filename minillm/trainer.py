@@ -32,7 +32,7 @@ from minillm.distributed import (
     shutdown_distributed,
 )
 from minillm.errors import UserError, warn
-from minillm.fsutil import atomic_write_text, ensure_writable_dir, sha256_file
+from minillm.fsutil import atomic_write_text, ensure_writable_dir
 from minillm.model import Transformer
 from minillm.monitor import Meter, Monitor, format_duration
 from minillm.optim import build_optimizer, schedule_lr
@@ -48,6 +48,7 @@ from minillm.runtime import (
     seed_everything,
     set_rng_state,
 )
+from minillm.tokenizer import tokenizer_sha256
 
 LN2 = math.log(2.0)
 
@@ -152,7 +153,7 @@ class Trainer:
             raise UserError(
                 f"{self.tokenizer_file}: tokenizer not found; run `minillm tokenize` first"
             )
-        self.tokenizer_sha = sha256_file(self.tokenizer_file)
+        self.tokenizer_sha = tokenizer_sha256(self.tokenizer_file)
         if self.meta.get("tokenizer_sha256") not in (None, self.tokenizer_sha):
             raise UserError(
                 f"{cfg.data.out_dir}/meta.json: shards were made with another tokenizer than "

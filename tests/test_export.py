@@ -326,3 +326,25 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     Trainer(load_config(path), verbose=False).close()
     err = capsys.readouterr().err
     assert "model.d_model, model.n_layer, model.n_head" in err and "not used" in err
+
+
+def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_path: Path) -> None:
+    import copy
+
+    from tiny_run import write_shards
+
+    from minillm.fsutil import sha256_file
+    from minillm.tokenizer import tokenizer_sha256
+    from minillm.trainer import Trainer
+
+    run_dir, cfg, _ = make_run(tmp_path)
+    hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
+    original, exported = Path(cfg.data.tokenizer), hf_dir / "tokenizer.json"
+    assert original.read_bytes() != exported.read_bytes()  # pretty-printed by the export
+    assert tokenizer_sha256(exported) == tokenizer_sha256(original) == sha256_file(original)
+    write_shards(cfg, [TEXT * 20, "Second document, long enough to train on. " * 20] * 3)
+    new = copy.deepcopy(cfg)
+    new.data.tokenizer = str(exported)
+    new.train.init_from, new.train.out_dir = str(hf_dir), str(tmp_path / "run2")
+    new.train.device, new.train.max_steps = "cpu", 1
+    Trainer(new, verbose=False).close()  # no "shards were made with another tokenizer"
