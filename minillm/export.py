@@ -183,12 +183,6 @@ def _read_hf_config(folder: Path) -> dict[str, Any]:
             f"{path}: a {hf.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}), "
             "not LlamaForCausalLM; only Llama folders can be imported"
         )
-    # transformers >= 5 moved RoPE scaling into rope_parameters, where hf.py does not look.
-    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise CheckpointError(
-            f"{path}: rope_parameters.rope_type {rope_type!r} (RoPE scaling) is not supported"
-        )
     return hf
 
 

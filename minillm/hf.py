@@ -60,9 +60,13 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     ):
         if hf.get(key, ok) != ok:
             raise ConfigError(key, f"{hf[key]!r} is not supported (minillm needs {ok!r})", where)
-    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
-    if hf.get("rope_scaling") or rope_type != "default":  # transformers >= 5: rope_parameters
+    if hf.get("rope_scaling"):
         raise ConfigError("rope_scaling", "RoPE scaling is not supported", where)
+    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
+    if rope_type != "default":  # transformers >= 5 moved RoPE scaling into rope_parameters
+        raise ConfigError(
+            "rope_parameters", f"rope_type {rope_type!r} (RoPE scaling) is not supported", where
+        )
     rope_theta = hf.get("rope_theta")
     if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
         rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
