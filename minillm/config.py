@@ -24,6 +24,9 @@ import yaml
 
 from minillm.errors import UserError
 
+# What train.device and `--device` accept (runtime.resolve_device checks availability).
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
 
 class ConfigError(UserError, ValueError):
     """A user error in a config: printed as one line `<file>: <key>: <what is wrong>`."""
@@ -221,7 +224,7 @@ class TrainConfig(_Section):
             self._fail("min_lr", f"{self.min_lr} is above lr={self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             self._fail("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")
-        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+        if not DEVICE_PATTERN.fullmatch(self.device):
             self._fail("device", f"unknown device {self.device!r} (auto, cpu, cuda, cuda:N, mps)")
 
 

@@ -25,6 +25,7 @@ data and the global batch does not depend on how it is spread over ranks and mic
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,8 +72,6 @@ def shard_dtype(vocab_size: int) -> str:
 def data_record(data: DataConfig) -> dict[str, Any]:
     """The data settings shards are made from, as meta.json keeps them under "data": a run whose
     config says otherwise is warned that its shards are not what its config describes."""
-    import os
-
     source = os.path.abspath(data.source) if os.path.exists(data.source) else data.source
     return {
         "source": source,

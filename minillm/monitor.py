@@ -130,9 +130,11 @@ class Meter:
     @property
     def mfu(self) -> float:
         """Model FLOPs per second over the peak of all devices (MFU, as in the PaLM paper)."""
+        from minillm.perf import mfu
+
         if not self.peak:
             return math.nan
-        return self.flops_per_token * self.tokens_per_sec / (self.peak * self.world_size)
+        return mfu(self.flops_per_token, self.tokens_per_sec, self.peak * self.world_size)
 
     def scalars(self, out: dict[str, float], skipped: int) -> dict[str, float]:
         return {

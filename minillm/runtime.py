@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import random
-import re
 import signal
 from typing import Any
 
 import numpy as np
 import torch
 
-from minillm.config import ConfigError
+from minillm.config import DEVICE_PATTERN, ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
