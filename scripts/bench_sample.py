@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import torch
 import transformers
+from bench_train import build_models  # scripts/ is on sys.path when run as a script
 
 from minillm.config import ModelConfig
 from minillm.generate import generate
-from minillm.hf import hf_config_dict, to_hf_state_dict
 from minillm.model import Transformer
 
 
@@ -58,17 +58,9 @@ SHAPES = {
 
 
 def build_pair(shape: Shape) -> tuple[Transformer, transformers.LlamaForCausalLM]:
-    torch.manual_seed(0)
-    cfg = shape.model_config()
-    ours = Transformer(cfg).eval()
-    hf_cfg = hf_config_dict(cfg, bos_id=None, eos_id=None)
-    for key in ("architectures", "model_type", "torch_dtype"):
-        hf_cfg.pop(key)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
-    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg), strict=False)
-    if cfg.tie_embeddings:
-        hf.tie_weights()
-    return ours, hf
+    """Ours and HF's Llama with the same weights, as bench_train.py builds them, in eval mode."""
+    ours, hf = build_models(shape, torch.device("cpu"))
+    return ours.eval(), hf.eval()
 
 
 def loadavg() -> float:
