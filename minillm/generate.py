@@ -175,13 +175,11 @@ def generate(
     padded = not bool(mask.all())
 
     cache = KVCache(cfg, B, P + max_new_tokens - 1, device=device, dtype=param.dtype)
-    logits, _ = model(
-        idx, attention_mask=mask if padded else None, kv_cache=cache, last_only=True
-    )  # (B, 1, V)
+    logits, _ = model(idx, attention_mask=mask if padded else None, kv_cache=cache, last_only=True)
+    logits = logits[:, -1]  # (B, V)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for step in range(max_new_tokens):
-        logits = logits[:, -1]  # (B, V)
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = float("-inf")
         nxt = sample_next(logits, temperature, top_k, top_p, generators)  # (B,)
@@ -197,7 +195,7 @@ def generate(
         if all(done) or step == max_new_tokens - 1:
             break
         # Finished rows keep decoding (their tokens are discarded): the batch moves together.
-        logits, _ = model(nxt.view(B, 1), kv_cache=cache, last_only=True)
+        logits = model.decode_step(nxt, cache)  # (B, V)
     return out
 
 

@@ -76,6 +76,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return _RoPE.apply(x, cos, sin)
 
 
+def rotate_half_matrix(head_dim: int) -> torch.Tensor:
+    """The (D, D) matrix P with x @ P = [-x2, x1], HF's rotate_half(x), for x = [x1, x2]."""
+    half = head_dim // 2
+    i = torch.arange(half)
+    p = torch.zeros(head_dim, head_dim)
+    p[i + half, i] = -1.0
+    p[i, i + half] = 1.0
+    return p
+
+
+def rope_rotation(cos: torch.Tensor, sin: torch.Tensor, rotate_half: torch.Tensor) -> torch.Tensor:
+    """The matrices R (..., D, D) with x @ R == apply_rope(x, cos, sin) at one position per row.
+
+    apply_rope(x) = x cos + rotate_half(x) sin = x @ (diag(cos) + P diag(sin)), P the
+    `rotate_half_matrix`; cos, sin (..., D) are table rows. Decoding rotates all q and k heads of
+    a token with this one small matmul instead of apply_rope's elementwise ops.
+    """
+    return torch.diag_embed(cos).addcmul_(rotate_half, sin[..., None, :])
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """SDPA of q (B, H, T, D) over k, v (B, K, S, D), K dividing H (grouped-query heads)."""
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if _SDPA_HAS_GQA:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **extra
+    )
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
     """F.cross_entropy(logits.float(), targets, ignore_index=-100) of logits (N, V), in the form
     that is fastest where it runs (see "Eager CPU kernels" at the end of this file)."""
@@ -165,21 +206,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)  # (B, K, S, D)
-        extra = {}
-        if K != H:
-            if _SDPA_HAS_GQA:
-                extra["enable_gqa"] = True
-            else:
-                k, v = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask.bool_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask.is_causal,
-            **extra,
-        )  # (B, H, T, D)
+        dropout = self.dropout if self.training else 0.0
+        y = attention(q, k, v, mask.bool_mask, mask.is_causal, dropout)  # (B, H, T, D)
         if mask.empty_rows is not None:
             # A query that may see no key at all (a left pad) outputs zeros, not an average.
             y = y.masked_fill(mask.empty_rows, 0.0)
@@ -228,6 +256,38 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, layer)
         return x + self.ffn(self.ffn_norm(x))
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        rot: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        kv_cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        """forward() of one new token per row, x (B, C), for inference (Transformer.decode_step).
+
+        The same math as forward, Attention and SwiGLU, written on the weights with functional
+        ops: a module call costs about as much as a small op, and decoding is made of small ops.
+        rot (B, D, D): RoPE at each row's position (rope_rotation); key_mask (B, 1, 1, S) or None.
+        """
+        attn, ffn = self.attn, self.ffn
+        H, K, D = attn.n_head, attn.n_kv_head, attn.head_dim
+        B, pos = x.shape[0], kv_cache.pos
+        qkv = F.linear(self.attn_norm.forward(x), attn.wqkv.weight).view(B, H + 2 * K, D)
+        qk = qkv[:, : H + K]
+        if qk.dtype == rot.dtype:
+            qk = torch.matmul(qk, rot)  # q and k heads rotated
+        else:  # RoPE in the tables' precision, as apply_rope does
+            qk = torch.matmul(qk.to(rot.dtype), rot).to(qkv.dtype)
+        keys, values = kv_cache.k[layer], kv_cache.v[layer]  # (B, K, max_len, D)
+        keys.select(2, pos).copy_(qk[:, H:])
+        values.select(2, pos).copy_(qkv[:, H + K :])
+        q = qk[:, :H, None]  # (B, H, 1, D)
+        y = attention(q, keys[:, :, : pos + 1], values[:, :, : pos + 1], key_mask)  # (B, H, 1, D)
+        x = x + F.linear(y.reshape(B, H * D), attn.wo.weight)
+        gate, up = F.linear(self.ffn_norm.forward(x), ffn.w_gate_up.weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, ffn.w_down.weight)
 
 
 class AttentionMask:
@@ -288,6 +348,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_rotate_half", rotate_half_matrix(cfg.head_dim), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -371,6 +432,33 @@ class Transformer(nn.Module):
             return logits, None
         loss = cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction)
         return logits, loss
+
+    def decode_step(self, tokens: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """Logits (B, V) of one new token per row, tokens (B,), appended to kv_cache.
+
+        The same function as forward(tokens[:, None], kv_cache=kv_cache, last_only=True) after a
+        prefill, for inference (no autograd), in a third of the operations: on a CPU a decoded
+        token costs the matrix-vector products plus the dispatch of every small op and module
+        call around them, so each block runs `Block.decode` and RoPE is one matmul per layer.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError("decode_step is for inference: call it under torch.inference_mode()")
+        pos = kv_cache.pos
+        if pos >= kv_cache.max_len:
+            raise ValueError(f"KV cache of {kv_cache.max_len} tokens is full")
+        positions = kv_cache.n_seen  # (B,) real tokens so far: the new token's RoPE position
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, D)
+        rot = rope_rotation(cos, sin, self.rope_rotate_half)  # (B, D, D)
+        kv_cache.key_valid[:, pos] = True
+        key_mask = None  # the new token sees every key, but left padding must stay hidden
+        if kv_cache.has_padding:
+            key_mask = kv_cache.key_valid[:, None, None, : pos + 1]  # (B, 1, 1, S)
+        x = F.embedding(tokens, self.tok_emb.weight)  # (B, C)
+        for layer, block in enumerate(self.blocks):
+            x = block.decode(x, rot, key_mask, kv_cache, layer)
+        kv_cache.pos += 1
+        kv_cache.n_seen += 1
+        return F.linear(self.norm.forward(x), self.head_weight)
 
     @staticmethod
     def _positions(

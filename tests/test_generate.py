@@ -118,6 +118,9 @@ class CountingModel(torch.nn.Module):
         logits = torch.nn.functional.one_hot(nxt, self.cfg.vocab_size).float()[:, None] * 10
         return logits, None
 
+    def decode_step(self, tokens, kv_cache):
+        return self(tokens[:, None], kv_cache=kv_cache)[0][:, -1]
+
 
 def test_rows_stop_at_end_of_text_and_the_batch_stops_when_all_have() -> None:
     model = CountingModel()

@@ -8,7 +8,14 @@ import transformers
 
 from minillm.config import ModelConfig
 from minillm.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
-from minillm.model import KVCache, Transformer
+from minillm.model import (
+    KVCache,
+    Transformer,
+    apply_rope,
+    rope_rotation,
+    rope_tables,
+    rotate_half_matrix,
+)
 
 
 def make_pair(**kw) -> tuple[Transformer, transformers.LlamaForCausalLM, ModelConfig]:
@@ -175,6 +182,42 @@ def test_kv_cache_with_left_padding_matches_rows_decoded_alone() -> None:
         for i, s in enumerate(seqs):
             alone, _ = ours(torch.cat([s, nxt[i]])[None])
             torch.testing.assert_close(steps[i], alone[0, len(s) :], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_step_equals_forward_with_the_cache(case: str) -> None:
+    # The decoding fast path against the module forward, token by token, on a left-padded batch
+    # (rows at different RoPE positions, padding masked) and on a plain one.
+    ours, _, cfg = make_pair(**CASES[case])
+    idx = torch.randint(1, cfg.vocab_size, (3, 9))
+    nxt = torch.randint(1, cfg.vocab_size, (3, 12))
+    for mask in (None, torch.arange(9).expand(3, 9) >= torch.tensor([[0], [3], [8]])):
+        with torch.inference_mode():
+            ref_cache, cache = KVCache(cfg, 3, 21), KVCache(cfg, 3, 21)
+            ours(idx, attention_mask=mask, kv_cache=ref_cache)
+            ours(idx, attention_mask=mask, kv_cache=cache)
+            for t in range(12):
+                ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
+                got = ours.decode_step(nxt[:, t], cache)
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+            assert cache.pos == ref_cache.pos == 21
+            assert torch.equal(cache.n_seen, ref_cache.n_seen)
+            torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-6, rtol=0)
+            torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-6, rtol=0)
+            with pytest.raises(ValueError, match="full"):
+                ours.decode_step(nxt[:, 0], cache)
+    with pytest.raises(RuntimeError, match="inference"):
+        ours.decode_step(nxt[:, 0], KVCache(cfg, 3, 4))
+
+
+def test_rope_rotation_matrix_equals_apply_rope() -> None:
+    cos, sin = rope_tables(head_dim=16, max_len=50, theta=10000.0)
+    pos = torch.tensor([0, 7, 49])
+    x = torch.randn(3, 1, 5, 16)  # (B, T=1, H, D)
+    rot = rope_rotation(cos[pos], sin[pos], rotate_half_matrix(16))
+    want = apply_rope(x, cos[pos][:, None, None], sin[pos][:, None, None])
+    with torch.no_grad():
+        torch.testing.assert_close(x[:, 0] @ rot, want[:, 0], atol=1e-6, rtol=0)
 
 
 def test_init_scales_residual_projections() -> None:
