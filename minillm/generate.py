@@ -177,6 +177,7 @@ def generate(
     cache = KVCache(cfg, B, P + max_new_tokens - 1, device=device, dtype=param.dtype)
     logits, _ = model(idx, attention_mask=mask if padded else None, kv_cache=cache, last_only=True)
     logits = logits[:, -1]  # (B, V)
+    decoder = model.decoder(cache)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for step in range(max_new_tokens):
@@ -195,7 +196,7 @@ def generate(
         if all(done) or step == max_new_tokens - 1:
             break
         # Finished rows keep decoding (their tokens are discarded): the batch moves together.
-        logits = model.decode_step(nxt, cache)  # (B, V)
+        logits = decoder.step(nxt)  # (B, V)
     return out
 
 

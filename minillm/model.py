@@ -44,12 +44,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            if _eager_cpu(x) and self.weight.dtype == torch.float32:
-                return _RMSNormCPU.apply(x, self.weight, self.eps)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * y.to(x.dtype)
+        if x.dtype == self.weight.dtype == torch.float32 and _eager_cpu(x):
+            return _RMSNormCPU.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (..., C) with gain weight (C,), normalised in float32 whatever x's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * y.to(x.dtype)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,38 +262,6 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, layer)
         return x + self.ffn(self.ffn_norm(x))
 
-    def decode(
-        self,
-        x: torch.Tensor,
-        rot: torch.Tensor,
-        key_mask: torch.Tensor | None,
-        kv_cache: KVCache,
-        layer: int,
-    ) -> torch.Tensor:
-        """forward() of one new token per row, x (B, C), for inference (Transformer.decode_step).
-
-        The same math as forward, Attention and SwiGLU, written on the weights with functional
-        ops: a module call costs about as much as a small op, and decoding is made of small ops.
-        rot (B, D, D): RoPE at each row's position (rope_rotation); key_mask (B, 1, 1, S) or None.
-        """
-        attn, ffn = self.attn, self.ffn
-        H, K, D = attn.n_head, attn.n_kv_head, attn.head_dim
-        B, pos = x.shape[0], kv_cache.pos
-        qkv = F.linear(self.attn_norm.forward(x), attn.wqkv.weight).view(B, H + 2 * K, D)
-        qk = qkv[:, : H + K]
-        if qk.dtype == rot.dtype:
-            qk = torch.matmul(qk, rot)  # q and k heads rotated
-        else:  # RoPE in the tables' precision, as apply_rope does
-            qk = torch.matmul(qk.to(rot.dtype), rot).to(qkv.dtype)
-        keys, values = kv_cache.k[layer], kv_cache.v[layer]  # (B, K, max_len, D)
-        keys.select(2, pos).copy_(qk[:, H:])
-        values.select(2, pos).copy_(qkv[:, H + K :])
-        q = qk[:, :H, None]  # (B, H, 1, D)
-        y = attention(q, keys[:, :, : pos + 1], values[:, :, : pos + 1], key_mask)  # (B, H, 1, D)
-        x = x + F.linear(y.reshape(B, H * D), attn.wo.weight)
-        gate, up = F.linear(self.ffn_norm.forward(x), ffn.w_gate_up.weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, ffn.w_down.weight)
-
 
 class AttentionMask:
     """What SDPA needs to know about which keys each query may see, built once per forward.
@@ -433,32 +406,9 @@ class Transformer(nn.Module):
         loss = cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction)
         return logits, loss
 
-    def decode_step(self, tokens: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-        """Logits (B, V) of one new token per row, tokens (B,), appended to kv_cache.
-
-        The same function as forward(tokens[:, None], kv_cache=kv_cache, last_only=True) after a
-        prefill, for inference (no autograd), in a third of the operations: on a CPU a decoded
-        token costs the matrix-vector products plus the dispatch of every small op and module
-        call around them, so each block runs `Block.decode` and RoPE is one matmul per layer.
-        """
-        if torch.is_grad_enabled():
-            raise RuntimeError("decode_step is for inference: call it under torch.inference_mode()")
-        pos = kv_cache.pos
-        if pos >= kv_cache.max_len:
-            raise ValueError(f"KV cache of {kv_cache.max_len} tokens is full")
-        positions = kv_cache.n_seen  # (B,) real tokens so far: the new token's RoPE position
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (B, D)
-        rot = rope_rotation(cos, sin, self.rope_rotate_half)  # (B, D, D)
-        kv_cache.key_valid[:, pos] = True
-        key_mask = None  # the new token sees every key, but left padding must stay hidden
-        if kv_cache.has_padding:
-            key_mask = kv_cache.key_valid[:, None, None, : pos + 1]  # (B, 1, 1, S)
-        x = F.embedding(tokens, self.tok_emb.weight)  # (B, C)
-        for layer, block in enumerate(self.blocks):
-            x = block.decode(x, rot, key_mask, kv_cache, layer)
-        kv_cache.pos += 1
-        kv_cache.n_seen += 1
-        return F.linear(self.norm.forward(x), self.head_weight)
+    def decoder(self, kv_cache: KVCache) -> Decoder:
+        """A `Decoder` that continues kv_cache one token per row at a time (inference only)."""
+        return Decoder(self, kv_cache)
 
     @staticmethod
     def _positions(
@@ -507,6 +457,79 @@ class Transformer(nn.Module):
         if self.lm_head is None:
             matmul += self.tok_emb.weight.numel()
         return 6 * matmul + 12 * cfg.n_layer * cfg.d_model * seq_len
+
+
+class Decoder:
+    """Decodes one token per row at a time through a Transformer and its KV cache, for inference.
+
+    `step(tokens)` is the same function as `model(tokens[:, None], kv_cache=kv_cache,
+    last_only=True)` after a prefill, in far fewer operations. On a CPU a decoded token costs its
+    matrix-vector products plus 1-4 us for every small op, module call and module attribute
+    lookup around them, and the module forward spent more on the latter than on the former. So
+    the weights and cache slices are looked up once, here, each block runs as functional ops on
+    them, the residual adds ride on the output projections (addmm), and RoPE rotates all q and k
+    heads with one (D, D) matmul per layer (rope_rotation). Make a new Decoder for each
+    generation: it holds the parameters and the cache it was made with.
+    """
+
+    def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
+        cfg = model.cfg
+        self.cache = kv_cache
+        self.heads = (cfg.n_head, cfg.kv_heads, cfg.head_dim)
+        self.eps = cfg.norm_eps
+        self.layers = [
+            (
+                block.attn_norm.weight,
+                block.attn.wqkv.weight,
+                block.attn.wo.weight.t(),
+                block.ffn_norm.weight,
+                block.ffn.w_gate_up.weight,
+                block.ffn.w_down.weight.t(),
+                kv_cache.k[i],  # (B, K, max_len, D)
+                kv_cache.v[i],
+            )
+            for i, block in enumerate(model.blocks)
+        ]
+        self.embedding, self.head = model.tok_emb.weight, model.head_weight
+        self.norm = model.norm.weight
+        self.rope = (model.rope_cos, model.rope_sin, model.rope_rotate_half)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of the next token after tokens (B,), which are appended to the cache."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("Decoder.step is for inference: use torch.inference_mode()")
+        cache, eps = self.cache, self.eps
+        H, K, D = self.heads
+        pos = cache.pos
+        if pos >= cache.max_len:
+            raise ValueError(f"KV cache of {cache.max_len} tokens is full")
+        cos, sin, rotate_half = self.rope
+        positions = cache.n_seen  # (B,) real tokens so far: the new token's RoPE position
+        rot = rope_rotation(cos[positions], sin[positions], rotate_half)  # (B, D, D)
+        cache.key_valid[:, pos] = True
+        key_mask = None  # the new token sees every key, but left padding must stay hidden
+        if cache.has_padding:
+            key_mask = cache.key_valid[:, None, None, : pos + 1]  # (B, 1, 1, S)
+
+        x = F.embedding(tokens, self.embedding)  # (B, C)
+        B = x.shape[0]
+        for norm1, w_qkv, wo_t, norm2, w_gate_up, w_down_t, keys, values in self.layers:
+            qkv = F.linear(rms_norm(x, norm1, eps), w_qkv).view(B, H + 2 * K, D)
+            qk = qkv[:, : H + K]
+            if qk.dtype == rot.dtype:
+                qk = torch.matmul(qk, rot)  # q and k heads rotated
+            else:  # RoPE in the tables' precision, as apply_rope does
+                qk = torch.matmul(qk.to(rot.dtype), rot).to(qkv.dtype)
+            keys.select(2, pos).copy_(qk[:, H:])
+            values.select(2, pos).copy_(qkv[:, H + K :])
+            q = qk[:, :H, None]  # (B, H, 1, D)
+            y = attention(q, keys[:, :, : pos + 1], values[:, :, : pos + 1], key_mask)
+            x = torch.addmm(x, y.reshape(B, H * D), wo_t)  # x + wo(y)
+            gate, up = F.linear(rms_norm(x, norm2, eps), w_gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, w_down_t)  # x + w_down(silu(gate) * up)
+        cache.pos += 1
+        cache.n_seen += 1
+        return F.linear(rms_norm(x, self.norm, eps), self.head)
 
 
 # ----------------------------------------------------------------------------- eager CPU kernels

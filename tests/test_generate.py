@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,8 +119,11 @@ class CountingModel(torch.nn.Module):
         logits = torch.nn.functional.one_hot(nxt, self.cfg.vocab_size).float()[:, None] * 10
         return logits, None
 
-    def decode_step(self, tokens, kv_cache):
-        return self(tokens[:, None], kv_cache=kv_cache)[0][:, -1]
+    def decoder(self, kv_cache):
+        def step(tokens):
+            return self(tokens[:, None], kv_cache=kv_cache)[0][:, -1]
+
+        return SimpleNamespace(step=step)
 
 
 def test_rows_stop_at_end_of_text_and_the_batch_stops_when_all_have() -> None:

@@ -185,7 +185,7 @@ def test_kv_cache_with_left_padding_matches_rows_decoded_alone() -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_decode_step_equals_forward_with_the_cache(case: str) -> None:
+def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
     # The decoding fast path against the module forward, token by token, on a left-padded batch
     # (rows at different RoPE positions, padding masked) and on a plain one.
     ours, _, cfg = make_pair(**CASES[case])
@@ -196,18 +196,19 @@ def test_decode_step_equals_forward_with_the_cache(case: str) -> None:
             ref_cache, cache = KVCache(cfg, 3, 21), KVCache(cfg, 3, 21)
             ours(idx, attention_mask=mask, kv_cache=ref_cache)
             ours(idx, attention_mask=mask, kv_cache=cache)
+            decoder = ours.decoder(cache)
             for t in range(12):
                 ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
-                got = ours.decode_step(nxt[:, t], cache)
+                got = decoder.step(nxt[:, t])
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
             assert cache.pos == ref_cache.pos == 21
             assert torch.equal(cache.n_seen, ref_cache.n_seen)
             torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-6, rtol=0)
             torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-6, rtol=0)
             with pytest.raises(ValueError, match="full"):
-                ours.decode_step(nxt[:, 0], cache)
+                decoder.step(nxt[:, 0])
     with pytest.raises(RuntimeError, match="inference"):
-        ours.decode_step(nxt[:, 0], KVCache(cfg, 3, 4))
+        ours.decoder(KVCache(cfg, 3, 4)).step(nxt[:, 0])
 
 
 def test_rope_rotation_matrix_equals_apply_rope() -> None:
