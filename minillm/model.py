@@ -76,7 +76,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if _compiling():  # the plain formula: inductor fuses it and its backward
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-    if not torch.is_grad_enabled():  # decoding: no autograd node to build
+    if not torch.is_grad_enabled():  # a prefill or eval: no autograd node to build
         return _rotate(x, cos, sin)
     return _RoPE.apply(x, cos, sin)
 
