@@ -136,7 +136,8 @@ def generate(
     output) unless ignore_eos. `seed` is one int (row r uses `row_seed(seed, r)`), one seed per
     row, or None (fresh randomness). on_token(row, token) is called as each token is chosen.
     vocab_limit: never choose ids >= it (the rows of a padded embedding table that the tokenizer
-    lacks). The context must hold the longest prompt plus max_new_tokens - 1 tokens.
+    lacks). The context must hold the longest prompt plus max_new_tokens - 1 tokens. A model
+    with dropout must be in eval mode.
     """
     from minillm.model import KVCache
 
@@ -144,6 +145,8 @@ def generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
     cfg = model.cfg
+    if model.training and cfg.dropout > 0:
+        raise ValueError("generate samples without dropout: call model.eval() first")
     B, P = len(prompts), max(len(p) for p in prompts)
     if P + max_new_tokens - 1 > cfg.max_seq_len:
         raise UserError(

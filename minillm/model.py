@@ -363,6 +363,8 @@ class Transformer(nn.Module):
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len")
+        if kv_cache is not None and start + T > kv_cache.max_len:
+            raise ValueError(f"{start + T} tokens do not fit a KV cache of {kv_cache.max_len}")
         if doc_ids is not None and kv_cache is not None:
             raise ValueError("doc_ids (packed sequences) cannot be combined with a KV cache")
 
@@ -463,7 +465,8 @@ class Decoder:
     """Decodes one token per row at a time through a Transformer and its KV cache, for inference.
 
     `step(tokens)` is the same function as `model(tokens[:, None], kv_cache=kv_cache,
-    last_only=True)` after a prefill, in far fewer operations. On a CPU a decoded token costs its
+    last_only=True)[0][:, 0]` after a prefill (in eval mode and without autocast, as `generate`
+    runs), in far fewer operations. On a CPU a decoded token costs its
     matrix-vector products plus 1-4 us for every small op, module call and module attribute
     lookup around them, and the module forward spent more on the latter than on the former. So
     the weights and cache slices are looked up once, here, each block runs as functional ops on
@@ -474,6 +477,8 @@ class Decoder:
 
     def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
         cfg = model.cfg
+        if model.training and cfg.dropout > 0:
+            raise RuntimeError("the Decoder applies no dropout: call model.eval() first")
         self.cache = kv_cache
         self.heads = (cfg.n_head, cfg.kv_heads, cfg.head_dim)
         self.eps = cfg.norm_eps

@@ -211,6 +211,48 @@ def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
         ours.decoder(KVCache(cfg, 3, 4)).step(nxt[:, 0])
 
 
+def test_decoder_in_bf16_tracks_the_forward() -> None:
+    # bf16 weights with fp32 RoPE tables (the Decoder rotates in the tables' precision, as
+    # apply_rope does), and an all-bf16 model: equal up to bf16 rounding.
+    for cast_buffers in (False, True):
+        ours, _, cfg = make_pair(n_kv_head=2)
+        for p in ours.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        if cast_buffers:
+            ours.to(torch.bfloat16)
+        idx, nxt = (
+            torch.randint(1, cfg.vocab_size, (2, 6)),
+            torch.randint(1, cfg.vocab_size, (2, 5)),
+        )
+        with torch.inference_mode():
+            ref_cache = KVCache(cfg, 2, 11, dtype=torch.bfloat16)
+            cache = KVCache(cfg, 2, 11, dtype=torch.bfloat16)
+            ours(idx, kv_cache=ref_cache)
+            ours(idx, kv_cache=cache)
+            decoder = ours.decoder(cache)
+            for t in range(5):
+                ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
+                got = decoder.step(nxt[:, t])
+                assert got.dtype == torch.bfloat16
+                torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=2e-2)
+            # The keys show RoPE directly (the tiny model's logits barely depend on position).
+            for a, b in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+                assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
+def test_cache_overflow_and_dropout_are_refused() -> None:
+    ours, _, cfg = make_pair(n_kv_head=2)
+    with torch.inference_mode():
+        cache = KVCache(cfg, 1, 4)
+        ours(torch.ones(1, 3, dtype=torch.long), kv_cache=cache)
+        with pytest.raises(ValueError, match="KV cache of 4"):
+            ours(torch.ones(1, 2, dtype=torch.long), kv_cache=cache)
+    dropped, _, _ = make_pair(n_kv_head=2, dropout=0.1)
+    with pytest.raises(RuntimeError, match="eval"):
+        dropped.train().decoder(KVCache(dropped.cfg, 1, 4))
+    dropped.eval().decoder(KVCache(dropped.cfg, 1, 4))  # eval mode: no dropout to miss
+
+
 def test_rope_rotation_matrix_equals_apply_rope() -> None:
     cos, sin = rope_tables(head_dim=16, max_len=50, theta=10000.0)
     pos = torch.tensor([0, 7, 49])
