@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from minillm.config import ModelConfig
+from minillm.generate import generate
 from minillm.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model import (
     KVCache,
@@ -250,7 +251,10 @@ def test_cache_overflow_and_dropout_are_refused() -> None:
     dropped, _, _ = make_pair(n_kv_head=2, dropout=0.1)
     with pytest.raises(RuntimeError, match="eval"):
         dropped.train().decoder(KVCache(dropped.cfg, 1, 4))
+    with pytest.raises(ValueError, match="eval"):
+        generate(dropped.train(), [[1, 2]], max_new_tokens=2, temperature=0.0)
     dropped.eval().decoder(KVCache(dropped.cfg, 1, 4))  # eval mode: no dropout to miss
+    assert len(generate(dropped, [[1, 2]], max_new_tokens=2, temperature=0.0)[0]) == 2
 
 
 def test_rope_rotation_matrix_equals_apply_rope() -> None:
