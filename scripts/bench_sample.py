@@ -19,7 +19,6 @@ ours) suffers less from other processes than the wall-clock one. Compare rows wi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import time
@@ -33,33 +32,17 @@ from minillm.config import ModelConfig
 from minillm.generate import generate
 from minillm.model import Transformer
 
-
-@dataclasses.dataclass
-class Shape:
-    vocab: int
-    d_model: int
-    n_layer: int
-    n_head: int
-    n_kv_head: int
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(
-            vocab_size=self.vocab,
-            d_model=self.d_model,
-            n_layer=self.n_layer,
-            n_head=self.n_head,
-            n_kv_head=self.n_kv_head,
-            max_seq_len=512,
-        )
-
-
 SHAPES = {
-    "small": Shape(vocab=4096, d_model=256, n_layer=4, n_head=4, n_kv_head=4),
-    "medium": Shape(vocab=16384, d_model=512, n_layer=8, n_head=8, n_kv_head=4),
+    "small": ModelConfig(
+        vocab_size=4096, d_model=256, n_layer=4, n_head=4, n_kv_head=4, max_seq_len=512
+    ),
+    "medium": ModelConfig(
+        vocab_size=16384, d_model=512, n_layer=8, n_head=8, n_kv_head=4, max_seq_len=512
+    ),
 }
 
 
-def build_pair(shape: Shape) -> tuple[Transformer, transformers.LlamaForCausalLM]:
+def build_pair(shape: ModelConfig) -> tuple[Transformer, transformers.LlamaForCausalLM]:
     """Ours and HF's Llama with the same weights, as bench_train.py builds them, in eval mode."""
     ours, hf = build_models(shape, torch.device("cpu"))
     return ours.eval(), hf.eval()
@@ -80,10 +63,10 @@ def time_call(fn: Callable[[], int]) -> tuple[float, float, int]:
     return time.perf_counter() - start, time.process_time() - cpu, n
 
 
-def bench_shape(name: str, shape: Shape, prompt_len: int, new: int, repeats: int) -> dict:
+def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeats: int) -> dict:
     ours, hf = build_pair(shape)
     prompt = torch.randint(
-        1, shape.vocab, (1, prompt_len), generator=torch.Generator().manual_seed(1)
+        1, shape.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1)
     )
 
     def run_ours() -> int:
@@ -155,7 +138,7 @@ def bench_shape(name: str, shape: Shape, prompt_len: int, new: int, repeats: int
     }
 
 
-def profile_ours(shape: Shape, prompt_len: int, new: int) -> None:
+def profile_ours(shape: ModelConfig, prompt_len: int, new: int) -> None:
     """Where minillm's decode time goes: the top operators of one generate call."""
     ours, _ = build_pair(shape)
     prompt = list(range(1, prompt_len + 1))

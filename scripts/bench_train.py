@@ -86,9 +86,8 @@ class Row:
     peak_mem: float | None = None
 
 
-def build_models(shape: Shape, device: torch.device) -> tuple[Transformer, torch.nn.Module]:
-    """Our Transformer and an HF LlamaForCausalLM (sdpa) of the same shape and weights, fp32."""
-    cfg = shape.model_config()
+def build_models(cfg: ModelConfig, device: torch.device) -> tuple[Transformer, torch.nn.Module]:
+    """Our Transformer and an HF LlamaForCausalLM (sdpa) of shape cfg, same weights, fp32."""
     torch.manual_seed(0)
     ours = Transformer(cfg)  # our init (scaled residual projections), copied into HF
     hf_cfg = hf_config_dict(cfg, bos_id=0, eos_id=0)
@@ -276,7 +275,7 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
     cfg = shape.model_config()
     autocast = device.type == "cuda" and args.dtype == "bf16"
 
-    ours, hf = build_models(shape, device)
+    ours, hf = build_models(cfg, device)
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, cfg.vocab_size, (batch, shape.seq + 1), generator=gen).to(device)
     idx, targets = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
