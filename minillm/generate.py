@@ -145,8 +145,6 @@ def generate(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
     cfg = model.cfg
-    if model.training and cfg.dropout > 0:
-        raise ValueError("generate samples without dropout: call model.eval() first")
     B, P = len(prompts), max(len(p) for p in prompts)
     if P + max_new_tokens - 1 > cfg.max_seq_len:
         raise UserError(
@@ -178,9 +176,9 @@ def generate(
     padded = not bool(mask.all())
 
     cache = KVCache(cfg, B, P + max_new_tokens - 1, device=device, dtype=param.dtype)
+    decoder = model.decoder(cache)  # before the prefill: it refuses a model with live dropout
     logits, _ = model(idx, attention_mask=mask if padded else None, kv_cache=cache, last_only=True)
     logits = logits[:, -1]  # (B, V)
-    decoder = model.decoder(cache)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     for step in range(max_new_tokens):

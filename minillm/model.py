@@ -478,7 +478,7 @@ class Decoder:
     def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
         cfg = model.cfg
         if model.training and cfg.dropout > 0:
-            raise RuntimeError("the Decoder applies no dropout: call model.eval() first")
+            raise ValueError("the Decoder applies no dropout: call model.eval() first")
         self.cache = kv_cache
         self.heads = (cfg.n_head, cfg.kv_heads, cfg.head_dim)
         self.eps = cfg.norm_eps

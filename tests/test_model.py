@@ -249,7 +249,7 @@ def test_cache_overflow_and_dropout_are_refused() -> None:
         with pytest.raises(ValueError, match="KV cache of 4"):
             ours(torch.ones(1, 2, dtype=torch.long), kv_cache=cache)
     dropped, _, _ = make_pair(n_kv_head=2, dropout=0.1)
-    with pytest.raises(RuntimeError, match="eval"):
+    with pytest.raises(ValueError, match="eval"):
         dropped.train().decoder(KVCache(dropped.cfg, 1, 4))
     with pytest.raises(ValueError, match="eval"):
         generate(dropped.train(), [[1, 2]], max_new_tokens=2, temperature=0.0)
