@@ -466,9 +466,9 @@ class Decoder:
 
     `step(tokens)` is the same function as `model(tokens[:, None], kv_cache=kv_cache,
     last_only=True)[0][:, 0]` after a prefill (in eval mode and without autocast, as `generate`
-    runs), in far fewer operations. On a CPU a decoded token costs its
-    matrix-vector products plus 1-4 us for every small op, module call and module attribute
-    lookup around them, and the module forward spent more on the latter than on the former. So
+    runs), in far fewer operations. On a CPU a decoded token costs its matrix-vector products
+    plus 1-4 us for every small op, module call and module attribute lookup around them, and
+    the module forward spent more on the latter than on the former. So
     the weights and cache slices are looked up once, here, each block runs as functional ops on
     them, the residual adds ride on the output projections (addmm), and RoPE rotates all q and k
     heads with one (D, D) matmul per layer (rope_rotation). Make a new Decoder for each
