@@ -43,6 +43,7 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check minillm tests scripts
 	$(BIN)/ruff format --check minillm tests scripts
+	$(BIN)/lint-imports
 
 format: setup
 	$(BIN)/ruff format minillm tests scripts

@@ -50,9 +50,9 @@ def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _config(path: Path, overrides: list[str] | None):  # noqa: ANN202
-    from minillm.config import load_config
+    from minillm.train.setup import load_train_config
 
-    return _run(load_config, path, overrides or [])
+    return _run(load_train_config, path, overrides or [])
 
 
 @app.command()
@@ -87,7 +87,7 @@ def train(
 
     Under `torchrun --nproc_per_node N -m minillm train CONFIG` it trains with DDP or FSDP.
     """
-    from minillm.trainer import train as run_training
+    from minillm.train.trainer import train as run_training
 
     cfg = _config(config, set_)
     summary = _run(run_training, cfg, resume=resume, force=force)
@@ -102,8 +102,8 @@ DeviceOption = typer.Option("auto", "--device", help="auto (cuda, then mps, then
 
 
 def _load(ckpt: Path, device: str):  # noqa: ANN202
-    from minillm.checkpoint import load_checkpoint
-    from minillm.runtime import resolve_device
+    from minillm.checkpoint.store import load_checkpoint
+    from minillm.runtime.device import resolve_device
 
     return _run(load_checkpoint, ckpt, _run(resolve_device, device, "--device"))
 
@@ -137,7 +137,7 @@ def eval_(
     device: str = DeviceOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    from minillm.evaluate import JSON_KEYS, evaluate_checkpoint, format_result
+    from minillm.infer.evaluate import JSON_KEYS, evaluate_checkpoint, format_result
 
     loaded = _load(ckpt, device)
     result = _run(
@@ -186,7 +186,7 @@ def sample(
 
     Each prompt starts a fresh document (after end-of-text). All rows run as one batch.
     """
-    from minillm.generate import SampleSettings, read_prompts, sample_checkpoint
+    from minillm.infer.generate import SampleSettings, read_prompts, sample_checkpoint
 
     texts = _run(read_prompts, prompt, prompt_file)
     settings = SampleSettings(
@@ -213,7 +213,7 @@ def export(
 
     It loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained(OUT).
     """
-    from minillm.export import check_export_target, export_checkpoint
+    from minillm.infer.hf_folder import check_export_target, export_checkpoint
 
     _run(check_export_target, out, force, ckpt)  # before the (slow) load
     loaded = _load(ckpt, "cpu")
@@ -230,10 +230,10 @@ def tokenize(
     ),
 ) -> None:
     """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
-    from minillm.data import prepare_data, print_summary
+    from minillm.data.shards import print_summary, write_shards
 
     cfg = _config(config, set_)
-    summary = _run(prepare_data, cfg, retrain=retrain)
+    summary = _run(write_shards, cfg, retrain=retrain)
     print_summary(summary)
 
 

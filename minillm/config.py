@@ -1,6 +1,7 @@
 """Typed configuration: one YAML file, four sections (model, data, train, sample).
 
-Offers `ModelConfig`, `DataConfig`, `TrainConfig`, `SampleConfig`, `Config`, `ConfigError`,
+Offers `ModelConfig`, `DataConfig`, `TrainConfig`, `SampleConfig`, `Config`, `ConfigError` (from
+minillm.errors),
 `load_config(path, overrides)`, `config_from_dict`, `config_to_dict` and `dump_config`.
 
 Precedence is dataclass defaults < YAML < `--set key=value`. Every YAML value is converted to the
@@ -22,22 +23,10 @@ from typing import Any, Literal
 
 import yaml
 
-from minillm.errors import UserError
+from minillm.errors import ConfigError
 
 # What train.device and `--device` accept (runtime.resolve_device checks availability).
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-
-
-class ConfigError(UserError, ValueError):
-    """A user error in a config: printed as one line `<file>: <key>: <what is wrong>`."""
-
-    def __init__(self, key: str, message: str, file: str | None = None) -> None:
-        self.key, self.message, self.file = key, message, file
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        parts = [p for p in (self.file, self.key, self.message) if p]
-        return ": ".join(parts)
 
 
 def _f(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
@@ -109,22 +98,16 @@ class ModelConfig(_Section):
             self._fail("n_kv_head", f"{self.n_kv_head} does not divide n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             self._fail("dropout", f"must be in [0, 1), got {self.dropout}")
+        # One name per concept: null resolves here, so code reads n_kv_head and ffn_hidden only.
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.ffn_hidden is None:  # LLaMA's int(8/3 d) rounded up to multiple_of
+            hidden = int(2 * (4 * self.d_model) / 3)
+            self.ffn_hidden = self.multiple_of * math.ceil(hidden / self.multiple_of)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head if self.n_kv_head is not None else self.n_head
-
-    @property
-    def hidden_dim(self) -> int:
-        """The SwiGLU width: given, or LLaMA's int(8/3 d) rounded up to `multiple_of`."""
-        if self.ffn_hidden is not None:
-            return self.ffn_hidden
-        hidden = int(2 * (4 * self.d_model) / 3)
-        return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
 
 @dataclass
@@ -384,14 +367,8 @@ def config_from_dict(raw: Any, file: str | None = None) -> Config:
             if key not in SECTIONS:
                 raise ConfigError(key, f"unknown section (valid: {', '.join(SECTIONS)})")
         raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-        train_raw = raw.get("train")
-        init_from = train_raw.get("init_from") if isinstance(train_raw, dict) else None
-        if "model" not in raw and init_from:  # the model is the HF folder's
-            from minillm.export import hf_model_config
-
-            raw["model"] = dataclasses.asdict(hf_model_config(init_from))
         if "model" not in raw:
-            raise ConfigError("model", "section is required")
+            raise ConfigError("model", "section is required (or train.init_from to take a model's)")
         # The embedding table defaults to the tokenizer's size.
         model_raw, data_raw = raw.get("model"), raw.get("data") or {}
         if isinstance(model_raw, dict) and "vocab_size" not in model_raw:
@@ -467,8 +444,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply `section.key=value` overrides, convert types and validate.
 
-    An empty `train.out_dir` becomes `runs/<config file stem>`.
+    An empty `train.out_dir` becomes `runs/<config file stem>`. A config whose model comes from
+    `train.init_from` is read with `minillm.train.setup.load_train_config` instead.
     """
+    return config_from_dict(read_raw_config(path, overrides), str(path))
+
+
+def read_raw_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The YAML file as plain data with the overrides applied, before types and checks."""
     path = Path(path)
     file = str(path)
     try:
@@ -495,4 +478,4 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     train = raw.get("train")
     if train is None or (isinstance(train, dict) and not train.get("out_dir")):
         raw["train"] = dict(train or {}, out_dir=str(Path("runs") / path.stem))
-    return config_from_dict(raw, file)
+    return raw

@@ -29,7 +29,7 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
     # Tensors autograd keeps per token and layer: norms, q/k/v (and rotated q/k), attention output,
     # the SwiGLU gate/up/product, residuals. Roughly 10 C + 3 K D + 4 F values; plus the logits and
     # their gradient in fp32. An estimate, good to about 20%.
-    per_token_layer = 10 * m.d_model + 3 * m.kv_heads * m.head_dim + 4 * m.hidden_dim
+    per_token_layer = 10 * m.d_model + 3 * m.n_kv_head * m.head_dim + 4 * m.ffn_hidden
     tokens = t.batch_size * t.seq_len
     activations = tokens * (m.n_layer * per_token_layer * act_bytes + 2 * m.vocab_size * 4)
     memory = {
@@ -52,9 +52,9 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "d_model": m.d_model,
         "n_layer": m.n_layer,
         "n_head": m.n_head,
-        "n_kv_head": m.kv_heads,
+        "n_kv_head": m.n_kv_head,
         "head_dim": m.head_dim,
-        "ffn_hidden": m.hidden_dim,
+        "ffn_hidden": m.ffn_hidden,
         "vocab_size": m.vocab_size,
         "seq_len": t.seq_len,
         "memory_bytes": memory,

@@ -29,7 +29,7 @@ import transformers
 from bench_train import build_models  # scripts/ is on sys.path when run as a script
 
 from minillm.config import ModelConfig
-from minillm.generate import generate
+from minillm.infer.generate import generate
 from minillm.model import Transformer
 
 SHAPES = {

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minillm.config import Config, config_from_dict  # noqa: E402
-from minillm.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
+from minillm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
 
 STORIES = ROOT / "data" / "grimm_stories.jsonl"
 VOCAB = 4096
@@ -90,7 +90,7 @@ def child(source: str, out_dir: str, tokenizer: str) -> None:
     """One pipeline run in this (fresh) process; prints its MB/s and peak RSS as JSON."""
     import datasets  # noqa: F401 - imported before the clock starts: an import is no throughput
 
-    from minillm.data import prepare_data
+    from minillm.data.shards import write_shards as prepare_data
 
     start = time.perf_counter()
     summary = prepare_data(bench_config(Path(source), Path(out_dir), Path(tokenizer)))
@@ -119,7 +119,7 @@ def run_child(source: Path, out_dir: Path, tokenizer: Path) -> dict:
 
 
 def raw_mb_per_s(tok: object, docs: list[str], fast: bool) -> float:
-    from minillm.shards import BATCH_CHARS
+    from minillm.data.shards import BATCH_CHARS
 
     batches, batch, chars = [], [], 0
     for doc in docs:

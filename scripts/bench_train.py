@@ -32,14 +32,9 @@ import torch
 import transformers
 
 from minillm.config import ModelConfig
-from minillm.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model import Transformer
-from minillm.perf import (
-    known_peak_flops,
-    measure_matmul_peak,
-    mfu,
-    synchronize,
-)
+from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from minillm.runtime.perf import known_peak_flops, measure_matmul_peak, mfu, synchronize
 
 
 @dataclasses.dataclass

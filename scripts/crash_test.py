@@ -47,7 +47,7 @@ def env(pause: float) -> dict[str, str]:
 
 def check_run(run: Path) -> str | None:
     """Every checkpoint folder intact and LATEST naming one; the name LATEST gives."""
-    from minillm.checkpoint import list_checkpoints, verify_checkpoint
+    from minillm.checkpoint.store import list_checkpoints, verify_checkpoint
 
     root = run / "checkpoints"
     if not root.is_dir():
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from minillm.checkpoint import load_model_state
+    from minillm.checkpoint.store import load_model_state
 
     args.steps = args.steps or 8 * args.kills + 20
     work = args.workdir or Path(tempfile.mkdtemp(prefix="minillm-crash-"))

@@ -6,17 +6,61 @@ A link like [`RMSNorm`](../minillm/model.py#L30-L45) is re-anchored on the defin
 `RMSNorm` (`class RMSNorm` / `def RMSNorm`; for `Class.method` the method inside that class),
 its span covering the whole definition. A link to a name that is not defined (`self.wo`,
 `masked_fill`) stays while its span mentions the name, else moves to the nearest mention.
-tests/test_docs.py checks every such link; this script is the quick way to mend them.
+A link into a file that moved (MOVED, the package split by stage) follows its name to the new
+file that defines or mentions it. tests/test_docs.py checks every such link; this script is the
+quick way to mend them.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"\[([^\]\[\n]*)\]\(([^)#\s]+\.py)#L(\d+)(?:-L(\d+))?\)")
+
+# Old module -> where its code lives now (the split into packages by stage).
+MOVED = {
+    "minillm/model.py": ["minillm/model/transformer.py", "minillm/model/kv_cache.py",
+                         "minillm/model/decode.py", "minillm/model/kernels_cpu.py"],
+    "minillm/hf.py": ["minillm/model/hf_names.py"],
+    "minillm/data.py": ["minillm/data/meta.py", "minillm/data/batches.py",
+                        "minillm/data/shards.py"],
+    "minillm/corpus.py": ["minillm/data/corpus.py"],
+    "minillm/text.py": ["minillm/data/text.py"],
+    "minillm/tokenizer.py": ["minillm/data/tokenizer.py"],
+    "minillm/shards.py": ["minillm/data/shards.py"],
+    "minillm/checkpoint.py": ["minillm/checkpoint/store.py", "minillm/checkpoint/rundir.py"],
+    "minillm/rundir.py": ["minillm/checkpoint/rundir.py"],
+    "minillm/generate.py": ["minillm/infer/generate.py"],
+    "minillm/evaluate.py": ["minillm/infer/evaluate.py"],
+    "minillm/export.py": ["minillm/infer/hf_folder.py"],
+    "minillm/trainer.py": ["minillm/train/trainer.py", "minillm/train/setup.py"],
+    "minillm/optim.py": ["minillm/train/optim.py"],
+    "minillm/distributed.py": ["minillm/train/distributed.py"],
+    "minillm/parallel.py": ["minillm/train/parallel.py"],
+    "minillm/monitor.py": ["minillm/train/monitor.py", "minillm/runtime/progress.py"],
+    "minillm/diagnostics.py": ["minillm/train/diagnostics.py"],
+    "minillm/runtime.py": ["minillm/runtime/device.py", "minillm/runtime/perf.py"],
+    "minillm/fsutil.py": ["minillm/runtime/files.py"],
+    "minillm/progress.py": ["minillm/runtime/progress.py"],
+    "minillm/perf.py": ["minillm/runtime/perf.py"],
+}  # fmt: skip
+
+
+def moved_target(doc: Path, target: str, name: str) -> str | None:
+    """The link target that `name` of the moved file `target` has now (relative to `doc`)."""
+    old = (doc.parent / target).resolve().relative_to(ROOT).as_posix()
+    candidates = [ROOT / c for c in MOVED.get(old, [])]
+    literal = re.compile(rf"(?<!\w){re.escape(name.removesuffix('()').split('.')[-1])}\b")
+    for test in (lambda lines: find_definition(lines, name) is not None,
+                 lambda lines: any(literal.search(line) for line in lines)):  # fmt: skip
+        for path in candidates:
+            if test(path.read_text().splitlines()):
+                return os.path.relpath(path, doc.parent)
+    return None
 
 
 def definition(name: str) -> re.Pattern:
@@ -86,6 +130,9 @@ def fix(doc: Path) -> int:
         b = int(b) if b else a
         names = re.findall(r"`([^`]+)`", label)
         path = (doc.parent / target).resolve()
+        if names and not path.is_file():
+            target = moved_target(doc, target, names[0]) or target
+            path = (doc.parent / target).resolve()
         if not names or not path.is_file():
             return m.group(0)
         lines = path.read_text().splitlines()
@@ -93,7 +140,7 @@ def fix(doc: Path) -> int:
         if span is None:
             print(f"{doc.name}: {names[0]} not found in {target}; left as is")
             return m.group(0)
-        if span == (a, b):
+        if span == (a, b) and target == m.group(2):
             return m.group(0)
         start, end = span
         changes += 1

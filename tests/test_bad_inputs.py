@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import config_to_dict
-from minillm.trainer import Trainer
+from minillm.train.trainer import Trainer
 from tests.helpers import prepared_config
 
 runner = CliRunner()
@@ -268,7 +268,8 @@ def test_bad_input_gives_one_clear_line_and_changes_nothing(
 
 
 def test_unsafe_trainer_state_never_runs_its_payload(world: Path, tmp_path: Path) -> None:
-    from minillm.checkpoint import CheckpointError, load_trainer_state
+    from minillm.checkpoint.store import load_trainer_state
+    from minillm.errors import CheckpointError
 
     ck = Path(corrupt_copy(world, tmp_path, pickle_bomb))
     with pytest.raises(CheckpointError, match="trainer_state.pt"):

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from minillm.cli import app
-from minillm.config import ConfigError, ModelConfig, config_to_dict, load_config
+from minillm.config import ModelConfig, config_to_dict, load_config
+from minillm.errors import ConfigError
 
 MINIMAL = """\
 model:
@@ -36,7 +37,7 @@ def test_yaml_values_take_declared_types(tmp_path: Path) -> None:
     assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)  # PyYAML reads '3e-4' as str
     assert cfg.train.betas == (0.9, 0.99)
     assert cfg.model.vocab_size == 512  # defaults to data.vocab_size
-    assert cfg.model.kv_heads == 4 and cfg.model.hidden_dim == 256
+    assert cfg.model.n_kv_head == 4 and cfg.model.ffn_hidden == 256
     assert cfg.train.out_dir == str(Path("runs") / "cfg")
 
 
@@ -54,7 +55,7 @@ def test_overrides_land_with_the_right_types(tmp_path: Path) -> None:
         ],
     )
     assert cfg.train.lr == 1e-3 and cfg.model.n_layer == 6 and cfg.train.compile is True
-    assert cfg.model.n_kv_head == 2 and cfg.model.ffn_hidden is None
+    assert cfg.model.n_kv_head == 2 and cfg.model.ffn_hidden == 256  # null: 8/3 d rounded up
     assert cfg.train.out_dir == "elsewhere"
     assert cfg.train.max_steps == 10000 and isinstance(cfg.train.max_steps, int)
 

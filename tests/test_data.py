@@ -22,23 +22,19 @@ import yaml
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from minillm import progress as progress_mod
-from minillm import shards as shards_mod
-from minillm import text as text_mod
 from minillm.cli import app
-from minillm.config import Config, ConfigError, config_from_dict
-from minillm.corpus import TableCorpus, _looks_like_hub, open_corpus, render_chat, val_mask
-from minillm.data import (
-    eval_batches,
-    load_meta,
-    open_split,
-    prepare_data,
-    shard_dtype,
-    train_batch,
-)
-from minillm.errors import UserError
-from minillm.text import is_cut, read_text_blocks, split_pieces
-from minillm.tokenizer import load_tokenizer, train_tokenizer
+from minillm.config import Config, config_from_dict
+from minillm.data import shards as shards_mod
+from minillm.data import text as text_mod
+from minillm.data.batches import eval_batches, train_batch
+from minillm.data.corpus import TableCorpus, _looks_like_hub, open_corpus, render_chat, val_mask
+from minillm.data.meta import load_meta, open_split, shard_dtype
+from minillm.data.shards import write_shards
+from minillm.data.text import is_cut, read_text_blocks, split_pieces
+from minillm.data.tokenizer import load_tokenizer, train_tokenizer
+from minillm.errors import ConfigError, UserError
+from minillm.runtime import files as files_mod
+from minillm.runtime import progress as progress_mod
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SHAKESPEARE = (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")
@@ -152,11 +148,11 @@ def test_pieces_encode_like_the_whole_text(tok: Tokenizer, target: int) -> None:
 def test_pipeline_encoding_equals_whole_text_encoding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Shakespeare through prepare_data with tiny blocks and pieces == one encode of each split."""
+    """Shakespeare through write_shards with tiny blocks and pieces == one encode of each split."""
     monkeypatch.setattr(text_mod, "BLOCK_BYTES", 4099)
     monkeypatch.setattr(text_mod, "PIECE_CHARS", 300)
     cfg = make_cfg(tmp_path, source=str(write_text(tmp_path / "s.txt", SHAKESPEARE)))
-    prepare_data(cfg)
+    write_shards(cfg)
     out, meta = tmp_path / "tokens", load_meta(tmp_path / "tokens")
     tok = load_tokenizer(out / "tokenizer.json")
     raw = SHAKESPEARE.encode("utf-8")
@@ -246,7 +242,7 @@ def test_fingerprint_follows_files_and_split_settings(tmp_path: Path) -> None:
 
 def test_single_text_file_splits_at_its_tail(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, source=str(write_text(tmp_path / "s.txt", EXCERPT)))
-    summary = prepare_data(cfg)
+    summary = write_shards(cfg)
     meta = load_meta(tmp_path / "tokens")
     size = len(EXCERPT.encode("utf-8"))
     assert meta["train"]["bytes"] + meta["val"]["bytes"] == size
@@ -263,7 +259,7 @@ def test_single_text_file_splits_at_its_tail(tmp_path: Path) -> None:
 def test_jsonl_documents_split_and_byte_counts(tmp_path: Path) -> None:
     src = str(shutil.copy(DATA / "grimm_stories.jsonl", tmp_path / "grimm.jsonl"))
     texts = [json.loads(line)["text"] for line in open(src, encoding="utf-8")]
-    prepare_data(make_cfg(tmp_path, source=src))
+    write_shards(make_cfg(tmp_path, source=src))
     out = tmp_path / "tokens"
     meta = load_meta(out)
     train, val = decoded_docs(out, "train"), decoded_docs(out, "val")
@@ -279,9 +275,9 @@ def test_jsonl_documents_split_and_byte_counts(tmp_path: Path) -> None:
         == hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
     )
     before = hashes(out)
-    assert prepare_data(make_cfg(tmp_path, source=src))["tokenizer"]["trained"] is False
+    assert write_shards(make_cfg(tmp_path, source=src))["tokenizer"]["trained"] is False
     assert hashes(out) == before  # deterministic: same tokenizer reused, same split, same shards
-    prepare_data(make_cfg(tmp_path, source=src, seed=7))
+    write_shards(make_cfg(tmp_path, source=src, seed=7))
     assert sorted(decoded_docs(out, "val")) != sorted(val)
 
 
@@ -295,7 +291,7 @@ def test_parquet_csv_and_jsonl_give_the_same_documents(tmp_path: Path) -> None:
     metas = []
     for name in ("grimm.parquet", "grimm.csv"):
         out = tmp_path / name.replace(".", "_")
-        prepare_data(make_cfg(tmp_path, source=str(tmp_path / name), out_dir=str(out)))
+        write_shards(make_cfg(tmp_path, source=str(tmp_path / name), out_dir=str(out)))
         metas.append(load_meta(out))
         docs = decoded_docs(out, "train") + decoded_docs(out, "val")
         assert sorted(docs) == sorted(r["text"] for r in rows)
@@ -304,7 +300,7 @@ def test_parquet_csv_and_jsonl_give_the_same_documents(tmp_path: Path) -> None:
 
 def test_chat_messages_are_rendered(tmp_path: Path) -> None:
     src = str(shutil.copy(DATA / "gsm8k_chat_200.jsonl", tmp_path / "chat.jsonl"))
-    prepare_data(make_cfg(tmp_path, source=src, text_field="messages"))
+    write_shards(make_cfg(tmp_path, source=src, text_field="messages"))
     docs = decoded_docs(tmp_path / "tokens", "train") + decoded_docs(tmp_path / "tokens", "val")
     expected = [render_chat(json.loads(line)["messages"]) for line in open(src, encoding="utf-8")]
     assert len(docs) == 200 and sorted(docs) == sorted(expected)
@@ -330,7 +326,7 @@ def test_folder_of_text_files_one_document_each(tmp_path: Path) -> None:
     for i, story in enumerate(stories):
         write_text(tmp_path / "books" / f"{i:02d}.txt", story)
     write_text(tmp_path / "books" / "empty.txt", "")  # no document, no stray separator
-    prepare_data(make_cfg(tmp_path, source=str(tmp_path / "books"), val_fraction=0.2))
+    write_shards(make_cfg(tmp_path, source=str(tmp_path / "books"), val_fraction=0.2))
     train, val = (
         decoded_docs(tmp_path / "tokens", "train"),
         decoded_docs(tmp_path / "tokens", "val"),
@@ -348,9 +344,9 @@ def test_shard_dtype_switches_above_65536() -> None:
 
 def test_uint32_shards_hold_the_same_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = str(write_text(tmp_path / "s.txt", EXCERPT))
-    prepare_data(make_cfg(tmp_path, source=src, out_dir=str(tmp_path / "a")))
+    write_shards(make_cfg(tmp_path, source=src, out_dir=str(tmp_path / "a")))
     monkeypatch.setattr(shards_mod, "shard_dtype", lambda vocab_size: "uint32")
-    prepare_data(make_cfg(tmp_path, source=src, out_dir=str(tmp_path / "b")))
+    write_shards(make_cfg(tmp_path, source=src, out_dir=str(tmp_path / "b")))
     assert load_meta(tmp_path / "b")["dtype"] == "uint32"
     assert (tmp_path / "b" / "train.bin").stat().st_size == 2 * (
         tmp_path / "a" / "train.bin"
@@ -365,7 +361,7 @@ def test_interrupted_run_keeps_previous_shards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
 ) -> None:
     src = str(write_text(tmp_path / "s.txt", EXCERPT))
-    prepare_data(make_cfg(tmp_path, source=src))
+    write_shards(make_cfg(tmp_path, source=src))
     out = tmp_path / "tokens"
     before, train = hashes(out), open_split(out, "train").copy()
     real_write, calls = shards_mod._ShardWriter.write, []
@@ -379,7 +375,7 @@ def test_interrupted_run_keeps_previous_shards(
     monkeypatch.setattr(shards_mod, "BATCH_CHARS", 1000)  # many writes
     monkeypatch.setattr(shards_mod._ShardWriter, "write", failing_write)
     with pytest.raises(type(error)):
-        prepare_data(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
+        write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     assert hashes(out) == before  # tokenizer, shards and meta untouched, no temporary left
     assert np.array_equal(open_split(out, "train"), train)
 
@@ -388,17 +384,17 @@ def test_crash_between_renames_leaves_no_accepted_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = str(write_text(tmp_path / "s.txt", EXCERPT))
-    prepare_data(make_cfg(tmp_path, source=src))
-    real_commit = shards_mod._Staged.commit
+    write_shards(make_cfg(tmp_path, source=src))
+    real_commit = files_mod.StagedFile.commit
 
     def commit(self: Any) -> None:
         if self.path.name == "val.bin":
             raise OSError("power cut")
         real_commit(self)
 
-    monkeypatch.setattr(shards_mod._Staged, "commit", commit)
+    monkeypatch.setattr(files_mod.StagedFile, "commit", commit)
     with pytest.raises(UserError, match="power cut"):
-        prepare_data(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
+        write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     for split in ("train", "val"):
         with pytest.raises(UserError, match="minillm tokenize"):
             open_split(tmp_path / "tokens", split)
@@ -410,7 +406,7 @@ def test_full_disk_is_one_line_and_keeps_previous_shards(
     import errno
 
     src = str(write_text(tmp_path / "s.txt", EXCERPT))
-    prepare_data(make_cfg(tmp_path, source=src))
+    write_shards(make_cfg(tmp_path, source=src))
     out = tmp_path / "tokens"
     before = hashes(out)
 
@@ -419,14 +415,14 @@ def test_full_disk_is_one_line_and_keeps_previous_shards(
 
     monkeypatch.setattr(shards_mod._ShardWriter, "write", full)
     with pytest.raises(UserError, match="No space left on device"):
-        prepare_data(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
+        write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     assert hashes(out) == before
 
 
 def test_open_split_checks_size_against_meta(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="meta.json: data.out_dir: .*minillm tokenize CONFIG"):
         open_split(tmp_path / "nothing", "train")
-    prepare_data(make_cfg(tmp_path, source=str(write_text(tmp_path / "s.txt", EXCERPT))))
+    write_shards(make_cfg(tmp_path, source=str(write_text(tmp_path / "s.txt", EXCERPT))))
     shard = tmp_path / "tokens" / "train.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(UserError, match="train.bin: data.out_dir: .* bytes, but meta.json"):
@@ -510,10 +506,10 @@ def test_progress_prints_plain_lines_off_a_terminal(
     from rich.console import Console
 
     monkeypatch.setattr(progress_mod, "PLAIN_EVERY_S", 0.0)
-    progress = progress_mod.ByteProgress(Console(file=io.StringIO()), "encode", 100)
+    progress = progress_mod.Progress("encode", 100, Console(file=io.StringIO()))
     progress.update(50, 2_000_000)
     progress.close()
-    assert "encode: 50%" in capsys.readouterr().out
+    assert "encode: 50/100 (50%)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fmt", ["txt", "jsonl"])
@@ -523,18 +519,18 @@ def test_progress_ends_at_its_total(
     """The bars count bytes of text files or rows of tables and must end exactly full."""
     seen: dict[str, tuple[int, int, int]] = {}
 
-    class Recording(progress_mod.ByteProgress):
+    class Recording(progress_mod.Progress):
         def close(self) -> None:
             seen[self.description] = (self.done, self.total, self.nbytes)
             super().close()
 
-    monkeypatch.setattr(shards_mod, "ByteProgress", Recording)
+    monkeypatch.setattr(shards_mod, "Progress", Recording)
     monkeypatch.setattr(shards_mod, "BATCH_CHARS", 5000)
     if fmt == "txt":
         src = str(write_text(tmp_path / "s.txt", EXCERPT))
     else:
         src = str(shutil.copy(DATA / "grimm_stories.jsonl", tmp_path / "g.jsonl"))
-    prepare_data(make_cfg(tmp_path, source=src))
+    write_shards(make_cfg(tmp_path, source=src))
     meta = load_meta(tmp_path / "tokens")
     done, total, nbytes = seen["encode"]
     assert done == total and nbytes == meta["train"]["bytes"] + meta["val"]["bytes"]
@@ -651,5 +647,5 @@ def test_empty_rows_only_is_an_empty_corpus(tmp_path: Path) -> None:
     src = tmp_path / "blank.jsonl"
     src.write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(5)))
     with pytest.raises(ConfigError, match="blank.jsonl: data.source: no text"):
-        prepare_data(make_cfg(tmp_path, source=str(src)))
+        write_shards(make_cfg(tmp_path, source=str(src)))
     assert not (tmp_path / "tokens" / "meta.json").exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.checkpoint import load_model_state
+from minillm.checkpoint.store import load_model_state
 from tests.helpers import SHAKESPEARE
 
 pytestmark = pytest.mark.slow

@@ -112,13 +112,16 @@ def test_links_from_docs_point_at_files_lines_and_names_that_exist() -> None:
 
 
 def test_link_checker_catches_drift() -> None:
-    model = ROOT / "minillm" / "model.py"
+    model = ROOT / "minillm" / "model" / "transformer.py"
     text = model.read_text(encoding="utf-8").splitlines()
     line = next(i for i, s in enumerate(text, 1) if s.startswith("class RMSNorm"))
     md = ROOT / "docs" / "architecture.md"
-    assert _link_problem(md, "`RMSNorm`", f"../minillm/model.py#L{line}-L{line + 2}") is None
-    assert _link_problem(md, "`KVCache`", f"../minillm/model.py#L{line}-L{line + 2}")
-    assert _link_problem(md, "x", f"../minillm/model.py#L{len(text) + 1}")
+    assert (
+        _link_problem(md, "`RMSNorm`", f"../minillm/model/transformer.py#L{line}-L{line + 2}")
+        is None
+    )
+    assert _link_problem(md, "`KVCache`", f"../minillm/model/transformer.py#L{line}-L{line + 2}")
+    assert _link_problem(md, "x", f"../minillm/model/transformer.py#L{len(text) + 1}")
     assert _link_problem(md, "x", "../minillm/nope.py")
     assert _link_problem(md, "x", "training.md#no-such-heading")
     assert _link_problem(md, "x", "https://example.com/anything") is None
@@ -180,7 +183,7 @@ def test_config_keys_named_in_docs_exist() -> None:
 
 def test_tensorboard_tags_in_training_guide_are_written_by_the_code() -> None:
     text = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
-    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "minillm").glob("*.py"))
+    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "minillm").rglob("*.py"))
     tags = set(re.findall(r"`((?:train|val|layers)/\w+(?:/\w+)*?)(?:/\*|/NN)?`", text))
     assert {"train/loss", "val/bits_per_byte", "layers/update_ratio"} <= tags, tags
     for tag in tags:

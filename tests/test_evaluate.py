@@ -11,9 +11,9 @@ import torch
 from tiny_run import make_run, tiny_tokenizer, write_shards
 from typer.testing import CliRunner
 
-from minillm.checkpoint import load_checkpoint
+from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.evaluate import evaluate_checkpoint, evaluate_tokens, metrics
+from minillm.infer.evaluate import evaluate_checkpoint, evaluate_tokens, metrics
 
 LN2 = math.log(2)
 runner = CliRunner()
@@ -104,7 +104,7 @@ def test_val_shard_eval_and_max_tokens_scaling(tmp_path: Path) -> None:
 def test_val_shard_loss_matches_the_hand_computation(tmp_path: Path) -> None:
     run_dir, cfg, model = make_run(tmp_path)
     write_shards(cfg, DOCS)
-    from minillm.data import open_split
+    from minillm.data.meta import open_split
 
     ids = [int(t) for t in open_split(cfg.data.out_dir, "val")]
     got = evaluate_checkpoint(load_checkpoint(run_dir))
@@ -151,7 +151,7 @@ def test_eval_errors_are_one_line(run_dir: Path, tmp_path: Path) -> None:
 def test_damaged_and_foreign_weights_are_one_line(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    from minillm.fsutil import sha256_file
+    from minillm.runtime.files import sha256_file
 
     run_dir, _, _ = make_run(tmp_path)
     ckpt = next((run_dir / "checkpoints").glob("step_*"))

@@ -11,14 +11,15 @@ import transformers
 from tiny_run import make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
-from minillm.checkpoint import CheckpointError, load_checkpoint
+from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.errors import UserError
-from minillm.export import export_checkpoint, import_hf_folder
-from minillm.generate import generate
-from minillm.hf import hf_config_dict
+from minillm.data.tokenizer import EOT, eot_id
+from minillm.errors import CheckpointError, UserError
+from minillm.infer.generate import generate
+from minillm.infer.hf_folder import export_checkpoint, import_hf_folder
 from minillm.model import Transformer
-from minillm.tokenizer import EOT, eot_id
+from minillm.model.hf_names import hf_config_dict
+from minillm.train.setup import load_train_config
 
 TEXT = "First Citizen:\nBefore we proceed — Grüße, 日本語 🙂 <|endoftext|> the end."
 
@@ -185,7 +186,9 @@ def hf_folder(
 def test_import_gives_hf_logits(tmp_path: Path, tie: bool) -> None:
     folder, hf = hf_folder(tmp_path, tie=tie)
     cfg, state, tok_path = import_hf_folder(folder)
-    assert cfg.tie_embeddings == tie and cfg.kv_heads == 1 and tok_path == folder / "tokenizer.json"
+    assert (
+        cfg.tie_embeddings == tie and cfg.n_kv_head == 1 and tok_path == folder / "tokenizer.json"
+    )
     assert (cfg.rope_theta, cfg.norm_eps) == (500.0, 1e-5)
     model = Transformer(cfg).eval()
     model.load_state_dict(state)
@@ -210,7 +213,7 @@ def test_round_trip_export_then_import_is_exact(tmp_path: Path) -> None:
     run_dir, cfg, net = make_run(tmp_path, model=dict(tie_embeddings=False))
     out = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
     got_cfg, state, _ = import_hf_folder(out)
-    assert got_cfg.kv_heads == cfg.model.kv_heads and got_cfg.hidden_dim == cfg.model.hidden_dim
+    assert got_cfg.n_kv_head == cfg.model.n_kv_head and got_cfg.ffn_hidden == cfg.model.ffn_hidden
     own = net.state_dict()
     assert set(state) == set(own) and all(torch.equal(state[k], own[k]) for k in own)
 
@@ -298,7 +301,7 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     from tiny_run import write_shards
 
     from minillm.config import load_config
-    from minillm.trainer import Trainer
+    from minillm.train.trainer import Trainer
 
     run_dir, cfg, net = make_run(tmp_path / "a")
     hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
@@ -310,7 +313,7 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     }  # fmt: skip
     path = tmp_path / "init.yaml"
     path.write_text(yaml.safe_dump(raw))
-    new = load_config(path)  # no model section: the folder's config.json gives it
+    new = load_train_config(path)  # no model section: the folder's config.json gives it
     assert Transformer(new.model).param_count() == net.param_count()
     write_shards(new, [TEXT * 20, "Second document, long enough to train on. " * 20] * 3)
     trainer = Trainer(new, verbose=False)
@@ -333,9 +336,9 @@ def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_pa
 
     from tiny_run import write_shards
 
-    from minillm.fsutil import sha256_file
-    from minillm.tokenizer import tokenizer_sha256
-    from minillm.trainer import Trainer
+    from minillm.data.tokenizer import tokenizer_sha256
+    from minillm.runtime.files import sha256_file
+    from minillm.train.trainer import Trainer
 
     run_dir, cfg, _ = make_run(tmp_path)
     hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")

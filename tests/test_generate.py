@@ -11,11 +11,12 @@ import torch
 from tiny_run import make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
-from minillm.checkpoint import load_checkpoint
+from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.config import ModelConfig
-from minillm.generate import (
-    IncrementalDecoder,
+from minillm.data.tokenizer import eot_id
+from minillm.infer.generate import (
+    TextStreamer,
     apply_temperature,
     generate,
     row_seed,
@@ -24,7 +25,6 @@ from minillm.generate import (
     top_k_filter,
     top_p_filter,
 )
-from minillm.tokenizer import eot_id
 
 INF = math.inf
 
@@ -119,11 +119,17 @@ class CountingModel(torch.nn.Module):
         logits = torch.nn.functional.one_hot(nxt, self.cfg.vocab_size).float()[:, None] * 10
         return logits, None
 
-    def decoder(self, kv_cache):
+    @staticmethod
+    def decoder(model, kv_cache):
+        """generate's `make_decoder` for this mock: each step is a forward of one token."""
+
         def step(tokens):
-            return self(tokens[:, None], kv_cache=kv_cache)[0][:, -1]
+            return model(tokens[:, None], kv_cache=kv_cache)[0][:, -1]
 
         return SimpleNamespace(step=step)
+
+
+MOCK = {"make_decoder": CountingModel.decoder}
 
 
 def test_rows_stop_at_end_of_text_and_the_batch_stops_when_all_have() -> None:
@@ -136,24 +142,33 @@ def test_rows_stop_at_end_of_text_and_the_batch_stops_when_all_have() -> None:
         temperature=0.0,
         eot_id=4,
         on_token=lambda r, t: seen.append((r, t)),
+        make_decoder=CountingModel.decoder,
     )
     assert out == [[2, 3, 4], [11, 12, 13, 14, 15, 0]]
     assert seen[:4] == [(0, 2), (1, 11), (0, 3), (1, 12)]
     assert len(model.calls) == 6  # prefill + 5 steps: the last token needs no forward
     model = CountingModel()
-    out = generate(model, [[1]], max_new_tokens=8, temperature=0.0, eot_id=4)
+    out = generate(model, [[1]], max_new_tokens=8, temperature=0.0, eot_id=4, **MOCK)
     assert out == [[2, 3, 4]] and len(model.calls) == 3  # stops as soon as every row is done
     out = generate(CountingModel(), [[1]], max_new_tokens=5, temperature=0.0, eot_id=4,
-                   ignore_eos=True)  # fmt: skip
+                   ignore_eos=True, **MOCK)  # fmt: skip
     assert out == [[2, 3, 4, 5, 6]]
 
 
 def test_vocab_limit_keeps_the_padded_embedding_rows_out() -> None:
     # The mock wants 15 next; ids >= 15 are off-limits, so greedy falls back to id 0.
-    out = generate(CountingModel(), [[14]], max_new_tokens=1, temperature=0.0, vocab_limit=15)
+    out = generate(
+        CountingModel(), [[14]], max_new_tokens=1, temperature=0.0, vocab_limit=15, **MOCK
+    )
     assert out == [[0]]
     sampled = generate(
-        CountingModel(), [[3]] * 8, max_new_tokens=12, temperature=50.0, seed=0, vocab_limit=6
+        CountingModel(),
+        [[3]] * 8,
+        max_new_tokens=12,
+        temperature=50.0,
+        seed=0,
+        vocab_limit=6,
+        **MOCK,
     )
     assert {t for row in sampled for t in row} == set(range(6))
 
@@ -212,7 +227,7 @@ def test_incremental_decoding_never_breaks_a_character() -> None:
     text = "Grüße — 日本語 🙂🚀 and plain words"
     ids = tok.encode(text).ids
     assert len(ids) > len(text.split())  # characters really are split over byte tokens
-    dec = IncrementalDecoder(tok)
+    dec = TextStreamer(tok)
     pieces = [dec.push(i) for i in ids]
     pieces.append(dec.flush())
     assert "".join(pieces) == text

@@ -7,16 +7,11 @@ import torch
 import transformers
 
 from minillm.config import ModelConfig
-from minillm.generate import generate
-from minillm.hf import from_hf_state_dict, hf_config_dict, to_hf_state_dict
-from minillm.model import (
-    KVCache,
-    Transformer,
-    apply_rope,
-    rope_rotation,
-    rope_tables,
-    rotate_half_matrix,
-)
+from minillm.infer.generate import generate
+from minillm.model import KVCache, Transformer
+from minillm.model.decode import Decoder
+from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from minillm.model.transformer import apply_rope, rope_rotation, rope_tables, rotate_half_matrix
 
 
 def make_pair(**kw) -> tuple[Transformer, transformers.LlamaForCausalLM, ModelConfig]:
@@ -197,7 +192,7 @@ def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
             ref_cache, cache = KVCache(cfg, 3, 21), KVCache(cfg, 3, 21)
             ours(idx, attention_mask=mask, kv_cache=ref_cache)
             ours(idx, attention_mask=mask, kv_cache=cache)
-            decoder = ours.decoder(cache)
+            decoder = Decoder(ours, cache)
             for t in range(12):
                 ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
                 got = decoder.step(nxt[:, t])
@@ -209,7 +204,7 @@ def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
             with pytest.raises(ValueError, match="full"):
                 decoder.step(nxt[:, 0])
     with pytest.raises(RuntimeError, match="inference"):
-        ours.decoder(KVCache(cfg, 3, 4)).step(nxt[:, 0])
+        Decoder(ours, KVCache(cfg, 3, 4)).step(nxt[:, 0])
 
 
 def test_decoder_in_bf16_tracks_the_forward() -> None:
@@ -230,7 +225,7 @@ def test_decoder_in_bf16_tracks_the_forward() -> None:
             cache = KVCache(cfg, 2, 11, dtype=torch.bfloat16)
             ours(idx, kv_cache=ref_cache)
             ours(idx, kv_cache=cache)
-            decoder = ours.decoder(cache)
+            decoder = Decoder(ours, cache)
             for t in range(5):
                 ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
                 got = decoder.step(nxt[:, t])
@@ -250,10 +245,10 @@ def test_cache_overflow_and_dropout_are_refused() -> None:
             ours(torch.ones(1, 2, dtype=torch.long), kv_cache=cache)
     dropped, _, _ = make_pair(n_kv_head=2, dropout=0.1)
     with pytest.raises(ValueError, match="eval"):
-        dropped.train().decoder(KVCache(dropped.cfg, 1, 4))
+        Decoder(dropped.train(), KVCache(dropped.cfg, 1, 4))
     with pytest.raises(ValueError, match="eval"):
         generate(dropped.train(), [[1, 2]], max_new_tokens=2, temperature=0.0)
-    dropped.eval().decoder(KVCache(dropped.cfg, 1, 4))  # eval mode: no dropout to miss
+    Decoder(dropped.eval(), KVCache(dropped.cfg, 1, 4))  # eval mode: no dropout to miss
     assert len(generate(dropped, [[1, 2]], max_new_tokens=2, temperature=0.0)[0]) == 2
 
 
@@ -284,7 +279,7 @@ def test_ffn_width_rule_and_param_counts() -> None:
         cfg = ModelConfig(vocab_size=32000, d_model=4096, n_layer=32, n_head=32,
                           tie_embeddings=False, max_seq_len=4096)  # fmt: skip
         model = Transformer(cfg)
-    assert cfg.hidden_dim == 11008
+    assert cfg.ffn_hidden == 11008
     assert model.param_count() == 6_738_415_616
     assert model.param_count(non_embedding=True) == 6_738_415_616 - 2 * 32000 * 4096
 

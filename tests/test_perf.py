@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from test_model import make_pair
 
-import minillm.model as model_mod
-from minillm import perf
-from minillm.hf import to_hf_state_dict
-from minillm.model import Transformer, apply_rope, rope_tables
+from minillm.model import Transformer, kernels_cpu
+from minillm.model.hf_names import to_hf_state_dict
+from minillm.model.transformer import apply_rope, rope_tables
+from minillm.runtime import perf
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def test_eager_cpu_kernels_equal_the_plain_formulas(
     targets[0, :7] = -100
     fast = _train_pass(ours, idx, targets, reduction=reduction)
     # What torch.compile traces: F.rms_norm, the plain RoPE formula, F.cross_entropy...
-    monkeypatch.setattr(model_mod, "_compiling", lambda: True)
+    monkeypatch.setattr(kernels_cpu, "compiling", lambda: True)
     plain = _train_pass(ours, idx, targets, reduction=reduction)
     torch.testing.assert_close(fast[0], plain[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(fast[1], plain[1], atol=1e-5, rtol=1e-6)
@@ -86,7 +86,7 @@ def test_rope_is_a_rotation_with_the_inverse_as_backward() -> None:
 def test_cross_entropy_kernel_handles_chunks_and_all_ignored_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(model_mod._CrossEntropyCPU, "CHUNK_BYTES", 3 * 4 * 50)  # 3 rows a chunk
+    monkeypatch.setattr(kernels_cpu.CrossEntropyCPU, "CHUNK_BYTES", 3 * 4 * 50)  # 3 rows a chunk
     logits = torch.randn(10, 50, requires_grad=True)
     targets = torch.randint(0, 50, (10,))
     targets[[1, 6]] = -100
@@ -94,7 +94,7 @@ def test_cross_entropy_kernel_handles_chunks_and_all_ignored_rows(
         for sum_, reduction in ((False, "mean"), (True, "sum")):
             ref = F.cross_entropy(logits, t, reduction=reduction)
             (g_ref,) = torch.autograd.grad(ref, logits)
-            got = model_mod._CrossEntropyCPU.apply(logits, t, sum_)
+            got = kernels_cpu.CrossEntropyCPU.apply(logits, t, sum_)
             (g_got,) = torch.autograd.grad(got, logits)
             torch.testing.assert_close(got, ref, equal_nan=True)
             torch.testing.assert_close(g_got, g_ref)

@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from minillm.config import ConfigError
-from minillm.errors import UserError
-from minillm.tokenizer import (
+from minillm.data.tokenizer import (
     EOT,
     MIN_VOCAB,
     check_tokenizer,
@@ -19,6 +17,7 @@ from minillm.tokenizer import (
     special_tokens,
     train_tokenizer,
 )
+from minillm.errors import ConfigError, UserError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm import checkpoint as ckpt
+from minillm.checkpoint import store as ckpt
 from minillm.config import config_from_dict, config_to_dict
 from minillm.errors import UserError
-from minillm.optim import lr_at
-from minillm.trainer import Trainer, TrainingDiverged
+from minillm.train.optim import lr_at
+from minillm.train.trainer import Trainer, TrainingDiverged
 from tests.helpers import prepared_config, tiny_config
 
 
@@ -67,10 +67,8 @@ def test_resume_is_bitwise_exact(data_dir: Path, tmp_path: Path) -> None:
 
 
 def test_accumulation_equals_one_big_batch_with_uneven_masks(
-    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    data_dir: Path, tmp_path: Path
 ) -> None:
-    import minillm.data
-
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 300, (4, 32), generator=g)
     y = torch.randint(0, 300, (4, 32), generator=g)
@@ -87,13 +85,13 @@ def test_accumulation_equals_one_big_batch_with_uneven_masks(
         trainer.train_step()
         return captured
 
-    split = lambda *a, **k: [(x[:2], y[:2]), (x[2:], y[2:])]  # noqa: E731
-    monkeypatch.setattr(minillm.data, "train_batch", split)
-    t1 = Trainer(make_cfg(data_dir, tmp_path / "a", grad_accum=2, batch_size=2), verbose=False)
+    split = [(x[:2], y[:2]), (x[2:], y[2:])]
+    cfg = make_cfg(data_dir, tmp_path / "a", grad_accum=2, batch_size=2)
+    t1 = Trainer(cfg, verbose=False, batches=lambda step: split)
     accumulated = grads_of(t1)
     t1.close()
-    monkeypatch.setattr(minillm.data, "train_batch", lambda *a, **k: [(x, y)])
-    t2 = Trainer(make_cfg(data_dir, tmp_path / "b", grad_accum=1, batch_size=4), verbose=False)
+    cfg = make_cfg(data_dir, tmp_path / "b", grad_accum=1, batch_size=4)
+    t2 = Trainer(cfg, verbose=False, batches=lambda step: [(x, y)])
     big = grads_of(t2)
     t2.close()
     for name in big:
@@ -291,7 +289,7 @@ def test_shards_from_another_source_are_warned_about(
 def test_val_bits_per_byte_equals_minillm_eval_over_the_whole_split(
     data_dir: Path, tmp_path: Path
 ) -> None:
-    from minillm.evaluate import evaluate_checkpoint
+    from minillm.infer.evaluate import evaluate_checkpoint
 
     cfg = make_cfg(data_dir, tmp_path / "run", max_steps=2, eval_every=2, eval_steps=0)
     val = run_trainer(cfg).evaluate()

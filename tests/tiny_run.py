@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from minillm.checkpoint import save_checkpoint
+from minillm.checkpoint.store import save_checkpoint
 from minillm.config import Config, config_from_dict, config_to_dict
 from minillm.model import Transformer
 
@@ -29,7 +29,7 @@ VOCAB = 300
 
 @functools.lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
-    from minillm.tokenizer import train_tokenizer
+    from minillm.data.tokenizer import train_tokenizer
 
     text = SHAKESPEARE.read_text(encoding="utf-8")[:6000] + EXTRA * 3
     return train_tokenizer([text], VOCAB).to_str()
@@ -108,11 +108,12 @@ def write_shards(cfg: Config, documents: list[str]) -> dict[str, Any]:
     The documents go to a .jsonl file (one document a row) at data.source; the run's tokenizer
     (data.tokenizer) is reused.
     """
-    from minillm.data import load_meta, prepare_data
+    from minillm.data.meta import load_meta
+    from minillm.data.shards import write_shards
 
     source = Path(cfg.data.source)
     with source.open("w", encoding="utf-8") as f:
         for doc in documents:
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-    prepare_data(cfg)
+    write_shards(cfg)
     return load_meta(cfg.data.out_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from minillm.config import ConfigError
+from minillm.errors import ConfigError
 
 BLOCK_BYTES = 1 << 20  # bytes read from a text file at a time
 PIECE_CHARS = 1 << 16  # target length of the pieces handed to the encoder

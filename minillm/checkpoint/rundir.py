@@ -6,15 +6,16 @@ Offers `RunLock`, `resume_point` (which checkpoint a `minillm train` continues f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 from pathlib import Path
 from typing import Any
 
-from minillm import checkpoint as ckpt
-from minillm.config import Config, config_to_dict
-from minillm.errors import UserError, warn
+from minillm.checkpoint import store as ckpt
+from minillm.config import Config, config_from_dict, config_to_dict
+from minillm.errors import ConfigError, UserError, warn
 
 LOCK_FILE = "train.lock"
 
@@ -86,6 +87,8 @@ def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], lis
 
     `old` is the config dict saved with the checkpoint.
     """
+    with contextlib.suppress(ConfigError):  # resolve nulls (n_kv_head, ...) as `new` has them
+        old = config_to_dict(config_from_dict(old))
     before, after = _flatten(old), _flatten(config_to_dict(new))
     refused, changed = [], []
     for key in sorted(set(before) | set(after)):

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from minillm.config import Config
-from minillm.distributed import DistInfo
-from minillm.runtime import DTYPES
+from minillm.runtime.device import PRECISION_DTYPES
+from minillm.train.distributed import DistInfo
 
 
 def wrap_model(
@@ -71,7 +71,9 @@ def shard_model(model: torch.nn.Module, precision: str) -> None:
 
     policy = MixedPrecisionPolicy()
     if precision in ("bf16", "fp16"):
-        policy = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(
+            param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32
+        )
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)

@@ -45,8 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from minillm.config import ConfigError, DataConfig
-from minillm.text import read_text_blocks, split_pieces
+from minillm.config import DataConfig
+from minillm.data.text import read_text_blocks, split_pieces
+from minillm.errors import ConfigError
 
 ROWS_PER_BATCH = 512  # rows fetched from arrow at a time
 EXTENSIONS = {

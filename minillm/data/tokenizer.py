@@ -20,8 +20,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from minillm.config import ConfigError
-from minillm.fsutil import atomic_write_text
+from minillm.errors import ConfigError
+from minillm.runtime.files import atomic_write_text
 
 EOT = "<|endoftext|>"
 SPECIAL_TOKENS: tuple[str, ...] = (EOT,)
@@ -90,7 +90,7 @@ def tokenizer_sha256(path: str | Path) -> str:
     the same tokenizer gets the same digest. A file `tokenizers` cannot read: its bytes' digest."""
     import hashlib
 
-    from minillm.fsutil import sha256_file
+    from minillm.runtime.files import sha256_file
 
     try:
         text = Tokenizer.from_file(str(path)).to_str()

@@ -7,21 +7,12 @@ Monitor that writes; other ranks get a silent one.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-
-def format_duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+from minillm.runtime.progress import Progress, format_duration
 
 
 class Monitor:
@@ -40,8 +31,6 @@ class Monitor:
         self.total = total_steps
         self.writer = None
         self.progress: Progress | None = None
-        self.start_time = time.monotonic()
-        self.start_step = start_step
         if not enabled:
             return
         if run_dir is not None:
@@ -51,18 +40,7 @@ class Monitor:
             # them, so that each tag's steps only go forward.
             purge = start_step + 1 if start_step > 0 else None
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), purge_step=purge)
-        if self.console.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]step {task.completed}/{task.total}"),
-                BarColumn(),
-                TextColumn("{task.fields[stats]}"),
-                TimeRemainingColumn(),
-                console=self.console,
-                transient=False,
-            )
-            self.task = self.progress.add_task("train", total=total_steps, stats="")
-            self.progress.update(self.task, completed=start_step)
-            self.progress.start()
+        self.progress = Progress("step", total_steps, self.console, start=start_step)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer is None:
@@ -76,25 +54,20 @@ class Monitor:
             self.writer.add_text(tag, text, 0)
 
     def step(self, step: int, stats: dict[str, Any], log: bool) -> None:
-        """Advance to `step` (completed steps); print a plain line when `log` and not on a TTY."""
-        if not self.enabled:
+        """Advance to `step` (completed steps); off a terminal, print a plain line when `log`."""
+        if self.progress is None:
             return
         line = "  ".join(f"{k} {v}" for k, v in stats.items())
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, stats=line)
+        if self.progress.bar is not None:
+            self.progress.update(step, info=line)
         elif log:
-            done = step - self.start_step
-            elapsed = time.monotonic() - self.start_time
-            eta = elapsed / done * (self.total - step) if done else float("inf")
+            self.progress.done = step
+            eta = self.progress.eta()
             print(f"step {step}/{self.total}  {line}  eta {format_duration(eta)}", flush=True)
 
     def print(self, message: str) -> None:
-        if not self.enabled:
-            return
         if self.progress is not None:
-            self.progress.console.print(message)
-        else:
-            print(message, flush=True)
+            self.progress.print(message)
 
     def flush(self) -> None:
         if self.writer is not None:
@@ -102,7 +75,7 @@ class Monitor:
 
     def close(self) -> None:
         if self.progress is not None:
-            self.progress.stop()
+            self.progress.close()
             self.progress = None
         if self.writer is not None:
             self.writer.close()
@@ -130,7 +103,7 @@ class Meter:
     @property
     def mfu(self) -> float:
         """Model FLOPs per second over the peak of all devices (MFU, as in the PaLM paper)."""
-        from minillm.perf import mfu
+        from minillm.runtime.perf import mfu
 
         if not self.peak:
             return math.nan

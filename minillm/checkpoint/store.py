@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from minillm.errors import UserError, warn
-from minillm.fsutil import (
+from minillm.errors import CheckpointError, UserError, warn
+from minillm.runtime.files import (
     atomic_write_json,
     atomic_write_text,
-    fsync_dir,
+    commit_dir,
     save_safetensors,
     sha256_file,
 )
@@ -46,17 +46,8 @@ FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(UserError):
-    """A checkpoint that is missing, damaged, foreign or incompatible."""
-
-
 def checkpoint_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def save_checkpoint(
@@ -91,18 +82,11 @@ def save_checkpoint(
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
         files = sorted(p.name for p in tmp.iterdir())
-        for f in files:
-            _fsync_file(tmp / f)
         full_state = dict(state, step=step, version=FORMAT_VERSION, saved_at=time.time())
         full_state["files"] = {f: sha256_file(tmp / f) for f in files}
         atomic_write_json(tmp / STATE_FILE, full_state)
-        fsync_dir(tmp)
-        if final.exists():  # a leftover from a run that crashed before LATEST named it
-            stale = ckpt_root / f".stale-{name}-{os.getpid()}"
-            os.rename(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_root)
+        # An existing `final` is a leftover from a run that crashed before LATEST named it.
+        commit_dir(tmp, final)
         _crash_test_pause()
         atomic_write_text(ckpt_root / "LATEST", name + "\n")
         if is_best:
@@ -313,9 +297,10 @@ def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu", verify: bool = True
 ) -> LoadedCheckpoint:
     """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run or a checkpoint)."""
-    from minillm.config import ConfigError, config_from_dict
+    from minillm.config import config_from_dict
+    from minillm.data.tokenizer import load_tokenizer
+    from minillm.errors import ConfigError
     from minillm.model import Transformer
-    from minillm.tokenizer import load_tokenizer
 
     ckpt = resolve_checkpoint(path, verify=verify)
     state = read_state(ckpt)

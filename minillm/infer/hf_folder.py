@@ -20,11 +20,16 @@ from typing import Any
 
 import torch
 
-from minillm.checkpoint import CheckpointError, load_weights_into
+from minillm.checkpoint.store import load_weights_into
 from minillm.config import ModelConfig, SampleConfig
-from minillm.errors import UserError
-from minillm.fsutil import fsync_dir, save_safetensors
-from minillm.hf import from_hf_state_dict, hf_config_dict, model_config_from_hf, to_hf_state_dict
+from minillm.errors import CheckpointError, UserError
+from minillm.model.hf_names import (
+    from_hf_state_dict,
+    hf_config_dict,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
+from minillm.runtime.files import commit_dir, save_safetensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -122,7 +127,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
     """
 
-    from minillm.tokenizer import EOT, eot_id
+    from minillm.data.tokenizer import EOT, eot_id
 
     out = Path(out)
     check_export_target(out, force, ckpt.path)
@@ -145,22 +150,11 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         for name, obj in files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
         ckpt.tokenizer.save(str(tmp / TOKENIZER_FILE))
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
         check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
+        commit_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -177,13 +171,7 @@ def _read_hf_config(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
     if not isinstance(hf, dict):
         raise CheckpointError(f"{path}: not a JSON object")
-    archs = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs):
-        raise CheckpointError(
-            f"{path}: a {hf.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}), "
-            "not LlamaForCausalLM; only Llama folders can be imported"
-        )
-    return hf
+    return hf  # model_config_from_hf checks that it is a Llama
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -226,7 +214,7 @@ def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
     """Our ModelConfig from an HF Llama folder's config.json alone (no weights read)."""
-    from minillm.config import ConfigError
+    from minillm.errors import ConfigError
 
     folder = Path(folder)
     if not folder.is_dir():

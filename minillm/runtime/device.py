@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.config import DEVICE_PATTERN, ConfigError
+from minillm.config import DEVICE_PATTERN
+from minillm.errors import ConfigError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
@@ -64,7 +65,7 @@ def autocast_context(device: torch.device, precision: str) -> contextlib.Abstrac
     """Mixed precision by autocast; weights and optimizer state stay fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
 
 
 def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:

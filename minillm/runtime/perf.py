@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from minillm.runtime.device import PRECISION_DTYPES
+
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s. Matched by
 # substring of torch.cuda.get_device_name(), first match wins, so variants come before the family.
 _GPU_PEAKS: tuple[tuple[str, float], ...] = (
@@ -106,3 +108,14 @@ def measure_matmul_peak(
 def mfu(flops_per_token: float, tokens_per_sec: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (0..1)."""
     return flops_per_token * tokens_per_sec / peak_flops
+
+
+def peak_flops(device: torch.device, precision: str, configured: float = 0.0) -> float:
+    """The peak FLOP/s that MFU divides by: `configured` (train.peak_flops) if set, else a known
+    GPU's datasheet peak, else a one-second matmul probe."""
+    if configured:
+        return configured
+    # On a CPU the probe runs in fp32 whatever the precision: bf16 there is emulated, and
+    # a 2048^2 bf16 probe would take many seconds.
+    dtype = PRECISION_DTYPES[precision] if device.type != "cpu" else torch.float32
+    return known_peak_flops(device, dtype) or measure_matmul_peak(1.0, dtype, device)

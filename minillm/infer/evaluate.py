@@ -14,8 +14,8 @@ token, that compares models with different tokenizers.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,13 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from minillm.data.batches import eval_batches
 from minillm.errors import UserError
+from minillm.runtime.progress import Progress
 
 LN2 = math.log(2.0)
 JSON_KEYS = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def evaluate_tokens(
     model: torch.nn.Module,
     ids: np.ndarray | torch.Tensor,
@@ -37,22 +39,41 @@ def evaluate_tokens(
     batch_size: int,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    *,
+    max_batches: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    autocast: contextlib.AbstractContextManager | None = None,
 ) -> tuple[float, int]:
-    """Summed cross-entropy (nats) over every token of `ids` after the first, and their count."""
-    from minillm.data import eval_batches
+    """Summed cross-entropy (nats) over every token of `ids` after the first, and their count.
 
+    max_batches: only the first batches (the trainer's eval_steps). With world_size > 1 this is
+    rank `rank`'s share, every world_size-th batch, padded with batches that predict nothing so
+    that all ranks run the same number of forwards (FSDP's are collective); the caller sums the
+    shares. no_grad rather than inference_mode: the trainer's model goes on training after it.
+    """
     if isinstance(ids, torch.Tensor):
         ids = ids.cpu().numpy()
-    n_predicted = max(len(ids) - 1, 0)
-    n_batches = math.ceil(math.ceil(n_predicted / seq_len) / batch_size)
+    batches = eval_batches(ids, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches)
+    n_batches = math.ceil(math.ceil(max(len(ids) - 1, 0) / seq_len) / batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    if world_size > 1:
+        every = list(batches)
+        batches = every[rank::world_size]
+        n_batches = math.ceil(len(every) / world_size)
+        if every:
+            x, y = every[0]
+            batches += [(x, torch.full_like(y, -100))] * (n_batches - len(batches))
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-    bar = _Progress(n_batches, "eval", enabled=progress)
+    bar = Progress("eval", n_batches, enabled=progress, stderr=True)
     try:
-        for x, y in eval_batches(ids, seq_len=seq_len, batch_size=batch_size):
+        for x, y in batches:
             count += int((y != -100).sum())  # counted on the host: no device sync per batch
-            _, loss_sum = model(x.to(device), y.to(device), reduction="sum")
+            with autocast or contextlib.nullcontext():
+                _, loss_sum = model(x.to(device), y.to(device), reduction="sum")
             total += loss_sum.double()
             bar.advance()
     finally:
@@ -101,8 +122,8 @@ def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np
 
 def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
     """The run's validation shard, its bytes (scaled to the share used) and a note saying so."""
-    from minillm.data import load_meta, open_split
-    from minillm.tokenizer import eot_id, tokenizer_sha256
+    from minillm.data.meta import load_meta, open_split
+    from minillm.data.tokenizer import eot_id, tokenizer_sha256
 
     out_dir = Path(ckpt.config.data.out_dir)
     if not (out_dir / "val.bin").is_file():
@@ -177,44 +198,3 @@ def format_result(result: dict[str, Any]) -> str:
         f"{result['tokens']:,} tokens predicted, {result['bytes']:,} bytes, "
         f"context {result['seq_len']}, {result['seconds']:.1f}s: {result['source']}"
     )
-
-
-class _Progress:
-    """A rich bar on a terminal, a line every ~10% otherwise (on stderr: stdout may be JSON)."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.done = total, label, 0
-        self.bar = None
-        self.enabled = enabled and total > 0
-        self.next_line = 0.1
-        if not self.enabled:
-            return
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        if console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-            self.bar = Progress(
-                f"[bold]{label}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                console=console,
-                transient=True,
-            )
-            self.task = self.bar.add_task(label, total=total)
-            self.bar.start()
-
-    def advance(self) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.done)
-        elif self.enabled and self.done / self.total >= self.next_line:
-            print(f"{self.label}: batch {self.done}/{self.total}", file=sys.stderr, flush=True)
-            self.next_line += 0.1
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None

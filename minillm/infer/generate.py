@@ -2,7 +2,7 @@
 
 Offers the pure sampling filters `apply_temperature`, `top_k_filter`, `top_p_filter`,
 `sample_from_probs` and `sample_next`; `row_seed`; the batched loop `generate` (left-padded
-prompts, one KV cache, stop at end-of-text); `IncrementalDecoder` (streams text without breaking
+prompts, one KV cache, stop at end-of-text); `TextStreamer` (streams text without breaking
 multi-byte UTF-8 characters); and `sample_checkpoint`, what `minillm sample` runs.
 
 Shape legend: B rows (prompts x samples), P longest prompt, V vocabulary.
@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from minillm.errors import UserError
+from minillm.model import KVCache
+from minillm.model.decode import Decoder
 
 # ----------------------------------------------------------------------------- pure filters
 
@@ -128,6 +130,7 @@ def generate(
     ignore_eos: bool = False,
     on_token: Callable[[int, int], None] | None = None,
     vocab_limit: int | None = None,
+    make_decoder: Callable[[torch.nn.Module, KVCache], Any] = Decoder,
 ) -> list[list[int]]:
     """Continue each prompt by up to max_new_tokens tokens; returns the new tokens of each row.
 
@@ -135,12 +138,11 @@ def generate(
     running them one at a time. A row stops after emitting eot_id (which is included in its
     output) unless ignore_eos. `seed` is one int (row r uses `row_seed(seed, r)`), one seed per
     row, or None (fresh randomness). on_token(row, token) is called as each token is chosen.
+    make_decoder: builds the one-token-at-a-time stepper (a mock model's own in tests).
     vocab_limit: never choose ids >= it (the rows of a padded embedding table that the tokenizer
     lacks). The context must hold the longest prompt plus max_new_tokens - 1 tokens. A model
     with dropout must be in eval mode.
     """
-    from minillm.model import KVCache
-
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
@@ -176,7 +178,7 @@ def generate(
     padded = not bool(mask.all())
 
     cache = KVCache(cfg, B, P + max_new_tokens - 1, device=device, dtype=param.dtype)
-    decoder = model.decoder(cache)  # before the prefill: it refuses a model with live dropout
+    decoder = make_decoder(model, cache)  # before the prefill: it refuses live dropout
     logits, _ = model(idx, attention_mask=mask if padded else None, kv_cache=cache, last_only=True)
     logits = logits[:, -1]  # (B, V)
     out: list[list[int]] = [[] for _ in range(B)]
@@ -204,7 +206,7 @@ def generate(
 # ----------------------------------------------------------------------------- streaming text
 
 
-class IncrementalDecoder:
+class TextStreamer:
     """Turns a stream of token ids into text pieces, holding back incomplete UTF-8 characters.
 
     Byte-level BPE can split one character over several tokens; decoding each token alone would
@@ -305,7 +307,7 @@ def sample_checkpoint(
     Returns the generated texts (without their prompts), row j*num_samples + k being sample k
     of prompt j. max_new_tokens is trimmed, with a note on `err`, where the context is too short.
     """
-    from minillm.tokenizer import eot_id as find_eot
+    from minillm.data.tokenizer import eot_id as find_eot
 
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
@@ -335,13 +337,13 @@ def sample_checkpoint(
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
         print(f"seed {seed} (pass --seed to repeat this text)", file=err)
 
-    decoder = IncrementalDecoder(tok) if len(rows) == 1 else None
-    if decoder is not None:
+    streamer = TextStreamer(tok) if len(rows) == 1 else None
+    if streamer is not None:
         out.write(texts[0])
         out.flush()
 
     def stream(row: int, token: int) -> None:
-        piece = decoder.push(token)
+        piece = streamer.push(token)
         if piece:
             out.write(piece)
             out.flush()
@@ -356,12 +358,12 @@ def sample_checkpoint(
         seed=seed,
         eot_id=eot,
         ignore_eos=settings.ignore_eos,
-        on_token=stream if decoder is not None else None,
+        on_token=stream if streamer is not None else None,
         vocab_limit=tok.get_vocab_size(),
     )
     results = [tok.decode(ids) for ids in new]
-    if decoder is not None:
-        out.write(decoder.flush() + "\n")
+    if streamer is not None:
+        out.write(streamer.flush() + "\n")
     else:
         for r, text in enumerate(results):
             if r:

@@ -1,7 +1,8 @@
 """Crash-safe file writing: write to a temporary name in the same folder, fsync, rename.
 
-Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `fsync_dir`, `sha256_file` and
-`ensure_writable_dir`.
+Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `atomic_copy` (one file),
+`StagedFile` (files that commit together), `commit_dir` (a staged folder renamed into place),
+`fsync_dir`, `fsync_file`, `sha256_file`, `save_safetensors` and `ensure_writable_dir`.
 A reader therefore sees the old file or the new one, never a half-written one, whatever instant a
 crash or a full disk strikes.
 """
@@ -12,10 +13,13 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from minillm.errors import ConfigError
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -32,26 +36,89 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str | Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def temp_name(path: Path) -> Path:
+    """The hidden temporary sibling that `path` is written under until it is renamed in place."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+class StagedFile:
+    """A file written under its temporary name until `commit` renames it in place.
+
+    Several staged files are written and fsynced first, then committed together (token shards,
+    meta.json, the tokenizer), so a failure before the commits changes nothing.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.tmp = temp_name(self.path)
+
+    @classmethod
+    def text(cls, path: str | Path, text: str) -> StagedFile:
+        staged = cls(path)
+        with open(staged.tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return staged
+
+    def commit(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.tmp.unlink()
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
     """Open a temporary sibling of `path`; on success fsync it and rename it over `path`.
 
     On any exception the temporary file is removed and `path` is left as it was.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    staged = StagedFile(path)
     encoding = None if "b" in mode else "utf-8"
     try:
-        with open(tmp, mode, encoding=encoding) as f:
+        with open(staged.tmp, mode, encoding=encoding) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        staged.commit()
     except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        staged.discard()
         raise
-    fsync_dir(path.parent)
+    fsync_dir(staged.path.parent)
+
+
+def atomic_copy(src: str | Path, dst: str | Path) -> None:
+    """Copy `src` to `dst` through a temporary file, fsynced, then renamed."""
+    with atomic_write(dst) as out, open(src, "rb") as f:
+        shutil.copyfileobj(f, out)
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Make the staged folder `tmp` the folder `final`: every file and the folder fsynced, an
+    existing `final` moved aside, the rename, the parent fsynced, then the old one deleted.
+
+    A crash at any instant leaves `final` whole: the old one, or the new one (or, between the
+    two renames, neither, with the old one intact under a hidden name).
+    """
+    for p in tmp.iterdir():
+        if p.is_file():
+            fsync_file(p)
+    fsync_dir(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str]) -> None:
@@ -87,7 +154,6 @@ def ensure_writable_dir(folder: str | Path, key: str) -> None:
 
     Raises a ConfigError naming `key` (the config key that chose the folder).
     """
-    from minillm.config import ConfigError
 
     folder = Path(folder)
     try:

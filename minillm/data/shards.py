@@ -17,7 +17,6 @@ during the renames no meta.json exists, so no reader can pair old counts with ne
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -30,14 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minillm.config import Config, ConfigError
-from minillm.corpus import Corpus, Document, open_corpus
-from minillm.data import DTYPES, META_VERSION, SPLITS, data_record, shard_dtype
-from minillm.errors import UserError
-from minillm.fsutil import ensure_writable_dir, fsync_dir
-from minillm.progress import ByteProgress
-from minillm.text import split_pieces
-from minillm.tokenizer import (
+from minillm.config import Config
+from minillm.data.corpus import Corpus, Document, open_corpus
+from minillm.data.meta import META_VERSION, SPLITS, TOKEN_DTYPES, data_record, shard_dtype
+from minillm.data.text import split_pieces
+from minillm.data.tokenizer import (
     check_tokenizer,
     check_vocab_size,
     eot_id,
@@ -45,6 +41,9 @@ from minillm.tokenizer import (
     tokenizer_sha256,
     train_tokenizer,
 )
+from minillm.errors import ConfigError, UserError
+from minillm.runtime.files import StagedFile, ensure_writable_dir, fsync_dir
+from minillm.runtime.progress import Progress
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -56,36 +55,12 @@ BATCH_CHARS = 1 << 20  # text per encode_batch call: enough pieces for every cor
 # ----------------------------------------------------------------------------- writing
 
 
-class _Staged:
-    """A file written under a temporary name in its folder until `commit` renames it in place."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-    @classmethod
-    def text(cls, path: Path, text: str) -> _Staged:
-        staged = cls(path)
-        with open(staged.tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        return staged
-
-    def commit(self) -> None:
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        with contextlib.suppress(OSError):
-            self.tmp.unlink()
-
-
-class _ShardWriter(_Staged):
+class _ShardWriter(StagedFile):
     """Appends ids to a staged shard, counting and hashing what it writes."""
 
     def __init__(self, path: Path, dtype: str) -> None:
         super().__init__(path)
-        self.dtype = DTYPES[dtype]
+        self.dtype = TOKEN_DTYPES[dtype]
         self.sha = hashlib.sha256()
         self.tokens = 0
         self.file = open(self.tmp, "wb")  # closed by finish() or discard()
@@ -120,7 +95,7 @@ class _SplitEncoder:
         eot: int,
         writer: _ShardWriter,
         pool: Executor,
-        progress: ByteProgress,
+        progress: Progress,
         by_bytes: bool,
     ) -> None:
         self.tok, self.eot, self.writer, self.pool = tok, eot, writer, pool
@@ -194,7 +169,7 @@ def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
     by_bytes = corpus.unit == "bytes"
     docs = [d for d in corpus.documents() if d.split == "train"] if by_bytes else None
     total = sum(d.nbytes for d in docs) if docs is not None else int((~corpus.mask).sum())
-    progress = ByteProgress(console, "train tokenizer", total)
+    progress = Progress("train tokenizer", total, console)
     seen = 0
 
     def texts() -> Iterator[str]:
@@ -235,7 +210,7 @@ def _encode(
     eot = eot_id(tok)
     stats = {s: {"documents": 0, "bytes": 0, "seconds": 0.0} for s in SPLITS}
     by_bytes = corpus.unit == "bytes"
-    progress = ByteProgress(console, "encode", corpus.total)
+    progress = Progress("encode", corpus.total, console)
     try:
         # On an error the pool waits for the batch in flight (a second or so), then is gone.
         with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
@@ -274,7 +249,7 @@ def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
             )
 
 
-def _commit(staged: list[_Staged], meta_path: Path) -> None:
+def _commit(staged: list[StagedFile], meta_path: Path) -> None:
     """Swap the staged files in, meta.json (the last of `staged`) last.
 
     From the unlink until the new meta.json lands no meta.json exists, so no reader can pair the
@@ -302,7 +277,7 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
     if not reuse:
         ensure_writable_dir(tok_path.parent, "data.tokenizer")
     console = Console(highlight=False)
-    staged: list[_Staged] = []
+    staged: list[StagedFile] = []
     try:
         if reuse:
             tok = load_tokenizer(tok_path)
@@ -313,7 +288,7 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
             tok = _train(corpus, data.vocab_size, console)
             tok_seconds = time.perf_counter() - train_start
             tok_json = tok.to_str()
-            staged.append(_Staged.text(tok_path, tok_json))
+            staged.append(StagedFile.text(tok_path, tok_json))
             tok_sha = hashlib.sha256(tok_json.encode("utf-8")).hexdigest()
         vocab, dtype = tok.get_vocab_size(), shard_dtype(tok.get_vocab_size())
         writers = {s: _ShardWriter(out_dir / f"{s}.bin", dtype) for s in SPLITS}
@@ -337,7 +312,7 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
         meta["source_fingerprint"] = corpus.fingerprint
         meta["data"] = data_record(data)
         meta_path = out_dir / "meta.json"
-        staged.append(_Staged.text(meta_path, json.dumps(meta, indent=2) + "\n"))
+        staged.append(StagedFile.text(meta_path, json.dumps(meta, indent=2) + "\n"))
         _commit(staged, meta_path)
     except BaseException as e:
         for s in staged:

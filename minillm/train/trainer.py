@@ -11,34 +11,23 @@ and every other piece of state is in the checkpoint, so a resumed run continues 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from minillm import checkpoint as ckpt
-from minillm.config import Config, ConfigError, config_from_dict, config_to_dict, dump_config
-from minillm.diagnostics import activation_rms, block_snapshot, update_ratios
-from minillm.distributed import (
-    all_gather_objects,
-    all_reduce_sum,
-    barrier,
-    init_distributed,
-    local_device,
-    shutdown_distributed,
-)
+from minillm.checkpoint import store as ckpt
+from minillm.checkpoint.rundir import RunLock, resume_point
+from minillm.config import Config, config_to_dict, dump_config
+from minillm.data.batches import eval_batches, train_batch
+from minillm.data.meta import load_meta, open_split
 from minillm.errors import UserError, warn
-from minillm.fsutil import atomic_write_text, ensure_writable_dir
+from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer
-from minillm.monitor import Meter, Monitor, format_duration
-from minillm.optim import build_optimizer, schedule_lr
-from minillm.parallel import full_state, load_full_state, no_sync, wrap_model
-from minillm.rundir import RunLock, resume_point
-from minillm.runtime import (
+from minillm.runtime.device import (
     StopSignal,
     autocast_context,
     make_grad_scaler,
@@ -48,9 +37,25 @@ from minillm.runtime import (
     seed_everything,
     set_rng_state,
 )
-from minillm.tokenizer import tokenizer_sha256
+from minillm.runtime.files import atomic_copy, atomic_write_text, ensure_writable_dir
+from minillm.runtime.perf import peak_flops
+from minillm.runtime.progress import format_duration
+from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
+from minillm.train.distributed import (
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    init_distributed,
+    local_device,
+    shutdown_distributed,
+)
+from minillm.train.monitor import Meter, Monitor
+from minillm.train.optim import build_optimizer, schedule_lr
+from minillm.train.parallel import full_state, load_full_state, no_sync, wrap_model
+from minillm.train.setup import check_data, init_from
 
-LN2 = math.log(2.0)
+# This rank's micro-batches (x, y) of a step, each (B, T) int64.
+Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 class TrainingDiverged(UserError):
@@ -61,9 +66,17 @@ class Trainer:
     """Owns the model, optimizer, data and run directory of one training run."""
 
     def __init__(
-        self, cfg: Config, resume: bool = True, force: bool = False, verbose: bool = True
+        self,
+        cfg: Config,
+        resume: bool = True,
+        force: bool = False,
+        verbose: bool = True,
+        batches: Batches | None = None,
     ) -> None:
+        """`batches(step)` gives this rank's micro-batches of a step; default: `train_batch` over
+        the train split (a pure function of seed, step, rank and world size)."""
         self.cfg = cfg
+        self.batches = batches or self._train_batches
         tc = cfg.train
         self.run_dir = Path(tc.out_dir)
         self.dist = init_distributed(resolve_device(tc.device))
@@ -83,27 +96,15 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _setup(self, resume: bool, force: bool) -> None:
-        from minillm.data import load_meta, open_split
-
-        cfg, tc = self.cfg, self.cfg.train
-        init_dir = Path(tc.init_from) if tc.init_from else None
-        self.tokenizer_file = cfg.data.tokenizer_path
-        init_state = None
-        if init_dir is not None:
-            from minillm.export import import_hf_folder
-
-            model_cfg, init_state, self.tokenizer_file = import_hf_folder(init_dir)
-            differ = [f"model.{f.name}" for f in dataclasses.fields(model_cfg)
-                      if getattr(model_cfg, f.name) != getattr(cfg.model, f.name)]  # fmt: skip
-            if differ and self.is_main:
-                warn(f"train.init_from: the model is {init_dir}'s; the config's "
-                     f"{', '.join(differ)} are not used")  # fmt: skip
-            cfg.model = model_cfg
-            self.cfg = cfg = config_from_dict(config_to_dict(cfg), file="train.init_from")
+        tc = self.cfg.train
+        self.cfg, init_state, self.tokenizer_file = init_from(self.cfg, warn_=self.is_main)
+        cfg = self.cfg
         self.meta = load_meta(cfg.data.out_dir)
         self.train_tokens = open_split(cfg.data.out_dir, "train")
         self.val_tokens = open_split(cfg.data.out_dir, "val")
-        self._check_data()
+        self.tokenizer_sha = check_data(
+            cfg, self.meta, self.tokenizer_file, len(self.train_tokens), warn_=self.is_main
+        )
 
         resume_from = resume_point(
             self.run_dir,
@@ -119,7 +120,7 @@ class Trainer:
         seed_everything(tc.seed)  # the same initial weights on every rank
         self.model = Transformer(cfg.model)
         if init_state is not None and resume_from is None:
-            ckpt.load_weights_into(self.model, init_state, str(init_dir))
+            ckpt.load_weights_into(self.model, init_state, tc.init_from)
         self.model.to(self.device)
         self.train_model = wrap_model(self.model, cfg, self.device, self.precision, self.dist)
         self.optimizer = build_optimizer(self.model, tc, self.device)
@@ -140,42 +141,9 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
-            shutil.copyfile(self.tokenizer_file, self.run_dir / ".tokenizer.json.tmp")
-            Path(self.run_dir / ".tokenizer.json.tmp").replace(self.run_dir / "tokenizer.json")
+            atomic_copy(self.tokenizer_file, self.run_dir / "tokenizer.json")
         self.flops_per_token = self.model.flops_per_token(tc.seq_len)
         self.tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * self.dist.world_size
-
-    def _check_data(self) -> None:
-        from minillm.data import stale_data_keys
-
-        cfg = self.cfg
-        if not Path(self.tokenizer_file).is_file():
-            raise UserError(
-                f"{self.tokenizer_file}: tokenizer not found; run `minillm tokenize` first"
-            )
-        self.tokenizer_sha = tokenizer_sha256(self.tokenizer_file)
-        if self.meta.get("tokenizer_sha256") not in (None, self.tokenizer_sha):
-            raise UserError(
-                f"{cfg.data.out_dir}/meta.json: shards were made with another tokenizer than "
-                f"{self.tokenizer_file}; run `minillm tokenize` again"
-            )
-        stale = stale_data_keys(self.meta, cfg.data)
-        if stale and self.is_main:
-            warn(f"{cfg.data.out_dir}/meta.json: the shards were made with other "
-                 f"{', '.join(stale)} than this config's; run `minillm tokenize CONFIG` to "
-                 "remake them")  # fmt: skip
-        vocab = int(self.meta["vocab_size"])
-        if vocab > cfg.model.vocab_size:
-            raise ConfigError(
-                "model.vocab_size",
-                f"{cfg.model.vocab_size} is smaller than the tokenizer's {vocab} tokens",
-            )
-        need = cfg.train.seq_len + 1
-        if len(self.train_tokens) < need:
-            raise ConfigError(
-                "train.seq_len",
-                f"the train split has {len(self.train_tokens)} tokens, fewer than seq_len+1",
-            )
 
     def _restore(self, path: Path) -> None:
         state = ckpt.read_state(path)
@@ -207,22 +175,11 @@ class Trainer:
 
     def train_step(self) -> dict[str, float]:
         """Run optimizer step `self.step`; return its loss, grad norm, lr and token count."""
-        from minillm.data import train_batch
-
         tc = self.cfg.train
         lr = schedule_lr(self.step, tc)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        micro = train_batch(
-            self.train_tokens,
-            seed=tc.seed,
-            step=self.step,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            batch_size=tc.batch_size,
-            grad_accum=tc.grad_accum,
-            seq_len=tc.seq_len,
-        )
+        micro = self.batches(self.step)
         # Token-weighted accumulation: divide by the target tokens of the whole global batch.
         n_tokens = all_reduce_sum(
             torch.tensor(sum(int((y != -100).sum()) for _, y in micro), dtype=torch.float64)
@@ -259,48 +216,43 @@ class Trainer:
         return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": n_tokens,
                 "finite": finite}  # fmt: skip
 
+    def _train_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tc = self.cfg.train
+        return train_batch(
+            self.train_tokens,
+            seed=tc.seed,
+            step=step,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            batch_size=tc.batch_size,
+            grad_accum=tc.grad_accum,
+            seq_len=tc.seq_len,
+        )
+
     # ------------------------------------------------------------------ evaluation
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss, perplexity and bits per byte over the first eval_steps validation batches."""
-        from minillm.data import eval_batches
-
+        """Loss, perplexity and bits per byte over the first eval_steps validation batches,
+        computed by `minillm eval`'s own evaluation (each rank takes its share)."""
         tc = self.cfg.train
-        self.model.eval()
-        batches = list(
-            eval_batches(
-                self.val_tokens,
-                seq_len=tc.seq_len,
-                batch_size=tc.batch_size,
-                max_batches=tc.eval_steps or None,
-            )
+        total, n = evaluate_tokens(
+            self.model,
+            self.val_tokens,
+            tc.seq_len,
+            tc.batch_size,
+            self.device,
+            max_batches=tc.eval_steps or None,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            autocast=self.autocast,
         )
-        # Each rank takes every world_size-th batch; all ranks run the same number of forwards
-        # (FSDP's are collective), padding with batches that predict nothing.
-        mine = batches[self.dist.rank :: self.dist.world_size]
-        per_rank = math.ceil(len(batches) / self.dist.world_size)
-        while len(mine) < per_rank:
-            x, y = batches[0]
-            mine.append((x, torch.full_like(y, -100)))
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for x, y in mine:
-            x, y = x.to(self.device), y.to(self.device)
-            with self.autocast:
-                _, loss_sum = self.model(x, y, reduction="sum")
-            sums[0] += loss_sum.double()
-            sums[1] += (y != -100).sum()
-        all_reduce_sum(sums)
-        self.model.train()
-        loss = (sums[0] / sums[1].clamp(min=1)).item()
+        sums = all_reduce_sum(torch.tensor([total, n], dtype=torch.float64, device=self.device))
+        total, n = sums[0].item(), max(int(sums[1].item()), 1)
         val = self.meta["val"]
         # Bytes per prediction: the split's tokens - 1 are predicted, as `minillm eval` counts.
-        bytes_per_token = val["bytes"] / max(val["tokens"] - 1, 1)
-        return {
-            "loss": loss,
-            "perplexity": math.exp(min(loss, 50.0)),
-            "bits_per_byte": loss / LN2 / bytes_per_token,
-        }
+        bytes_per_prediction = val["bytes"] / max(val["tokens"] - 1, 1)
+        result = metrics(total, n, n * bytes_per_prediction)
+        return {k: result[k] for k in ("loss", "perplexity", "bits_per_byte")}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -367,8 +319,8 @@ class Trainer:
         monitor = Monitor(self.run_dir, tc.max_steps, self.step, enabled=self.is_main)
         if self.step == 0:
             monitor.text("config", "```yaml\n" + dump_config(self.cfg) + "```")
-        meter = Meter(self.flops_per_token, self._peak_flops() if self.is_main else 0.0,
-                       self.dist.world_size)  # fmt: skip
+        peak = peak_flops(self.device, self.precision, tc.peak_flops) if self.is_main else 0.0
+        meter = Meter(self.flops_per_token, peak, self.dist.world_size)
         if self.verbose:
             monitor.print(self._banner(meter.peak))
             if self.step >= tc.max_steps:
@@ -444,24 +396,10 @@ class Trainer:
 
     def _layer_stats(self, before: list[torch.Tensor]) -> dict[str, float]:
         """Per-block update/weight ratio of this step and RMS of the block outputs."""
-        from minillm.data import eval_batches
-
         x, _ = next(eval_batches(self.train_tokens, seq_len=self.cfg.train.seq_len, batch_size=1))
         stats = update_ratios(self.model, before)
         stats.update(activation_rms(self.model, x.to(self.device), self.autocast))
         return stats
-
-    def _peak_flops(self) -> float:
-        """train.peak_flops, else a known GPU's datasheet peak, else a one-second matmul probe."""
-        from minillm.perf import known_peak_flops, measure_matmul_peak
-        from minillm.runtime import DTYPES
-
-        if self.cfg.train.peak_flops:
-            return self.cfg.train.peak_flops
-        # On a CPU the probe runs in fp32 whatever the precision: bf16 there is emulated, and
-        # a 2048^2 bf16 probe would take many seconds.
-        dtype = DTYPES[self.precision] if self.device.type != "cpu" else torch.float32
-        return known_peak_flops(self.device, dtype) or measure_matmul_peak(1.0, dtype, self.device)
 
     def _banner(self, peak: float) -> str:
         tc = self.cfg.train

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from minillm.config import ModelConfig
+from minillm.errors import ConfigError
 
 
 def hf_config_dict(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
@@ -21,10 +22,10 @@ def hf_config_dict(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> 
         "model_type": "llama",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.hidden_dim,
+        "intermediate_size": cfg.ffn_hidden,
         "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.kv_heads,
+        "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
@@ -44,14 +45,23 @@ def hf_config_dict(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> 
     }
 
 
+def is_llama_config(hf: dict[str, Any]) -> bool:
+    """Whether an HF config.json describes a LlamaForCausalLM: model_type "llama", and
+    LlamaForCausalLM among its architectures where it lists any."""
+    archs = hf.get("architectures") or []
+    return hf.get("model_type") == "llama" and (not archs or "LlamaForCausalLM" in archs)
+
+
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """Our ModelConfig from an HF Llama `config.json`; refuses what our model cannot express."""
-    from minillm.config import ConfigError
 
-    archs = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+    if not is_llama_config(hf):
+        archs = hf.get("architectures") or []
         raise ConfigError(
-            "model_type", f"{hf.get('model_type')!r} is not a Llama model ({archs})", where
+            "model_type",
+            f"a {hf.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}), "
+            "not LlamaForCausalLM; only Llama folders can be imported",
+            where,
         )
     for key, ok in (
         ("attention_bias", False),
@@ -90,7 +100,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state_dict -> HF names, splitting fused projections. Tensors are made contiguous."""
-    H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     out = {
         "model.embed_tokens.weight": sd["tok_emb.weight"],
         "model.norm.weight": sd["norm.weight"],

@@ -1,0 +1,136 @@
+"""Eager CPU kernels: hand-written autograd Functions for the model's elementwise work.
+
+Offers `compiling()`, `eager_cpu(x)` (whether these kernels apply), `rotate`, `RMSNormCPU`,
+`RoPE`, `SwiGLUCPU` and `CrossEntropyCPU`.
+
+Eager PyTorch makes one pass over memory per elementwise op, and autograd's generic backward of
+small formulas makes several more. On CPU, where these passes cost as much as the matmuls around
+them, the Functions below compute the same math in fewer passes and with fewer temporaries.
+They serve eager mode only: under torch.compile the plain formulas are traced and fused by
+inductor, and on a GPU the native fused kernels (F.rms_norm, F.cross_entropy) are used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def compiling() -> bool:
+    """True while torch.compile traces: the plain formulas are what inductor fuses best."""
+    return torch.compiler.is_compiling()
+
+
+def eager_cpu(x: torch.Tensor) -> bool:
+    """Whether to use the hand-written CPU kernels below (see the module docstring): they pay off
+    in training; without autograd (eval, decoding) the native ops are as fast and cost less."""
+    return x.device.type == "cpu" and torch.is_grad_enabled() and not compiling()
+
+
+class RMSNormCPU(torch.autograd.Function):
+    """F.rms_norm(x, weight) in fp32; saves x_hat = x / rms(x) for a 7-pass backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))  # (..., 1)
+        x_hat = x * rstd
+        ctx.save_for_backward(x_hat, rstd, weight)
+        return x_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_hat, rstd, weight = ctx.saved_tensors
+        grad_weight = (grad * x_hat).flatten(0, -2).sum(0)
+        grad_x_hat = grad * weight
+        # d/dx of x * rstd(x): rstd * (g - x_hat * mean(g * x_hat))
+        dot = (grad_x_hat * x_hat).mean(-1, keepdim=True)
+        grad_x = torch.addcmul(grad_x_hat, x_hat, dot, value=-1.0).mul_(rstd)
+        return grad_x, grad_weight, None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[x1 cos - x2 sin, x2 cos + x1 sin] for half tables cos, sin, written half by half."""
+    dtype = torch.result_type(x, cos)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    x1, x2 = x.chunk(2, dim=-1)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out.to(x.dtype)
+
+
+class RoPE(torch.autograd.Function):
+    """RoPE as a rotation: its backward is the inverse rotation (sin negated), and saves no x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        cos, sin = ctx.saved_tensors
+        return rotate(grad, cos, -sin), None, None
+
+
+class SwiGLUCPU(torch.autograd.Function):
+    """silu(gate) * up from the fused (..., 2F) projection; the backward writes both halves of
+    one gradient buffer in place of autograd's separate gradients and their concatenation."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(gate, up, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gate, up, act = ctx.saved_tensors
+        out = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
+        grad_gate, grad_up = out.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, act, out=grad_up)
+        return out
+
+
+class CrossEntropyCPU(torch.autograd.Function):
+    """Cross-entropy of fp32 logits (N, V) with ignore_index -100, mean or sum.
+
+    F.cross_entropy materialises log_softmax (N, V) and, in the backward, a zero-filled (N, V)
+    gradient and a second (N, V) one. This keeps only the per-row logsumexp and builds the
+    gradient softmax - onehot once, in cache-sized chunks of rows.
+    """
+
+    CHUNK_BYTES = 1 << 21  # 2 MiB of logits per chunk, about one core's L2
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, sum_: bool) -> torch.Tensor:
+        N, V = logits.shape
+        rows = max(1, CrossEntropyCPU.CHUNK_BYTES // (4 * V))
+        lse = torch.empty(N, dtype=logits.dtype, device=logits.device)
+        for i in range(0, N, rows):
+            torch.logsumexp(logits[i : i + rows], dim=-1, out=lse[i : i + rows])
+        valid = targets != -100
+        safe = torch.where(valid, targets, 0)
+        losses = (lse - logits.gather(1, safe[:, None]).squeeze(1)).masked_fill_(~valid, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(logits, safe, valid, lse, count)
+        ctx.sum_ = sum_
+        return losses.sum() if sum_ else losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, safe, valid, lse, count = ctx.saved_tensors
+        N, V = logits.shape
+        scale = grad if ctx.sum_ else grad / count
+        row_scale = torch.where(valid, scale, 0.0)[:, None]  # ignored rows get no gradient
+        out = torch.empty_like(logits)
+        rows = max(1, CrossEntropyCPU.CHUNK_BYTES // (4 * V))
+        for i in range(0, N, rows):
+            chunk = out[i : i + rows]
+            torch.sub(logits[i : i + rows], lse[i : i + rows, None], out=chunk).exp_()
+            idx = safe[i : i + rows, None]
+            chunk.scatter_(1, idx, chunk.gather(1, idx) - 1.0)  # softmax - onehot
+            chunk.mul_(row_scale[i : i + rows])
+        return out, None, None

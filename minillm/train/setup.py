@@ -1,0 +1,85 @@
+"""What a run starts from: its config, with the model taken from `train.init_from` when asked.
+
+Offers `load_train_config(path, overrides)` (what `minillm train`, `tokenize` and `info` read),
+`init_from(cfg)` (the starting weights and tokenizer) and `check_data` (shards vs config).
+`train.init_from` is resolved here, once, and not in `minillm.config` (a leaf of the layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm.config import Config, config_from_dict, config_to_dict, read_raw_config
+from minillm.data.meta import stale_data_keys
+from minillm.data.tokenizer import tokenizer_sha256
+from minillm.errors import ConfigError, UserError, warn
+from minillm.infer.hf_folder import hf_model_config, import_hf_folder
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """`load_config`, except that a config without a model section takes train.init_from's."""
+    raw = read_raw_config(path, overrides)
+    train = raw.get("train")
+    init_from = train.get("init_from") if isinstance(train, dict) else None
+    if "model" not in raw and init_from:
+        raw["model"] = dataclasses.asdict(hf_model_config(init_from))
+    return config_from_dict(raw, str(path))
+
+
+def init_from(
+    cfg: Config, warn_: bool = True
+) -> tuple[Config, dict[str, torch.Tensor] | None, Path]:
+    """The run's config, starting weights and tokenizer file, from `train.init_from` if set.
+
+    With init_from (a Hugging Face Llama folder) the model and tokenizer are the folder's; config
+    model keys that differ are named in a warning. Without it: (cfg, None, data.tokenizer_path).
+    """
+    if not cfg.train.init_from:
+        return cfg, None, cfg.data.tokenizer_path
+    model_cfg, state, tokenizer_file = import_hf_folder(cfg.train.init_from)
+    differ = [f"model.{f.name}" for f in dataclasses.fields(model_cfg)
+              if getattr(model_cfg, f.name) != getattr(cfg.model, f.name)]  # fmt: skip
+    if differ and warn_:
+        warn(f"train.init_from: the model is {cfg.train.init_from}'s; the config's "
+             f"{', '.join(differ)} are not used")  # fmt: skip
+    cfg.model = model_cfg
+    cfg = config_from_dict(config_to_dict(cfg), file="train.init_from")
+    return cfg, state, tokenizer_file
+
+
+def check_data(
+    cfg: Config, meta: dict[str, Any], tokenizer_file: Path, train_tokens: int, warn_: bool = True
+) -> str:
+    """Check the shards (meta.json) against the tokenizer and the config; return its sha256.
+
+    A tokenizer other than the shards', a vocabulary larger than the model's or a train split
+    shorter than one sequence are errors; shards made from other data settings a warning.
+    """
+    if not Path(tokenizer_file).is_file():
+        raise UserError(f"{tokenizer_file}: tokenizer not found; run `minillm tokenize` first")
+    sha = tokenizer_sha256(tokenizer_file)
+    if meta.get("tokenizer_sha256") not in (None, sha):
+        raise UserError(
+            f"{cfg.data.out_dir}/meta.json: shards were made with another tokenizer than "
+            f"{tokenizer_file}; run `minillm tokenize` again"
+        )
+    stale = stale_data_keys(meta, cfg.data)
+    if stale and warn_:
+        warn(f"{cfg.data.out_dir}/meta.json: the shards were made with other "
+             f"{', '.join(stale)} than this config's; run `minillm tokenize CONFIG` to "
+             "remake them")  # fmt: skip
+    vocab = int(meta["vocab_size"])
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            f"{cfg.model.vocab_size} is smaller than the tokenizer's {vocab} tokens",
+        )
+    if train_tokens < cfg.train.seq_len + 1:
+        raise ConfigError(
+            "train.seq_len", f"the train split has {train_tokens} tokens, fewer than seq_len+1"
+        )
+    return sha
