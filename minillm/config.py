@@ -141,7 +141,7 @@ class DataConfig(_Section):
             self._fail("source", "must not be empty")
         if not 0.0 < self.val_fraction < 1.0:
             self._fail("val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        # 256 byte tokens and the end-of-text token (minillm.tokenizer.MIN_VOCAB).
+        # 256 byte tokens and the end-of-text token (minillm.data.tokenizer.MIN_VOCAB).
         if self.vocab_size < 257:
             self._fail(
                 "vocab_size",

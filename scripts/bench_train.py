@@ -1,10 +1,10 @@
 """Training-step throughput of minillm's Transformer against Hugging Face's LlamaForCausalLM.
 
-Both models get the same shape and the same weights (minillm/hf.py's mapping), the same batch and
-the same optimizer, and their full training steps (forward with loss, backward, clip_grad_norm_,
-AdamW, zero_grad) are timed alternately in one process: warm-up, then the median of --steps steps
-each. MFU is model FLOPs (model.flops_per_token) over a square-matmul peak probed between the
-steps of the same run (see minillm/perf.py).
+Both models get the same shape and the same weights (minillm/model/hf_names.py's mapping), the
+same batch and the same optimizer, and their full training steps (forward with loss, backward,
+clip_grad_norm_, AdamW, zero_grad) are timed alternately in one process: warm-up, then the
+median of --steps steps each. MFU is model FLOPs (model.flops_per_token) over a square-matmul
+peak probed between the steps of the same run (see minillm/runtime/perf.py).
 
     python scripts/bench_train.py                          # CPU fp32: two shapes, eager + compiled
     python scripts/bench_train.py --shapes small --compile no --profile

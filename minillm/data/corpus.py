@@ -26,9 +26,9 @@ per message and every message ending in a newline:
 Split. `data.val_fraction` of the documents (at least one, at most all but one) go to validation,
 chosen by `data.seed`. A corpus of a single document (one .txt file) is split at its tail instead,
 like nanoGPT's Shakespeare: validation is the last `val_fraction` of its bytes, starting at the
-first safe cut (minillm.text.is_cut, preferring a line start) from there.
+first safe cut (minillm.data.text.is_cut, preferring a line start) from there.
 
-Long documents are cut into pieces for encoding only at safe cuts: see minillm.text.
+Long documents are cut into pieces for encoding only at safe cuts: see minillm.data.text.
 """
 
 from __future__ import annotations

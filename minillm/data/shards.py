@@ -3,7 +3,7 @@
 Offers `write_shards(cfg, retrain) -> summary` and `print_summary(summary)`; the format of the
 files is described in minillm.data.
 
-Steps: open the corpus (minillm.corpus); reuse the tokenizer, or train one on the train split
+Steps: open the corpus (minillm.data.corpus); reuse the tokenizer, or train one on the train split
 with a progress bar over the text it reads; then one pass over the documents that encodes each
 split's pieces in ~1 MB batches (`encode_batch_fast`: the ids of `encode_batch`, no offsets,
 multithreaded in Rust) on a worker thread while this thread reads ahead and writes the previous

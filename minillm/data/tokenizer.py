@@ -51,7 +51,7 @@ def check_vocab_size(vocab_size: int) -> None:
 def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 0) -> Tokenizer:
     """Learn a byte-level BPE with exactly `vocab_size` tokens (specials included) from `texts`.
 
-    `texts` may be cut anywhere the byte-level regex would split anyway (see minillm.corpus):
+    `texts` may be cut anywhere the byte-level regex would split anyway (see minillm.data.corpus):
     word counts, hence merges, are the same as for the uncut documents. A corpus too small to
     support `vocab_size` distinct tokens is a UserError naming `data.vocab_size`, because a
     tokenizer smaller than the config asks for would be rejected the next time it is reused.

@@ -2,7 +2,8 @@
 
 Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs), `hf_tokenizer_config`,
 `generation_config` and `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)`
-(what `train.init_from: DIR` uses). Parameter names and the config mapping live in minillm/hf.py.
+(what `train.init_from: DIR` uses). Parameter names and the config mapping live in
+minillm/model/hf_names.py.
 
 An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
