@@ -358,3 +358,27 @@ def test_transformers_on_the_export_gives_the_same_numbers(run, tmp_path: Path) 
     encoded = encode_multiple_choice(loaded.tokenizer, read_task(task), max_len)
     ours = score_continuations(loaded.model, [c for cs in encoded for c in cs], batch_size=5)
     assert ours == pytest.approx(hf_scores, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- the shipped file
+
+
+def test_shipped_task_file_is_what_its_script_writes() -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_next_line_task.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_shipped_task_file_scores_through_the_cli(run) -> None:
+    run_dir, _ = run
+    shipped = Path(__file__).resolve().parent.parent / "data" / "shakespeare_next_line.jsonl"
+    task = read_task(shipped)
+    assert len(task.examples) == 250 and all(len(ex.endings) == 4 for ex in task.examples)
+    argv = ["eval", "--ckpt", str(run_dir), "--task", str(shipped), "--batch-size", "32", "--json"]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)["tasks"]["shakespeare_next_line"]
+    assert got["examples"] == 250 and 0.0 <= got["accuracy_norm"] <= 1.0

@@ -127,7 +127,8 @@ def multiple_choice_metrics(examples: list[MultipleChoice], scores: list[float])
         s = scores[k : k + len(ex.endings)]
         k += len(ex.endings)
         correct += pick(s) == ex.label
-        # Per character of the ending as written (Python len), as lm-evaluation-harness does.
+        # Per character of the ending as written (Python len), as lm-evaluation-harness divides
+        # by its choice's characters (which it counts without the leading space it adds).
         correct_norm += pick([v / len(e) for v, e in zip(s, ex.endings)]) == ex.label
     n = len(examples)
     return {"accuracy": correct / n, "accuracy_norm": correct_norm / n, "examples": n}
