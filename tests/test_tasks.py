@@ -194,6 +194,33 @@ def test_exact_match_scores_greedy_replies_to_the_end_token(run) -> None:
 # ----------------------------------------------------------------------------- the CLI
 
 
+def test_eval_exact_match_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiny_run
+
+    chat_json = chat_tokenizer().to_str()
+    monkeypatch.setattr(tiny_run, "_tokenizer_json", lambda: chat_json)  # a run of a chat model
+    run_dir, cfg, model = tiny_run.make_run(tmp_path)
+    tok = load_checkpoint(run_dir).tokenizer
+    end, eot = tok.token_to_id("<|end|>"), eot_id(tok)
+    messages = (("system", "Be brief."), ("user", "Speak, speak."))
+    prompt = chat_prompt_ids(tok, messages, eot)
+    (reply,) = generate(model, [prompt], max_new_tokens=cfg.sample.max_new_tokens,
+                        temperature=0.0, eot_id=end, vocab_limit=tok.get_vocab_size())  # fmt: skip
+    stop = [k for k, t in enumerate(reply) if t in (end, eot)]
+    text = tok.decode(reply[: stop[0]] if stop else reply)
+    turns = [{"role": r, "content": c} for r, c in messages]
+    rows = [{"messages": turns, "answer": text}, {"messages": turns, "answer": text + "!"}]
+    task = write_jsonl(tmp_path / "em.jsonl", rows)
+    for extra, expected in (([], 0.5), (["--extract-number"], None)):
+        argv = ["eval", "--ckpt", str(run_dir), "--task", str(task), "--json", *extra]
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 0, result.output
+        got = json.loads(result.stdout)["tasks"]["em"]
+        assert set(got) == {"exact_match", "examples"} and got["examples"] == 2
+        if expected is not None:
+            assert got["exact_match"] == expected
+
+
 def test_eval_task_json(run, tmp_path: Path) -> None:
     run_dir, model = run
     task = write_jsonl(tmp_path / "cloze.jsonl", MC_ROWS)
@@ -306,14 +333,20 @@ def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
         assert "ROMEO:" in first and "All:" in first
 
 
-def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({**GOOD, "label": 9}, r"bad.jsonl: line 1: label: 9"),
+        ({"messages": [{"role": "user", "content": "?"}], "answer": "1"}, "no chat template"),
+    ],
+)
+def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path, row, message) -> None:
     from minillm.train.trainer import Trainer
     from tests.helpers import prepared_config
 
-    task = tmp_path / "bad.jsonl"
-    task.write_text(json.dumps({**GOOD, "label": 9}) + "\n", encoding="utf-8")
+    task = write_jsonl(tmp_path / "bad.jsonl", [row])
     cfg = prepared_config(tmp_path, train=dict(eval_tasks=[str(task)]))
-    with pytest.raises(UserError, match=r"bad.jsonl: line 1: label: 9"):
+    with pytest.raises(UserError, match=message):
         Trainer(cfg, verbose=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
 

@@ -26,7 +26,12 @@ from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.generate import encode_prompts, generate
 from minillm.infer.task_files import Task, read_tasks
-from minillm.infer.tasks import encode_multiple_choice, score_exact_match, score_multiple_choice
+from minillm.infer.tasks import (
+    chat_token_ids,
+    encode_multiple_choice,
+    score_exact_match,
+    score_multiple_choice,
+)
 from minillm.train.monitor import Monitor
 
 
@@ -49,6 +54,9 @@ class TrainingProbes:
             for t in self.tasks
             if t.kind == "multiple_choice"
         }
+        for task in self.tasks:
+            if task.kind == "exact_match":
+                chat_token_ids(tokenizer, f"train.eval_tasks: {task.path}")  # a chat model?
         self.prompts: list[list[int]] = []
         if tc.sample_every:
             self.prompts = encode_prompts(tokenizer, tc.sample_prompts, eot_id(tokenizer), context)
