@@ -38,6 +38,7 @@ demo: setup
 	$(BIN)/minillm tokenize $(CONFIG)
 	$(BIN)/minillm train $(CONFIG)
 	$(BIN)/minillm eval --ckpt runs/tiny
+	$(BIN)/minillm eval --ckpt runs/tiny --task data/shakespeare_next_line.jsonl
 	$(BIN)/minillm sample --ckpt runs/tiny --prompt "ROMEO:" --max-new-tokens 200
 
 lint: setup

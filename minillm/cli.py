@@ -136,22 +136,42 @@ def eval_(
     ),
     device: str = DeviceOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    task: list[Path] | None = typer.Option(
+        None,
+        "--task",
+        help="A jsonl task file to score (repeatable); with it, the loss only "
+        "over --data. See docs/training.md, Task evaluation.",
+    ),
+    extract_number: bool = typer.Option(
+        False, "--extract-number", help="Exact-match tasks: compare the reply's last number."
+    ),
 ) -> None:
-    from minillm.infer.evaluate import JSON_KEYS, evaluate_checkpoint, format_result
+    from minillm.infer.evaluate import evaluate_checkpoint
+    from minillm.infer.task_files import read_tasks
+    from minillm.infer.tasks import eval_report, evaluate_tasks
 
+    tasks = _run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
     loaded = _load(ckpt, device)
-    result = _run(
-        evaluate_checkpoint,
-        loaded,
-        data=data,
-        max_tokens=max_tokens,
-        batch_size=batch_size,
-        progress=True,
-    )
-    if as_json:
-        print(json.dumps({k: result[k] for k in JSON_KEYS}))
-    else:
-        print(format_result(result))
+    result = {}
+    if data is not None or not tasks:
+        result = _run(
+            evaluate_checkpoint,
+            loaded,
+            data=data,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+            progress=True,
+        )
+    if tasks:
+        result["tasks"] = _run(
+            evaluate_tasks,
+            loaded,
+            tasks,
+            batch_size=batch_size,
+            extract_number=extract_number,
+            progress=True,
+        )
+    print(eval_report(result, as_json))
 
 
 @app.command()

@@ -197,12 +197,31 @@ class TrainConfig(_Section):
         help="A Hugging Face Llama folder to start from (its config.json gives the model, its "
         "weights the initial values; the model section may then be left out).",
     )
+    eval_tasks: list[str] = _f(
+        [],
+        help="Task files (jsonl: multiple choice, or exact match for chat models) scored at every "
+        "evaluation on rank 0 and logged as tasks/NAME/accuracy_norm, accuracy (or exact_match), "
+        "NAME the file stem.",
+    )
+    sample_every: int = _f(
+        0,
+        help="Every this many steps (and at the last), print and log to TensorBoard's text tab a "
+        "greedy and a sampled continuation of each sample_prompts entry (0 = never).",
+    )
+    sample_prompts: list[str] = _f(
+        [], help="Prompts for sample_every; empty = one sample from a fresh document."
+    )
+    sample_max_new_tokens: int = _f(64, help="Tokens generated per prompt for sample_every.")
 
     def __post_init__(self) -> None:
         self._positive("batch_size", "grad_accum", "seq_len", "max_steps", "lr", "adam_eps")
         self._positive("keep_last", "log_every", "max_bad_steps")
         self._non_negative("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every")
-        self._non_negative("eval_steps", "ckpt_every", "peak_flops")
+        self._non_negative("eval_steps", "ckpt_every", "peak_flops", "sample_every")
+        self._positive("sample_max_new_tokens")
+        for i, path in enumerate(self.eval_tasks):
+            if not path:
+                self._fail("eval_tasks", f"entry {i} is empty")
         if self.min_lr > self.lr:
             self._fail("min_lr", f"{self.min_lr} is above lr={self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -274,6 +293,8 @@ def _type_name(tp: Any) -> str:
         )
     if origin is tuple:
         return "a list of " + ", ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list of " + _type_name(typing.get_args(tp)[0]).removeprefix("a ") + "s"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, str(tp)
     )
@@ -296,6 +317,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise bad
         return tuple(_convert(v, a, key) for v, a in zip(value, args))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_convert(v, args[0], key) for v in value]
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -49,9 +49,9 @@ class Monitor:
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(tag, value, step)
 
-    def text(self, tag: str, text: str) -> None:
+    def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag, text, 0)
+            self.writer.add_text(tag, text, step)
 
     def step(self, step: int, stats: dict[str, Any], log: bool) -> None:
         """Advance to `step` (completed steps); off a terminal, print a plain line when `log`."""

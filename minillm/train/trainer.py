@@ -52,6 +52,7 @@ from minillm.train.distributed import (
 from minillm.train.monitor import Meter, Monitor
 from minillm.train.optim import build_optimizer, schedule_lr
 from minillm.train.parallel import full_state, load_full_state, no_sync, wrap_model
+from minillm.train.probes import TrainingProbes
 from minillm.train.setup import check_data, init_from
 
 # This rank's micro-batches (x, y) of a step, each (B, T) int64.
@@ -126,6 +127,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc, self.device)
         self.scaler = make_grad_scaler(self.device, self.precision)
         self.autocast = autocast_context(self.device, self.precision)
+        fsdp = self.dist.enabled and tc.parallel == "fsdp"
+        self.probes = TrainingProbes.create(cfg, self.tokenizer_file, self.device, self.autocast,
+                                            main=self.is_main, sharded=fsdp)  # fmt: skip
 
         self.step = 0
         self.tokens_seen = 0
@@ -359,6 +363,10 @@ class Trainer:
                                   f"bits/byte {last_eval['bits_per_byte']:.4f}")  # fmt: skip
                     if last_eval["loss"] < self.best_val:
                         self.best_val, is_best = last_eval["loss"], True
+                    if self.probes is not None:
+                        self.probes.score_tasks(self.model, self.step, monitor)
+                if self.probes is not None and self.probes.due(self.step):
+                    self.probes.write_samples(self.model, self.step, monitor)
                 if is_best or (tc.ckpt_every and self.step % tc.ckpt_every == 0):
                     self.save(is_best=is_best)
                     saved_at = self.step

@@ -1,0 +1,325 @@
+"""Task scores: multiple-choice accuracy and exact match of greedy chat replies.
+
+Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
+`multiple_choice_metrics`, `score_multiple_choice`; `CHAT_TOKENS`, `chat_prompt_ids`,
+`extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
+--task` runs), `eval_report` and `format_tasks`. Task files are read by `minillm.infer.task_files`.
+
+The multiple-choice contract (DESIGN.md "Task files"), so that other tools reproduce the numbers:
+a choice's ids are encode(context) + encode(ending), each encoded alone without special tokens;
+longer than the model's context (model.max_seq_len, HF's max_position_embeddings) they lose
+tokens of the context from the left. Its score is the sum of the log-probabilities of the ending's
+tokens under the full softmax. `accuracy` counts argmax(score) == label, `accuracy_norm` counts
+argmax(score / len(ending in characters)) == label, as lm-evaluation-harness normalises; ties go
+to the lowest index. Batches are right-padded: causal attention never lets a real position see
+the padding after it, so a batch gives each choice its one-at-a-time score.
+
+Shape legend: B choices in a batch, T longest choice of the batch, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import time
+from decimal import Decimal, InvalidOperation
+from typing import Any, TextIO
+
+import torch
+
+from minillm.errors import UserError
+from minillm.infer.task_files import MultipleChoice, Task
+from minillm.runtime.progress import Progress
+
+# A choice: its token ids and how many of the last ones are the ending's (the scored tokens).
+Choice = tuple[list[int], int]
+
+# ----------------------------------------------------------------------------- multiple choice
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def choice_ids(tokenizer: Any, context: str, ending: str, max_len: int) -> Choice | None:
+    """The ids of one choice, the context cut from the left to fit max_len, and the ending's
+    token count; None when the ending alone leaves no room for one context token."""
+    ctx, end = _encode(tokenizer, context), _encode(tokenizer, ending)
+    if len(end) >= max_len:
+        return None
+    return (ctx + end)[-max_len:], len(end)
+
+
+def encode_multiple_choice(tokenizer: Any, task: Task, max_len: int) -> list[list[Choice]]:
+    """Every example's choices, encoded once (the trainer reuses them at each evaluation)."""
+    tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a task's text is text
+    encoded = []
+    for ex in task.examples:
+        choices = []
+        for i, ending in enumerate(ex.endings):
+            choice = choice_ids(tokenizer, ex.context, ending, max_len)
+            if choice is None:
+                raise UserError(
+                    f"{task.path}: line {ex.line}: endings[{i}]: longer than the "
+                    f"model's context of {max_len} tokens"
+                )
+            choices.append(choice)
+        encoded.append(choices)
+    return encoded
+
+
+@torch.no_grad()
+def score_continuations(
+    model: torch.nn.Module,
+    choices: list[Choice],
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    autocast: contextlib.AbstractContextManager | None = None,
+    progress: Progress | None = None,
+) -> list[float]:
+    """Summed log-probability of the last n tokens of each (ids, n), in float64 (nats).
+
+    Longest first, so a batch holds similar lengths; right-padded with token 0, which no scored
+    position can see. no_grad rather than inference_mode: the trainer's model trains on after.
+    """
+    order = sorted(range(len(choices)), key=lambda i: -len(choices[i][0]))
+    scores = [0.0] * len(choices)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            T = len(choices[rows[0]][0])
+            x = torch.zeros(len(rows), T, dtype=torch.long)  # (B, T)
+            y = torch.full((len(rows), T), -1, dtype=torch.long)  # (B, T) target of position t
+            for r, i in enumerate(rows):
+                ids, n = choices[i]
+                x[r, : len(ids)] = torch.tensor(ids)
+                # Position t predicts token t + 1: the ending's tokens are predicted from
+                # positions len - n - 1 .. len - 2.
+                y[r, len(ids) - n - 1 : len(ids) - 1] = torch.tensor(ids[len(ids) - n :])
+            x, y = x.to(device), y.to(device)
+            with autocast or contextlib.nullcontext():
+                logits, _ = model(x)  # (B, T, V)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            picked = logp.gather(-1, y.clamp(min=0)[..., None])[..., 0].double()  # (B, T)
+            sums = picked.masked_fill(y < 0, 0.0).sum(dim=1).tolist()
+            for r, i in enumerate(rows):
+                scores[i] = sums[r]
+            if progress is not None:
+                progress.advance()
+    finally:
+        model.train(was_training)
+    return scores
+
+
+def pick(scores: list[float]) -> int:
+    """The index of the largest score, the lowest index on a tie (max keeps the first)."""
+    return max(range(len(scores)), key=scores.__getitem__)
+
+
+def multiple_choice_metrics(examples: list[MultipleChoice], scores: list[float]) -> dict[str, Any]:
+    """accuracy, accuracy_norm and examples from every choice's score, example after example."""
+    correct = correct_norm = k = 0
+    for ex in examples:
+        s = scores[k : k + len(ex.endings)]
+        k += len(ex.endings)
+        correct += pick(s) == ex.label
+        # Per character of the ending as written (Python len), as lm-evaluation-harness divides
+        # by its choice's characters (which it counts without the leading space it adds).
+        correct_norm += pick([v / len(e) for v, e in zip(s, ex.endings)]) == ex.label
+    n = len(examples)
+    return {"accuracy": correct / n, "accuracy_norm": correct_norm / n, "examples": n}
+
+
+def score_multiple_choice(
+    model: torch.nn.Module,
+    task: Task,
+    encoded: list[list[Choice]],
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    autocast: contextlib.AbstractContextManager | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """accuracy, accuracy_norm and examples of a multiple-choice task (choices from
+    `encode_multiple_choice`); all choices of all examples go through the model as one list."""
+    flat = [c for choices in encoded for c in choices]
+    bar = Progress(task.name, -(-len(flat) // batch_size), enabled=progress, stderr=True)
+    try:
+        scores = score_continuations(model, flat, batch_size, device, autocast, bar)
+    finally:
+        bar.close()
+    return multiple_choice_metrics(task.examples, scores)
+
+
+# ----------------------------------------------------------------------------- exact match
+
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def chat_token_ids(tokenizer: Any, where: str) -> dict[str, int]:
+    """The ids of the chat tokens; a tokenizer without them cannot be prompted as a chat model."""
+    ids = {t: tokenizer.token_to_id(t) for t in CHAT_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise UserError(
+            f"{where}: exact-match tasks need a chat model, and this model has no "
+            f"chat template (its tokenizer lacks {', '.join(missing)})"
+        )
+    return ids
+
+
+def chat_prompt_ids(tokenizer: Any, messages: tuple[tuple[str, str], ...], eot: int) -> list[int]:
+    """DESIGN.md's chat template: a fresh document (end-of-text, as `minillm sample` starts one),
+    then per message <|role|> content <|end|>, then the generation prompt <|assistant|>."""
+    ids = [eot]
+    for role, content in messages:
+        ids += [tokenizer.token_to_id(f"<|{role}|>"), *_encode(tokenizer, content)]
+        ids.append(tokenizer.token_to_id("<|end|>"))
+    return [*ids, tokenizer.token_to_id("<|assistant|>")]
+
+
+def extract_number(text: str) -> str | None:
+    """The last number in text, commas dropped ("1,234.5" -> "1234.5"), as GSM8K is scored."""
+    found = NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def answer_matches(reply: str, answer: str, number: bool = False) -> bool:
+    """Whether a reply is the answer: equal after stripping whitespace; with `number`, the last
+    number of the reply equals the answer as a number ("72.0" is "72")."""
+    if not number:
+        return reply.strip() == answer.strip()
+    got, want = extract_number(reply), extract_number(answer) or answer.strip()
+    if got is None:
+        return False
+    try:
+        return Decimal(got) == Decimal(want)
+    except InvalidOperation:
+        return got == want
+
+
+def score_exact_match(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Task,
+    batch_size: int,
+    max_new_tokens: int,
+    number: bool = False,
+    progress: bool = False,
+    err: TextIO | None = None,
+) -> dict[str, Any]:
+    """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|>.
+
+    max_new_tokens is cut, with a note on `err`, to what the longest prompt leaves of the
+    context, for every example alike: a reply then does not depend on its batch.
+    """
+    from minillm.data.tokenizer import eot_id
+    from minillm.infer.generate import generate
+
+    ids = chat_token_ids(tokenizer, str(task.path))
+    tokenizer.encode_special_tokens = True  # a "<|user|>" typed in a message is text
+    eot, end = eot_id(tokenizer), ids["<|end|>"]
+    prompts = [chat_prompt_ids(tokenizer, ex.messages, eot) for ex in task.examples]
+    context = model.cfg.max_seq_len
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    room = context - len(prompts[longest]) + 1
+    if room < 1:
+        raise UserError(
+            f"{task.path}: line {task.examples[longest].line}: messages: "
+            f"{len(prompts[longest])} tokens, more than the model's context of "
+            f"{context}"
+        )
+    if max_new_tokens > room:
+        print(
+            f"note: {task.name}: replies cut to {room} tokens to fit the context",
+            file=err or sys.stderr,
+        )
+        max_new_tokens = room
+    hits = 0
+    bar = Progress(task.name, -(-len(prompts) // batch_size), enabled=progress, stderr=True)
+    try:
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            replies = generate(
+                model,
+                batch,
+                max_new_tokens=max_new_tokens,
+                temperature=0.0,
+                eot_id=end,
+                vocab_limit=tokenizer.get_vocab_size(),
+            )
+            for ex, reply in zip(task.examples[start:], replies):
+                stops = [i for i, t in enumerate(reply) if t in (end, eot)]
+                text = tokenizer.decode(reply[: stops[0]] if stops else reply)
+                hits += answer_matches(text, ex.answer, number)
+            bar.advance()
+    finally:
+        bar.close()
+    return {"exact_match": hits / len(prompts), "examples": len(prompts)}
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def evaluate_tasks(
+    ckpt: Any,
+    tasks: list[Task],
+    batch_size: int | None = None,
+    extract_number: bool = False,
+    progress: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Score a LoadedCheckpoint on task files: {name: {accuracy, accuracy_norm, examples}} for
+    multiple choice, {name: {exact_match, examples}} for exact match. batch_size: choices (or
+    prompts) per forward pass, default the run's train.batch_size."""
+    if batch_size is not None and batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.config
+    batch_size = batch_size or cfg.train.batch_size
+    device = next(model.parameters()).device
+    results = {}
+    for task in tasks:
+        start = time.perf_counter()
+        if task.kind == "multiple_choice":
+            encoded = encode_multiple_choice(tok, task, model.cfg.max_seq_len)
+            result = score_multiple_choice(
+                model, task, encoded, batch_size, device, progress=progress
+            )
+        else:
+            result = score_exact_match(
+                model, tok, task, batch_size, cfg.sample.max_new_tokens, extract_number, progress
+            )
+        result["seconds"] = time.perf_counter() - start
+        results[task.name] = result
+    return results
+
+
+def eval_report(result: dict[str, Any], as_json: bool) -> str:
+    """What `minillm eval` prints: the loss keys (when the loss was evaluated) and `tasks`."""
+    from minillm.infer.evaluate import JSON_KEYS, format_result
+
+    tasks = result.get("tasks", {})
+    if as_json:
+        out: dict[str, Any] = {k: result[k] for k in JSON_KEYS if k in result}
+        if tasks:
+            out["tasks"] = {
+                n: {k: v for k, v in r.items() if k != "seconds"} for n, r in tasks.items()
+            }
+        return json.dumps(out)
+    lines = [format_result(result)] if "loss" in result else []
+    return "\n".join(lines + ([format_tasks(tasks)] if tasks else []))
+
+
+def format_tasks(results: dict[str, dict[str, Any]]) -> str:
+    """One human line per task."""
+    lines = []
+    for name, r in results.items():
+        if "exact_match" in r:
+            score = f"exact_match {r['exact_match']:.4f}"
+        else:
+            score = f"accuracy {r['accuracy']:.4f}   accuracy_norm {r['accuracy_norm']:.4f}"
+        lines.append(f"{name}: {score}   {r['examples']:,} examples, {r['seconds']:.1f}s")
+    return "\n".join(lines)
