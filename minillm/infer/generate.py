@@ -105,6 +105,7 @@ class _Windows:
         self.cache = KVCache(
             model.cfg, len(prompts), cache_len, device=param.device, dtype=param.dtype
         )
+        self.longest = max(range(len(prompts)), key=lambda r: len(prompts[r]))  # a row index
         self.cached = [0] * len(prompts)  # tokens of each row's window in the cache
         self.slots = 0  # cache slots filled (the longest window; shorter ones are left-padded)
 
@@ -134,7 +135,11 @@ class _Windows:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) after each row's new token (already in `texts`): one decoder step while
         every window simply grows by that token and the cache has a slot, else a new prefill."""
-        grows = all(w == c + 1 for w, c in zip(self.wanted(), self.cached, strict=True))
+        # Every text grows by one token per step: while the longest fits the context, every
+        # window is its whole text and grows too (the common case, checked without a loop).
+        grows = len(self.texts[self.longest]) <= self.context or all(
+            w == c + 1 for w, c in zip(self.wanted(), self.cached, strict=True)
+        )
         if not grows or self.slots + 1 > self.cache.max_len:
             return self.prefill()
         self.cached = [c + 1 for c in self.cached]
