@@ -262,6 +262,8 @@ def check_model_config(ckpt: str | Path, state: dict[str, Any]) -> None:
     from minillm.config import ModelConfig
 
     path = Path(ckpt) / MODEL_FILE
+    if not path.is_file():
+        return  # load_model_state says so, with the weights
     try:
         with safe_open(str(path), framework="pt") as f:
             stored = (f.metadata() or {}).get(CONFIG_KEY)
