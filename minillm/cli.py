@@ -184,7 +184,10 @@ def sample(
         None, "--prompt-file", help="A UTF-8 file whose whole text is one more prompt."
     ),
     max_new_tokens: int | None = typer.Option(
-        None, "--max-new-tokens", help="Tokens to generate (default: sample.max_new_tokens)."
+        None,
+        "--max-new-tokens",
+        help="Tokens to generate for each row; past model.max_seq_len the context slides "
+        "(default: sample.max_new_tokens).",
     ),
     temperature: float | None = typer.Option(
         None, "--temperature", help="0 = greedy (default: sample.temperature)."
@@ -195,7 +198,12 @@ def sample(
     top_p: float | None = typer.Option(
         None, "--top-p", help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p)."
     ),
-    seed: int | None = typer.Option(None, "--seed", help="Same seed, same text (default: random)."),
+    seed: int | None = typer.Option(
+        None,
+        "--seed",
+        help="Same seed, same text: sample k of a prompt is the same whatever other prompts "
+        "run with it and in which order (default: random).",
+    ),
     num_samples: int = typer.Option(1, "--num-samples", help="Samples per prompt."),
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."

@@ -101,6 +101,24 @@ def test_greedy_generation_equals_hf_generate(exported) -> None:
         assert ref[r, T : T + len(got)].tolist() == got
 
 
+def test_exported_end_of_text_row_still_learns_in_transformers(exported) -> None:
+    loaded, out = exported
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).train()
+    assert hf.model.embed_tokens.padding_idx is None
+    eot = eot_id(loaded.tokenizer)
+    torch.manual_seed(0)
+    idx = torch.randint(0, 300, (2, 24))
+    idx[:, ::5] = eot  # documents joined by end-of-text, as in pretraining data
+    ours = Transformer(loaded.config.model)
+    ours.load_state_dict(loaded.model.state_dict())
+    _, loss = ours.train()(idx, idx)
+    loss.backward()
+    hf(input_ids=idx, labels=idx, shift_labels=idx).loss.backward()
+    ref = hf.model.embed_tokens.weight.grad[eot]
+    assert ref.abs().sum() > 0
+    torch.testing.assert_close(ref, ours.tok_emb.weight.grad[eot], atol=1e-5, rtol=1e-4)
+
+
 def test_export_refuses_a_non_empty_folder_unless_forced(tmp_path: Path) -> None:
     run_dir, _, _ = make_run(tmp_path)
     target = tmp_path / "out"

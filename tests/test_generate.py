@@ -24,6 +24,7 @@ from minillm.infer.generate import (
     sample_next,
     top_k_filter,
     top_p_filter,
+    window_length,
 )
 
 INF = math.inf
@@ -199,7 +200,7 @@ def test_batched_equals_one_at_a_time(run, temperature: float) -> None:
     kw = dict(max_new_tokens=25, temperature=temperature, top_k=40, top_p=0.9, ignore_eos=True)
     batched = generate(model, PROMPTS, seed=7, **kw)
     for r, prompt in enumerate(PROMPTS):
-        alone = generate(model, [prompt], seed=[row_seed(7, r)], **kw)
+        alone = generate(model, [prompt], seed=7, **kw)
         assert alone[0] == batched[r], f"row {r}"
     if temperature > 0:  # the rows really are sampled, not all greedy
         greedy = generate(model, PROMPTS, **dict(kw, temperature=0.0))
@@ -210,13 +211,57 @@ def test_generation_limits_are_user_errors(run) -> None:
     from minillm.errors import UserError
 
     model = run[1].model
-    with pytest.raises(UserError, match="context of 64"):
-        generate(model, [[1] * 60], max_new_tokens=6, temperature=0.0)
-    assert len(generate(model, [[1] * 60], max_new_tokens=5, temperature=0.0)[0]) <= 5
+    with pytest.raises(UserError, match="prompt of 65 tokens exceeds the model's context of 64"):
+        generate(model, [[1] * 65], max_new_tokens=1, temperature=0.0)
     with pytest.raises(UserError, match="top-p"):
         generate(model, [[1]], max_new_tokens=2, top_p=0.0)
     with pytest.raises(UserError, match="at least one token"):
         generate(model, [[]], max_new_tokens=2)
+
+
+def test_a_prompt_samples_the_same_text_at_any_position_of_the_batch(run) -> None:
+    model = run[1].model
+    kw = dict(max_new_tokens=15, temperature=1.0, seed=3, ignore_eos=True)
+    first = generate(model, [PROMPTS[0], PROMPTS[1]], **kw)
+    second = generate(model, [PROMPTS[1], PROMPTS[0]], **kw)
+    assert first == second[::-1]
+    # Repeats of one prompt are its samples 0, 1, ...: they differ, and keep their order.
+    repeated = generate(model, [PROMPTS[1], PROMPTS[0], PROMPTS[1]], **kw)
+    assert repeated[:2] == second and repeated[2] != repeated[0]
+    assert repeated[2] == generate(model, [PROMPTS[1]], **dict(kw, seed=[row_seed(3, 1)]))[0]
+
+
+@pytest.mark.parametrize(
+    "n, window",
+    [(1, 1), (64, 64), (65, 32), (66, 33), (97, 64), (98, 32), (130, 64), (131, 32)],
+)
+def test_window_length_table(n: int, window: int) -> None:
+    assert window_length(n, 64) == window
+
+
+@torch.inference_mode()
+def greedy_by_full_forward(model, prompt: list[int], n: int, vocab: int | None = None) -> list[int]:
+    """nanoGPT's way, without a cache: one forward of the row's window per new token."""
+    text = list(prompt)
+    for _ in range(n):
+        w = window_length(len(text), model.cfg.max_seq_len)
+        logits, _ = model(torch.tensor([text[-w:]]))
+        text.append(int(logits[0, -1, :vocab].argmax()))
+    return text[len(prompt) :]
+
+
+def test_generation_slides_past_the_context_rows_stay_independent(run) -> None:
+    model = run[1].model  # max_seq_len 64
+    prompts = [[5, 17, 42, 99, 7, 8, 120] * 7, [3]]  # 49 tokens and 1
+    slides: list[int] = []
+    kw = dict(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+    batched = generate(model, prompts, on_slide=lambda: slides.append(1), **kw)
+    assert [len(row) for row in batched] == [120, 120] and slides == [1]
+    for r, prompt in enumerate(prompts):
+        assert batched[r] == greedy_by_full_forward(model, prompt, 120), f"row {r}"
+    kw = dict(max_new_tokens=100, temperature=0.8, seed=11, ignore_eos=True)
+    sampled = generate(model, prompts, **kw)
+    assert [generate(model, [p], **kw)[0] for p in prompts] == sampled
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -269,6 +314,47 @@ def test_cli_several_prompts_give_their_one_at_a_time_text(run) -> None:
     for block, prompt in ((blocks[0], "The king"), (blocks[2], "日本 and")):
         alone = invoke(*common, "--prompt", prompt)
         assert alone.stdout.rstrip("\n") == block.rstrip("\n")
+
+
+def test_cli_every_prompt_gets_max_new_tokens_and_its_own_text(run) -> None:
+    run_dir, loaded = run
+    tok = loaded.tokenizer
+    common = ["--ckpt", str(run_dir), "--temperature", "0", "--max-new-tokens", "30"]
+    common += ["--ignore-eos"]
+    long = "Now is the winter of our discontent made glorious summer, by"  # 60 characters
+    assert len(tok.encode(long).ids) > 20
+    both = invoke(*common, "--prompt", "A", "--prompt", long)
+    assert both.exit_code == 0, both.output
+    blocks = both.stdout.split("\n" + "-" * 40 + "\n")
+    alone = invoke(*common, "--prompt", "A").stdout
+    assert blocks[0].rstrip("\n") == alone.rstrip("\n")
+    ids = [eot_id(tok), *tok.encode("A").ids]
+    kw = dict(temperature=0.0, ignore_eos=True, vocab_limit=tok.get_vocab_size())
+    expected = generate(loaded.model, [ids], max_new_tokens=30, **kw)
+    assert blocks[0].rstrip("\n") == "A" + tok.decode(expected[0]) and len(expected[0]) == 30
+    assert "cut to" not in both.stderr
+
+
+def test_cli_seeded_prompt_gives_the_same_sample_in_second_place(run) -> None:
+    common = ["--ckpt", str(run[0]), "--seed", "9", "--max-new-tokens", "12", "--ignore-eos"]
+    alone = invoke(*common, "--prompt", "ROMEO:", "--num-samples", "2")
+    behind = invoke(*common, "--prompt", "JULIET:", "--prompt", "ROMEO:", "--num-samples", "2")
+    assert alone.exit_code == behind.exit_code == 0, behind.output
+    sep = "\n" + "-" * 40 + "\n"
+    assert behind.stdout.split(sep)[2:] == alone.stdout.split(sep)
+
+
+@pytest.mark.slow
+def test_cli_generation_goes_past_the_context_with_one_note(run) -> None:
+    run_dir, loaded = run
+    tok = loaded.tokenizer
+    args = ["--ckpt", str(run_dir), "--prompt", "ROMEO:", "--temperature", "0", "--ignore-eos"]
+    result = invoke(*args, "--max-new-tokens", "150")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("sliding window") == 1 and "context of 64" in result.stderr
+    prompt = [eot_id(tok), *tok.encode("ROMEO:").ids]
+    expected = greedy_by_full_forward(loaded.model, prompt, 150, tok.get_vocab_size())
+    assert result.stdout == "ROMEO:" + tok.decode(expected) + "\n"
 
 
 def test_cli_without_prompt_starts_a_fresh_document_from_the_defaults(run) -> None:

@@ -1,7 +1,8 @@
 """The run directory: one trainer at a time (a lock), and what a resume may change.
 
-Offers `RunLock`, `resume_point` (which checkpoint a `minillm train` continues from) and
-`resume_differences(old, new) -> (refused, changed)`.
+Offers `RunLock`, `resume_point` (which checkpoint a `minillm train` continues from),
+`resume_differences(old, new) -> (refused, changed)` and `schedule_change` (the warning for a
+resume that redraws the learning rate of steps already taken).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import contextlib
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from minillm.checkpoint import store as ckpt
-from minillm.config import Config, config_from_dict, config_to_dict
+from minillm.config import Config, TrainConfig, config_from_dict, config_to_dict
 from minillm.errors import ConfigError, UserError, warn
 
 LOCK_FILE = "train.lock"
@@ -34,6 +36,18 @@ SCHEDULE_KEYS = {
     "train.out_dir",
     "train.parallel",  # a change of world size or wrapping is reported on its own
 }
+
+
+# Keys that shape the learning-rate schedule (some arrive with other issues; absent ones never
+# differ). A resume that changes them redraws the curve over the steps already taken.
+LR_SCHEDULE_KEYS = (
+    "train.lr",
+    "train.min_lr",
+    "train.warmup_steps",
+    "train.max_steps",
+    "train.schedule",
+    "train.decay_fraction",
+)
 
 
 class RunLock:
@@ -107,6 +121,39 @@ def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], lis
     return refused, changed
 
 
+def schedule_change(
+    old: dict[str, Any],
+    new: Config,
+    step: int,
+    schedule: Callable[[int, TrainConfig], float],
+) -> str | None:
+    """A warning when resuming at `step` gives steps 0..step-1 another learning rate than the run
+    used (raising max_steps re-stretches the cosine, so the lr jumps back up); else None.
+
+    `old` is the config dict saved with the checkpoint; `schedule(step, train_config)` is the
+    trainer's lr schedule (the train stage owns it). Names the keys that changed.
+    """
+    try:
+        old_train = config_from_dict(old).train
+    except ConfigError:
+        return None
+    if all(schedule(t, old_train) == schedule(t, new.train) for t in range(step)):
+        return None  # also a resume at step 0
+    before, after = _flatten(old), _flatten(config_to_dict(new))
+    keys = [
+        f"{k} ({before.get(k)!r} -> {after.get(k)!r})"
+        for k in LR_SCHEDULE_KEYS
+        if before.get(k) != after.get(k)
+    ]
+    was, now = schedule(step - 1, old_train), schedule(step, new.train)
+    return (
+        f"resuming at step {step} with {', '.join(keys) or 'another schedule'} changes the "
+        f"learning rate of the steps already taken: the lr goes from {was:.3g} at step "
+        f"{step - 1} to {now:.3g} at step {step} (the schedule is redrawn over the new run, "
+        "not extended)"
+    )
+
+
 def resume_point(
     run_dir: Path,
     cfg: Config,
@@ -118,12 +165,15 @@ def resume_point(
     force: bool,
     clear: bool,
     verbose: bool,
+    schedule: Callable[[int, TrainConfig], float] | None = None,
 ) -> Path | None:
     """The checkpoint a run continues from, or None to start afresh.
 
     Starting over a run that has checkpoints needs `resume=False` and `force`; then (where
     `clear`, i.e. on rank 0) its checkpoints and TensorBoard files are deleted. A checkpoint whose
-    architecture or tokenizer differs from `cfg` is refused, naming the keys.
+    architecture or tokenizer differs from `cfg` is refused, naming the keys, and so is one whose
+    state.json model config disagrees with its weights'. With `schedule` (the lr schedule), a
+    change to the learning rate of steps already taken is warned about.
     """
     ckpt_root = run_dir / ckpt.CKPT_DIR
     if not ckpt.list_checkpoints(ckpt_root):
@@ -141,6 +191,7 @@ def resume_point(
     if found is None:
         return None
     state = ckpt.read_state(found)
+    ckpt.check_model_config(found, state)
     refused, changed = resume_differences(state["config"], cfg)
     if state.get("tokenizer_sha256") not in (None, tokenizer_sha):
         refused.append(f"tokenizer ({tokenizer_file} differs from the run's)")
@@ -149,6 +200,12 @@ def resume_point(
             f"{found}: cannot resume with a different architecture or tokenizer: "
             + "; ".join(refused)
         )
+    redrawn = None
+    if schedule is not None and verbose:
+        redrawn = schedule_change(state["config"], cfg, int(state.get("step", 0)), schedule)
+    if redrawn:
+        warn(redrawn)  # it names the schedule keys, which the line below then leaves out
+        changed = [c for c in changed if c.split(" ", 1)[0] not in LR_SCHEDULE_KEYS]
     if changed and verbose:
         warn(f"resuming with changed settings: {'; '.join(changed)}")
     old_world = state.get("world_size", 1)

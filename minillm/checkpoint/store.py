@@ -1,7 +1,8 @@
 """Checkpoints: atomic save, integrity-checked load, latest/best bookkeeping, loading a run.
 
 Offers `save_checkpoint`, `find_latest`, `resolve_checkpoint`, `verify_checkpoint`,
-`load_model_state`, `load_trainer_state`, `read_state`, `load_checkpoint` (config + model +
+`load_model_state`, `load_trainer_state`, `read_state`, `check_model_config` (state.json's
+model config against the one stored with the weights), `load_checkpoint` (config + model +
 tokenizer from a checkpoint alone) and `CheckpointError`.
 
 Layout (DESIGN.md):
@@ -17,6 +18,8 @@ records the sha256 of every file, so damage after the fact is detected at load t
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import shutil
@@ -43,6 +46,7 @@ TRAINER_FILE = "trainer_state.pt"
 STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"
 FORMAT_VERSION = 1
+CONFIG_KEY = "minillm.model_config"  # safetensors metadata: the model config, JSON
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -75,7 +79,12 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-        save_safetensors(tensors, tmp / MODEL_FILE, metadata={"format": "pt", "step": str(step)})
+        metadata = {"format": "pt", "step": str(step)}
+        if isinstance(state.get("config"), dict) and "model" in state["config"]:
+            # The architecture rides in the weights file, which state.json hashes: an edit of
+            # state.json's model section no longer rebuilds a different forward unnoticed.
+            metadata[CONFIG_KEY] = json.dumps(state["config"]["model"], sort_keys=True)
+        save_safetensors(tensors, tmp / MODEL_FILE, metadata=metadata)
         _crash_test_pause()
         torch.save(trainer_state, tmp / TRAINER_FILE)
         _crash_test_pause()
@@ -154,8 +163,6 @@ def _pid_alive(pid: int) -> bool:
 
 
 def read_state(ckpt: str | Path) -> dict[str, Any]:
-    import json
-
     path = Path(ckpt) / STATE_FILE
     try:
         state = json.loads(path.read_text())
@@ -244,6 +251,46 @@ def load_model_state(
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def check_model_config(ckpt: str | Path, state: dict[str, Any]) -> None:
+    """CheckpointError unless state.json's model config is the one stored with the weights.
+
+    The weights file carries the model config in its metadata (since it has been written there);
+    a checkpoint from before that carries none and is taken as it is.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from minillm.config import ModelConfig
+
+    path = Path(ckpt) / MODEL_FILE
+    if not path.is_file():
+        return  # load_model_state says so, with the weights
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            stored = (f.metadata() or {}).get(CONFIG_KEY)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    if stored is None:
+        return
+    where = Path(ckpt) / STATE_FILE
+    try:
+        weights_cfg = json.loads(stored)
+        assert isinstance(weights_cfg, dict)
+    except (ValueError, AssertionError):
+        raise CheckpointError(f"{path}: its model config metadata is not a JSON object") from None
+    state_cfg = state.get("config", {}).get("model", {})
+    keys = [f.name for f in dataclasses.fields(ModelConfig)]
+    differ = [
+        f"{k} {state_cfg.get(k)!r} here, {weights_cfg.get(k)!r} with the weights"
+        for k in keys
+        if state_cfg.get(k) != weights_cfg.get(k)
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{where}: model.{'; model.'.join(differ)}: the config was edited after the "
+            "checkpoint was saved; it must be the one the weights were trained with"
+        )
+
+
 def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
     """Optimizer, scaler and RNG state; `weights_only=True` refuses pickled code."""
     path = Path(ckpt) / TRAINER_FILE
@@ -304,6 +351,7 @@ def load_checkpoint(
 
     ckpt = resolve_checkpoint(path, verify=verify)
     state = read_state(ckpt)
+    check_model_config(ckpt, state)
     try:
         cfg = config_from_dict(state["config"], file=str(ckpt / STATE_FILE))
     except ConfigError as e:

@@ -1,11 +1,12 @@
 """Sampling from a trained model with the KV cache, outside the model (nanochat's engine style).
 
-Offers the pure sampling filters `apply_temperature`, `top_k_filter`, `top_p_filter`,
-`sample_from_probs` and `sample_next`; `row_seed`; the batched loop `generate` (left-padded
-prompts, one KV cache, stop at end-of-text); `TextStreamer` (streams text without breaking
-multi-byte UTF-8 characters); and `sample_checkpoint`, what `minillm sample` runs.
+Offers the batched loop `generate` (left-padded prompts, one KV cache, stop at end-of-text, a
+sliding context past `max_seq_len`), `window_length` (how much of a row's text the model sees),
+`TextStreamer` (streams text without breaking multi-byte UTF-8 characters) and
+`sample_checkpoint`, what `minillm sample` runs. The pure filters and seeds live in
+`minillm.infer.sampling` and are re-exported here.
 
-Shape legend: B rows (prompts x samples), P longest prompt, V vocabulary.
+Shape legend: B rows (prompts x samples), W longest window, V vocabulary.
 """
 
 from __future__ import annotations
@@ -16,104 +17,134 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
 import torch
 
 from minillm.errors import UserError
+from minillm.infer.sampling import (
+    apply_temperature,
+    check_sampling,
+    row_seed,
+    sample_from_probs,
+    sample_next,
+    top_k_filter,
+    top_p_filter,
+)
 from minillm.model import KVCache
 from minillm.model.decode import Decoder
 
-# ----------------------------------------------------------------------------- pure filters
-
-
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature; temperature must be > 0 (0 means greedy and never gets here)."""
-    return logits if temperature == 1.0 else logits / temperature
-
-
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties with the k-th are kept), -inf elsewhere.
-
-    k = 0 or k >= V keeps everything. logits (..., V).
-    """
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # (..., 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability mass reaches p (nucleus).
-
-    A token is dropped when the tokens ranked above it already hold mass >= p, so the most
-    likely token always stays; of tied tokens the lower id ranks first. p = 1 keeps everything.
-    logits (..., V).
-    """
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logits.float(), dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # (..., V) mass of the better-ranked tokens
-    drop_sorted = mass_before >= p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: row b takes the first token whose cumulative mass exceeds u_b * total.
-
-    probs (B, V) >= 0, uniforms (B,) in [0, 1). A token of probability 0 is never chosen.
-    """
-    cdf = probs.float().cumsum(dim=-1)  # (B, V)
-    target = (uniforms.to(cdf.device, cdf.dtype) * cdf[:, -1])[:, None]  # (B, 1)
-    index = torch.searchsorted(cdf, target, right=True)[:, 0]
-    return index.clamp_(max=probs.shape[-1] - 1)
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generators: Sequence[torch.Generator] | None = None,
-) -> torch.Tensor:
-    """The next token of each row from logits (B, V): greedy at temperature 0, else sampled.
-
-    Order as in Hugging Face: temperature, then top-k, then top-p. Row b draws its uniform from
-    generators[b], so a row's tokens do not depend on which other rows share the batch.
-    """
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    logits = top_p_filter(
-        top_k_filter(apply_temperature(logits.float(), temperature), top_k), top_p
-    )
-    probs = torch.softmax(logits, dim=-1)
-    if generators is None:
-        uniforms = torch.rand(logits.shape[0])
-    else:
-        uniforms = torch.cat([torch.rand(1, generator=g) for g in generators])
-    return sample_from_probs(probs, uniforms)
-
-
-def row_seed(seed: int, row: int) -> int:
-    """A well-mixed 63-bit seed for row `row` of a run seeded with `seed`."""
-    state = np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF, row]).generate_state(2)
-    return int((int(state[0]) << 32 | int(state[1])) & 0x7FFF_FFFF_FFFF_FFFF)
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
-    """UserError for settings outside their range, naming the option."""
-    if not temperature >= 0.0:  # also refuses NaN
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k < 0:
-        raise UserError(f"--top-k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise UserError(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-
+__all__ = [
+    "SampleSettings",
+    "TextStreamer",
+    "apply_temperature",
+    "check_sampling",
+    "encode_prompts",
+    "generate",
+    "read_prompts",
+    "row_seed",
+    "sample_checkpoint",
+    "sample_from_probs",
+    "sample_next",
+    "top_k_filter",
+    "top_p_filter",
+    "window_length",
+]
 
 # ----------------------------------------------------------------------------- the loop
+
+
+def window_length(n: int, context: int) -> int:
+    """How many of the last tokens of a row's n-token text the model sees for the next token.
+
+    All n while they fit the context. Past it the context slides like nanoGPT's crop, but in
+    jumps so that the KV cache is refilled rarely: the window restarts at the last context // 2
+    tokens and grows by one per token back up to the full context, then restarts again. It is a
+    function of n alone, so a row sees the same windows whatever shares its batch.
+    """
+    if n <= context:
+        return n
+    keep = max(1, context // 2)
+    return keep + (n - context - 1) % (context - keep + 1)
+
+
+def _seeds(prompts: list[list[int]], seed: int | Sequence[int] | None) -> list[int]:
+    """One generator seed per row: an int gives sample k of a prompt `row_seed(seed, k)`.
+
+    k counts the earlier rows with the same prompt, so a prompt's k-th sample is the same text
+    at any position of any batch, and repeated prompts (--num-samples) still differ.
+    """
+    if seed is None:
+        return [int(s) for s in torch.randint(0, 2**62, (len(prompts),))]
+    if isinstance(seed, int):
+        occurrences: dict[tuple[int, ...], int] = {}
+        seeds = []
+        for p in prompts:
+            k = occurrences.get(tuple(p), 0)
+            occurrences[tuple(p)] = k + 1
+            seeds.append(row_seed(seed, k))
+        return seeds
+    seeds = [int(s) for s in seed]
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    return seeds
+
+
+class _Windows:
+    """The rows' texts, and the prefill that (re)fills the KV cache with each row's window."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompts: list[list[int]],
+        cache_len: int,
+        make_decoder: Callable[[torch.nn.Module, KVCache], Any],
+    ) -> None:
+        param = next(model.parameters())
+        self.model, self.make_decoder = model, make_decoder
+        self.context = model.cfg.max_seq_len
+        self.texts = [list(p) for p in prompts]  # prompt + every token chosen since
+        self.cache = KVCache(
+            model.cfg, len(prompts), cache_len, device=param.device, dtype=param.dtype
+        )
+        self.longest = max(range(len(prompts)), key=lambda r: len(prompts[r]))  # a row index
+        self.cached = [0] * len(prompts)  # tokens of each row's window in the cache
+        self.slots = 0  # cache slots filled (the longest window; shorter ones are left-padded)
+
+    def wanted(self) -> list[int]:
+        return [window_length(len(t), self.context) for t in self.texts]
+
+    def prefill(self) -> torch.Tensor:
+        """Empty the cache, run every row's window through it; logits (B, V) of the next token."""
+        windows = [t[len(t) - w :] for t, w in zip(self.texts, self.wanted(), strict=True)]
+        B, W = len(windows), max(len(w) for w in windows)
+        idx = torch.zeros(B, W, dtype=torch.long)  # (B, W) left-padded
+        mask = torch.zeros(B, W, dtype=torch.bool)
+        for r, w in enumerate(windows):
+            idx[r, W - len(w) :] = torch.tensor(w, dtype=torch.long)
+            mask[r, W - len(w) :] = True
+        device = self.cache.k.device
+        idx, mask = idx.to(device), mask.to(device)
+        self.cache.reset()
+        self.decoder = self.make_decoder(self.model, self.cache)  # before: it refuses dropout
+        padded = not bool(mask.all())
+        logits, _ = self.model(
+            idx, attention_mask=mask if padded else None, kv_cache=self.cache, last_only=True
+        )
+        self.cached, self.slots = [len(w) for w in windows], W
+        return logits[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) after each row's new token (already in `texts`): one decoder step while
+        every window simply grows by that token and the cache has a slot, else a new prefill."""
+        # Every text grows by one token per step: while the longest fits the context, every
+        # window is its whole text and grows too (the common case, checked without a loop).
+        grows = len(self.texts[self.longest]) <= self.context or all(
+            w == c + 1 for w, c in zip(self.wanted(), self.cached, strict=True)
+        )
+        if not grows or self.slots + 1 > self.cache.max_len:
+            return self.prefill()
+        self.cached = [c + 1 for c in self.cached]
+        self.slots += 1
+        return self.decoder.step(tokens)
 
 
 @torch.inference_mode()
@@ -129,66 +160,53 @@ def generate(
     eot_id: int | None = None,
     ignore_eos: bool = False,
     on_token: Callable[[int, int], None] | None = None,
+    on_slide: Callable[[], None] | None = None,
     vocab_limit: int | None = None,
     make_decoder: Callable[[torch.nn.Module, KVCache], Any] = Decoder,
 ) -> list[list[int]]:
     """Continue each prompt by up to max_new_tokens tokens; returns the new tokens of each row.
 
-    The prompts run as one left-padded batch through one KV cache and give the same tokens as
-    running them one at a time. A row stops after emitting eot_id (which is included in its
-    output) unless ignore_eos. `seed` is one int (row r uses `row_seed(seed, r)`), one seed per
-    row, or None (fresh randomness). on_token(row, token) is called as each token is chosen.
-    make_decoder: builds the one-token-at-a-time stepper (a mock model's own in tests).
-    vocab_limit: never choose ids >= it (the rows of a padded embedding table that the tokenizer
-    lacks). The context must hold the longest prompt plus max_new_tokens - 1 tokens. A model
-    with dropout must be in eval mode.
+    The prompts run as one left-padded batch through one KV cache, and each row gives the tokens
+    it gives alone (where the logits agree to float rounding): every row gets max_new_tokens, its
+    windows depend on its own text only, and its draws on its own seed. A row stops after
+    emitting eot_id (included in its output) unless ignore_eos. `seed` is one int (sample k of a
+    prompt, k counting earlier rows with the same prompt, uses `row_seed(seed, k)`), one seed per
+    row, or None (fresh randomness). A prompt must fit the context (model.max_seq_len); past it
+    the context slides (`window_length`) and on_slide() is called once, when it first does.
+    on_token(row, token) is called as each token is chosen. make_decoder: builds the
+    one-token-at-a-time stepper (a mock model's own in tests). vocab_limit: never choose ids >=
+    it (the rows of a padded embedding table that the tokenizer lacks). A model with dropout
+    must be in eval mode.
     """
     check_sampling(temperature, top_k, top_p, max_new_tokens)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
-    cfg = model.cfg
-    B, P = len(prompts), max(len(p) for p in prompts)
-    if P + max_new_tokens - 1 > cfg.max_seq_len:
+    context = model.cfg.max_seq_len
+    longest = max(len(p) for p in prompts)
+    if longest > context:
         raise UserError(
-            f"{P} prompt tokens + {max_new_tokens} new tokens exceed the model's context of "
-            f"{cfg.max_seq_len} tokens (model.max_seq_len)"
+            f"a prompt of {longest} tokens exceeds the model's context of {context} tokens "
+            "(model.max_seq_len)"
         )
-    param = next(model.parameters())
-    device = param.device
-
+    B = len(prompts)
+    # Uniforms are drawn on the CPU so that a seed gives the same text on every device.
     generators = None
     if temperature > 0.0:
-        if seed is None:
-            seeds = [int(s) for s in torch.randint(0, 2**62, (B,))]
-        elif isinstance(seed, int):
-            seeds = [row_seed(seed, r) for r in range(B)]
-        else:
-            seeds = [int(s) for s in seed]
-            if len(seeds) != B:
-                raise ValueError(f"{len(seeds)} seeds for {B} prompts")
-        # Uniforms are drawn on the CPU so that a seed gives the same text on every device.
-        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        generators = [torch.Generator().manual_seed(s) for s in _seeds(prompts, seed)]
 
-    idx = torch.zeros(B, P, dtype=torch.long)  # (B, P) left-padded
-    mask = torch.zeros(B, P, dtype=torch.bool)
-    for r, p in enumerate(prompts):
-        idx[r, P - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[r, P - len(p) :] = True
-    idx, mask = idx.to(device), mask.to(device)
-    padded = not bool(mask.all())
-
-    cache = KVCache(cfg, B, P + max_new_tokens - 1, device=device, dtype=param.dtype)
-    decoder = make_decoder(model, cache)  # before the prefill: it refuses live dropout
-    logits, _ = model(idx, attention_mask=mask if padded else None, kv_cache=cache, last_only=True)
-    logits = logits[:, -1]  # (B, V)
+    # The longest text a forward sees: the longest prompt and all but the last new token.
+    rows = _Windows(model, prompts, min(context, longest + max_new_tokens - 1), make_decoder)
+    logits = rows.prefill()  # (B, V)
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
+    slid = False
     for step in range(max_new_tokens):
         if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             logits[:, vocab_limit:] = float("-inf")
         nxt = sample_next(logits, temperature, top_k, top_p, generators)  # (B,)
         tokens = nxt.tolist()  # the one host sync per step: streaming and stopping need it
         for r, t in enumerate(tokens):
+            rows.texts[r].append(t)
             if done[r]:
                 continue
             out[r].append(t)
@@ -198,8 +216,12 @@ def generate(
                 done[r] = True
         if all(done) or step == max_new_tokens - 1:
             break
+        if not slid and any(len(t) > context for t in rows.texts):
+            slid = True
+            if on_slide is not None:
+                on_slide()
         # Finished rows keep decoding (their tokens are discarded): the batch moves together.
-        logits = decoder.step(nxt)  # (B, V)
+        logits = rows.step(nxt)  # (B, V)
     return out
 
 
@@ -305,7 +327,8 @@ def sample_checkpoint(
     """Generate from a LoadedCheckpoint; one row streams to `out`, several are printed in turn.
 
     Returns the generated texts (without their prompts), row j*num_samples + k being sample k
-    of prompt j. max_new_tokens is trimmed, with a note on `err`, where the context is too short.
+    of prompt j; each row is the text its prompt gives alone with the same seed. Every row gets
+    max_new_tokens; past the context it slides, with one note on `err`.
     """
     from minillm.data.tokenizer import eot_id as find_eot
 
@@ -327,10 +350,6 @@ def sample_checkpoint(
     context = model.cfg.max_seq_len
     prompts = encode_prompts(tok, settings.prompts, eot, context)
     rows = [p for p in prompts for _ in range(settings.num_samples)]
-    room = context - max(len(p) for p in rows) + 1
-    if max_new > room:
-        print(f"note: --max-new-tokens {max_new} cut to {room} to fit the context", file=err)
-        max_new = room
     texts = settings.prompts or [""]
     seed = settings.seed
     if seed is None and temperature > 0:
@@ -359,6 +378,12 @@ def sample_checkpoint(
         eot_id=eot,
         ignore_eos=settings.ignore_eos,
         on_token=stream if streamer is not None else None,
+        on_slide=lambda: print(
+            f"note: the text outgrew the model's context of {context} tokens "
+            f"(model.max_seq_len); from here each row sees its last {max(1, context // 2)} to "
+            f"{context} tokens (a sliding window)",
+            file=err,
+        ),
         vocab_limit=tok.get_vocab_size(),
     )
     results = [tok.decode(ids) for ids in new]

@@ -39,7 +39,9 @@ def hf_config_dict(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> 
         "initializer_range": 0.02,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "pad_token_id": eos_id,
+        # No pad id: LlamaModel hands it to nn.Embedding as padding_idx, whose row then never
+        # gets a gradient, and ours is end-of-text, which a fine-tune must keep learning.
+        "pad_token_id": None,
         "torch_dtype": "float32",
         "use_cache": True,
     }

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import minillm.model.kernels_cpu as kernels
 from minillm.config import ModelConfig
+from minillm.model.inputs import check_inputs
 from minillm.model.kv_cache import KVCache
 
 # `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
@@ -303,10 +304,12 @@ class Transformer(nn.Module):
 
         attention_mask (B, T): 1 for real tokens, 0 for padding (left-padded batches).
         doc_ids (B, T): packed documents; attention stays inside a document and positions restart.
+        position_ids (B, T) or (1, T): RoPE positions. Wrong shapes or dtypes: a ValueError.
         kv_cache: continue from cached keys/values and append this call's.
         last_only: compute logits for the last position only (decoding).
         reduction: "mean" or "sum" of the per-token losses.
         """
+        check_inputs(idx, attention_mask, doc_ids, position_ids, self.cfg.max_seq_len)
         B, T = idx.shape
         start = kv_cache.pos if kv_cache is not None else 0
         if start + T > self.cfg.max_seq_len:

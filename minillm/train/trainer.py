@@ -117,6 +117,7 @@ class Trainer:
             force=force,
             clear=self.is_main,
             verbose=self.verbose,
+            schedule=schedule_lr,
         )
         seed_everything(tc.seed)  # the same initial weights on every rank
         self.model = Transformer(cfg.model)
