@@ -5,6 +5,7 @@ GPU-only tests carry the `cuda` marker and skip without one (scripts/gpu_check.s
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -343,3 +344,53 @@ def test_auto_search_under_a_real_memory_cap(data_dir: Path) -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+@pytest.mark.slow
+def test_bench_train_rows_with_and_without_checkpointing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+    import sys
+
+    path = Path(__file__).parent.parent / "scripts" / "bench_train.py"
+    spec = importlib.util.spec_from_file_location("bench_train", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_train", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    bench.main(["--shapes", "tiny", "--compile", "no", "--steps", "1", "--warmup", "1",
+                "--peak-seconds", "0.02", "--threads", "0", "--checkpointing", "both"])  # fmt: skip
+    rows = {line.split("  ")[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("minillm")}  # fmt: skip
+    assert set(rows) == {"minillm", "minillm +ckpt"}
+    assert rows["minillm"][-1] == rows["minillm +ckpt"][-1]  # the same first loss
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(root), GPU_CHECK_DIR=str(tmp_path))
+    result = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = result.stdout.split("gpu_check summary", 1)[1]
+    for step in ("cuda tests", "bench_train", "tokenize", "train ckpt=false", "train ckpt=true"):
+        assert re.search(rf"{step}\s+0\s+\d+", summary), step
+    assert "minillm +ckpt" in summary
+    trains = re.findall(r"checkpointing (false|true)\s+(\d+) x (\d+)\s+([\d,]+)", summary)
+    assert [t[0] for t in trains] == ["false", "true"]
+    # batch_size: auto chose a split of the 512 tokens/step (seq_len 64: 8 sequences).
+    assert all(int(b) * int(a) == 8 for _, b, a, _ in trains)
