@@ -295,6 +295,17 @@ def test_train_step_returns_device_tensors_without_reading_them(
 # ----------------------------------------------------------------------------- TF32 and CUDA
 
 
+@cuda
+def test_prefetcher_pins_on_cuda() -> None:
+    prefetch = Prefetcher(lambda s: [(torch.full((2, 3), s), torch.full((2, 3), s))], 3, pin=True)
+    try:
+        for step in range(3):
+            ((x, y),) = prefetch(step)
+            assert x.is_pinned() and y.is_pinned() and int(x[0, 0]) == step
+    finally:
+        prefetch.close()
+
+
 def test_tf32_is_a_cuda_setting() -> None:
     assert enable_tf32(torch.device("cpu")) is False
 
@@ -339,8 +350,9 @@ def test_auto_search_under_a_real_memory_cap(data_dir: Path) -> None:
         got = auto.resolve_batch_size(cfg, device, "bf16", 1, log=print)
         b, a = got.train.batch_size, got.train.grad_accum
         assert b * a == 256 and b >= 1
+        # The search tried 2b before b (it started above the 2 GiB cap's reach).
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            auto._cuda_step(got, device, "bf16")(4 * b)
+            auto._cuda_step(got, device, "bf16")(2 * b)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()

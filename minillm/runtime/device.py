@@ -78,7 +78,6 @@ def enable_tf32(device: torch.device) -> bool:
         return False
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-        torch.backends.cudnn.conv.fp32_precision = "tf32"
     else:
         torch.set_float32_matmul_precision("high")
     return True
