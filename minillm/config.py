@@ -174,8 +174,23 @@ class TrainConfig(_Section):
     parallel: Literal["ddp", "fsdp"] = _f(
         "ddp", help="Under torchrun: ddp replicates the model, fsdp shards it (FSDP2)."
     )
-    batch_size: int = _f(8, help="Sequences per micro-batch per device.")
+    batch_size: int | Literal["auto"] = _f(
+        8,
+        help="Sequences per micro-batch per device. auto = the largest that fits (on CUDA by "
+        "trying, elsewhere by the memory estimate), grad_accum then set to reach "
+        "batch_tokens; the run's config.yaml records the values chosen.",
+    )
     grad_accum: int = _f(1, help="Micro-batches per optimizer step.")
+    batch_tokens: int = _f(
+        0,
+        help="Tokens per optimizer step over all ranks (batch_size x grad_accum x seq_len x "
+        "world size); 0 = whatever batch_size and grad_accum give. Needed by batch_size: auto.",
+    )
+    activation_checkpointing: bool = _f(
+        False,
+        help="Recompute each block in the backward pass instead of keeping its activations: "
+        "the same gradients for about a third more compute and much less activation memory.",
+    )
     seq_len: int = _f(256, help="Tokens per training sequence; at most model.max_seq_len.")
     max_steps: int = _f(1000, help="Optimizer steps in the whole run.")
     lr: float = _f(3e-4, help="Peak learning rate, reached after warmup.")
@@ -214,7 +229,14 @@ class TrainConfig(_Section):
     sample_max_new_tokens: int = _f(64, help="Tokens generated per prompt for sample_every.")
 
     def __post_init__(self) -> None:
-        self._positive("batch_size", "grad_accum", "seq_len", "max_steps", "lr", "adam_eps")
+        if self.batch_size != "auto":
+            self._positive("batch_size")
+        self._positive("grad_accum", "seq_len", "max_steps", "lr", "adam_eps")
+        self._non_negative("batch_tokens")
+        if self.batch_tokens % self.seq_len:
+            self._fail("batch_tokens", f"{self.batch_tokens} is not a multiple of seq_len")
+        if self.batch_size == "auto" and not self.batch_tokens:
+            self._fail("batch_size", "auto needs train.batch_tokens (the tokens per step)")
         self._positive("keep_last", "log_every", "max_bad_steps")
         self._non_negative("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every")
         self._non_negative("eval_steps", "ckpt_every", "peak_flops", "sample_every")
@@ -288,9 +310,9 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in _UNIONS:
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + (
-            " or null"
-        )
+        args = typing.get_args(tp)
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        return names + (" or null" if type(None) in args else "")
     if origin is tuple:
         return "a list of " + ", ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is list:
@@ -304,11 +326,18 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     """Convert a YAML value to the declared type `tp`, or raise ConfigError naming `key`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
-    if origin in _UNIONS:  # X | None
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+    if origin in _UNIONS:  # X | None, or X | Literal[...]: the first member that takes it
+        nullable = type(None) in args
+        if nullable and (
+            value is None or (isinstance(value, str) and value.lower() in ("null", "none"))
+        ):
             return None
-        inner = [a for a in args if a is not type(None)][0]
-        return _convert(value, inner, key)
+        for inner in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, inner, key)
+            except ConfigError:
+                pass
+        raise bad
     if origin is Literal:
         if value not in args:
             raise bad

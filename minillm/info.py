@@ -16,31 +16,57 @@ from minillm.model import Transformer
 GiB = 1024**3
 
 
+def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
+    """Activation memory of one sequence of train.seq_len tokens in a training step.
+
+    Tensors autograd keeps per token and layer: norms, q/k/v (and rotated q/k), attention output,
+    the SwiGLU gate/up/product, residuals. Roughly 10 C + 3 K D + 4 F values; plus the logits and
+    their gradient in fp32. With activation checkpointing only each block's input (fp32, the
+    residual stream) is kept, and one block's activations live at a time during the recompute.
+    An estimate, good to about 20%.
+    """
+    m, t = cfg.model, cfg.train
+    act = 2 if half else 4
+    per_token_layer = 10 * m.d_model + 3 * m.n_kv_head * m.head_dim + 4 * m.ffn_hidden
+    blocks = (m.n_layer * 4 * m.d_model + per_token_layer * act) if checkpointing else (
+        m.n_layer * per_token_layer * act
+    )  # fmt: skip
+    return t.seq_len * (blocks + 2 * m.vocab_size * 4)
+
+
+def static_bytes(params: int) -> dict[str, int]:
+    """fp32 master weights (also under autocast), gradients and AdamW's two moments."""
+    return {"weights": 4 * params, "grads": 4 * params, "adamw_state": 8 * params}
+
+
+def runs_half(cfg: Config) -> bool:
+    """Whether activations are 16-bit. `auto` is bf16 on a GPU and fp32 on a CPU; where the run
+    will happen is unknown here, so it counts as a GPU run when this machine has one."""
+    p = cfg.train.precision
+    return p in ("bf16", "fp16") or (p == "auto" and torch.cuda.is_available())
+
+
 def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
-    """Parameter counts, FLOPs per token and an approximate per-device training-memory budget."""
+    """Parameter counts, FLOPs per token and an approximate per-device training-memory budget.
+
+    With train.batch_size: auto the micro-batch is unknown until the run: memory is for one
+    sequence, and the global batch is train.batch_tokens.
+    """
     with torch.device("meta"):
         model = Transformer(cfg.model)
     m, t = cfg.model, cfg.train
     params = model.param_count()
-    # `auto` is bf16 on a GPU and fp32 on a CPU; where the run will happen is unknown here, so
-    # it counts as a GPU run when this machine has one.
-    half = t.precision in ("bf16", "fp16") or (t.precision == "auto" and torch.cuda.is_available())
-    act_bytes = 2 if half else 4
-    # Tensors autograd keeps per token and layer: norms, q/k/v (and rotated q/k), attention output,
-    # the SwiGLU gate/up/product, residuals. Roughly 10 C + 3 K D + 4 F values; plus the logits and
-    # their gradient in fp32. An estimate, good to about 20%.
-    per_token_layer = 10 * m.d_model + 3 * m.n_kv_head * m.head_dim + 4 * m.ffn_hidden
-    tokens = t.batch_size * t.seq_len
-    activations = tokens * (m.n_layer * per_token_layer * act_bytes + 2 * m.vocab_size * 4)
-    memory = {
-        "weights": 4 * params,  # fp32 master weights, also under autocast
-        "grads": 4 * params,
-        "adamw_state": 8 * params,
-        "activations": activations,
-    }
+    half = runs_half(cfg)
+    micro = 1 if t.batch_size == "auto" else t.batch_size
+    per_seq = {ck: activation_bytes(cfg, half, ck) for ck in (False, True)}
+    memory = static_bytes(params)
+    memory["activations"] = micro * per_seq[t.activation_checkpointing]
     memory["total"] = sum(memory.values())
     flops_token = model.flops_per_token(t.seq_len)
-    global_batch = t.batch_size * t.grad_accum * world_size
+    if t.batch_size == "auto":
+        global_batch = t.batch_tokens // t.seq_len
+    else:
+        global_batch = t.batch_size * t.grad_accum * world_size
     return {
         "params": params,
         "params_non_embedding": model.param_count(non_embedding=True),
@@ -57,7 +83,11 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "ffn_hidden": m.ffn_hidden,
         "vocab_size": m.vocab_size,
         "seq_len": t.seq_len,
+        "batch_size": t.batch_size,
+        "activation_checkpointing": t.activation_checkpointing,
         "memory_bytes": memory,
+        # Per micro-batch of the config (one sequence under auto), without and with checkpointing.
+        "activation_bytes": {"full": micro * per_seq[False], "checkpointed": micro * per_seq[True]},
     }
 
 
@@ -90,6 +120,15 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
         f"of {info['seq_len']})",
     )
     table.add_row("FLOPs per step", _human(info["flops_per_step"]))
+    if info["batch_size"] == "auto":
+        table.add_row("micro-batch", "auto: found at the start of training; memory for 1 seq")
     for name, value in info["memory_bytes"].items():
+        if name == "activations":
+            name += " (checkpointed)" if info["activation_checkpointing"] else ""
         table.add_row(f"memory: {name.replace('_', ' ')}", f"{value / GiB:.2f} GiB")
+    act = info["activation_bytes"]
+    table.add_row(
+        "activations without / with checkpointing",
+        f"{act['full'] / GiB:.2f} / {act['checkpointed'] / GiB:.2f} GiB",
+    )
     Console().print(table)

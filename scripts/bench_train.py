@@ -9,6 +9,10 @@ peak probed between the steps of the same run (see minillm/runtime/perf.py).
     python scripts/bench_train.py                          # CPU fp32: two shapes, eager + compiled
     python scripts/bench_train.py --shapes small --compile no --profile
     python scripts/bench_train.py --shapes small,124m      # on a GPU: bf16 autocast, compiled too
+    python scripts/bench_train.py --shapes large --compile no --checkpointing both   # memory
+
+--checkpointing both adds a row per minillm row with train.activation_checkpointing on: the
+peak memory column shows what it saves, tokens/s what the recompute costs.
 
 Timings on a shared machine drift between runs; compare rows within one run, not across runs.
 """
@@ -34,6 +38,7 @@ import transformers
 from minillm.config import ModelConfig
 from minillm.model import Transformer
 from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from minillm.runtime.device import enable_tf32
 from minillm.runtime.perf import known_peak_flops, measure_matmul_peak, mfu, synchronize
 
 
@@ -278,14 +283,20 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
     tokens = batch * shape.seq
 
     rows = [Row("HF Llama (sdpa)", make_step(hf, call_hf, idx, targets, device, autocast))]
-    if args.compile in ("no", "both"):
-        eager = copy.deepcopy(ours) if args.compile == "both" else ours
-        rows.append(Row("minillm", make_step(eager, call_ours, idx, targets, device, autocast)))
-    if args.compile in ("yes", "both"):
-        compiled = torch.compile(ours, mode=args.compile_mode)
-        rows.append(
-            Row("minillm compiled", make_step(compiled, call_ours, idx, targets, device, autocast))
-        )
+    variants = [False, True] if args.checkpointing == "both" else [args.checkpointing == "yes"]
+    for recompute in variants:
+        suffix = " +ckpt" if recompute else ""
+        # Each row trains its own copy: rows must not share weights or optimizer state.
+        model = copy.deepcopy(ours)
+        model.activation_checkpointing = recompute
+        if args.compile in ("no", "both"):
+            eager = copy.deepcopy(model) if args.compile == "both" else model
+            step = make_step(eager, call_ours, idx, targets, device, autocast)
+            rows.append(Row("minillm" + suffix, step))
+        if args.compile in ("yes", "both"):
+            compiled = torch.compile(model, mode=args.compile_mode)
+            step = make_step(compiled, call_ours, idx, targets, device, autocast)
+            rows.append(Row("minillm compiled" + suffix, step))
 
     dtype_name = "bf16 autocast" if autocast else "fp32"
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
@@ -348,7 +359,7 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
         )
     ref = _typical(rows[0])
     header = (
-        f"{'':18} {'ms/step':>8} {'min':>7} {'clean':>6} {'tokens/s':>9} {'vs HF':>6} "
+        f"{'':22} {'ms/step':>8} {'min':>7} {'clean':>6} {'tokens/s':>9} {'vs HF':>6} "
         f"{'GFLOP/s':>8} {'MFU':>6}"
         + (f" {'MFU(ds)':>7}" if datasheet else "")
         + f" {'peak MiB':>9} {'warm-up s':>9} {'loss@0':>8}"
@@ -358,7 +369,7 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
         med = _typical(row)
         tps = tokens / med
         print(
-            f"{row.name:18} {med * 1e3:8.1f} {min(row.times) * 1e3:7.1f} "
+            f"{row.name:22} {med * 1e3:8.1f} {min(row.times) * 1e3:7.1f} "
             f"{len(row.clean):>3}/{len(row.times):<2} {tps:9,.0f} {ref / med:5.2f}x "
             f"{flops * tps / 1e9:8.1f} {mfu(flops, tps, peak):6.1%}"
             + (f" {mfu(flops, tps, datasheet):7.1%}" if datasheet else "")
@@ -392,6 +403,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="torch.compile mode, e.g. max-autotune-no-cudagraphs (default: inductor's default)",
     )
+    p.add_argument(
+        "--checkpointing",
+        choices=["no", "yes", "both"],
+        default="no",
+        help="activation checkpointing in the minillm rows (both: a row with and one without)",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per row")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
     p.add_argument("--batch", type=int, default=0, help="override the shape's batch size")
@@ -413,8 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    enable_tf32(device)  # as the trainer does
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, python "
           f"{sys.version.split()[0]}; load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     for name in args.shapes.split(","):

@@ -15,3 +15,13 @@ def tiny_model_cfg() -> ModelConfig:
     return ModelConfig(
         vocab_size=97, d_model=64, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=96, max_seq_len=64
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` skip, saying why, on a machine without a CUDA GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import minillm.model.kernels_cpu as kernels
 from minillm.config import ModelConfig
@@ -264,6 +265,8 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # train.activation_checkpointing: keep each block's input only, recompute the rest.
+        self.activation_checkpointing = False
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # A tied head reuses tok_emb.weight and owns no parameter, so state_dict has no duplicate.
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, False)
@@ -338,8 +341,12 @@ class Transformer(nn.Module):
         mask = AttentionMask.build(T, start, key_valid, doc_ids, idx.device)
 
         x = self.drop(self.tok_emb(idx))  # (B, T, C)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask, kv_cache, i)
+            if recompute and kv_cache is None:  # non-reentrant: replays dropout's RNG exactly
+                x = checkpoint(block, x, cos, sin, mask, None, i, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, kv_cache, i)
         if kv_cache is not None:
             kv_cache.advance(T, attention_mask)
         x = self.norm(x)

@@ -1,7 +1,7 @@
 """Where and how the math runs: device and precision choice, autocast, RNG state.
 
 Offers `resolve_device`, `resolve_precision`, `autocast_context`, `make_grad_scaler`,
-`rng_state`, `set_rng_state`, `seed_everything` and `StopSignal`.
+`enable_tf32`, `rng_state`, `set_rng_state`, `seed_everything` and `StopSignal`.
 """
 
 from __future__ import annotations
@@ -66,6 +66,21 @@ def autocast_context(device: torch.device, precision: str) -> contextlib.Abstrac
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
+
+
+def enable_tf32(device: torch.device) -> bool:
+    """Let fp32 matmuls use TF32 tensor cores on an Ampere-or-newer GPU; True if now on.
+
+    fp32 matmuls (fp32 runs, and the fp32 ops that autocast leaves) otherwise run on the slow
+    IEEE path; TF32 keeps fp32's range with a 10-bit mantissa, the trade every LLM trainer makes.
+    """
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    else:
+        torch.set_float32_matmul_precision("high")
+    return True
 
 
 def make_grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler | None:

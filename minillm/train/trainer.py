@@ -30,6 +30,7 @@ from minillm.model import Transformer
 from minillm.runtime.device import (
     StopSignal,
     autocast_context,
+    enable_tf32,
     make_grad_scaler,
     resolve_device,
     resolve_precision,
@@ -40,6 +41,7 @@ from minillm.runtime.device import (
 from minillm.runtime.files import atomic_copy, atomic_write_text, ensure_writable_dir
 from minillm.runtime.perf import peak_flops
 from minillm.runtime.progress import format_duration
+from minillm.train.batch_size import resolve_batch_size
 from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.train.distributed import (
     all_gather_objects,
@@ -52,6 +54,7 @@ from minillm.train.distributed import (
 from minillm.train.monitor import Meter, Monitor
 from minillm.train.optim import build_optimizer, schedule_lr
 from minillm.train.parallel import full_state, load_full_state, no_sync, wrap_model
+from minillm.train.prefetch import Prefetcher
 from minillm.train.probes import TrainingProbes
 from minillm.train.setup import check_data, init_from
 
@@ -97,9 +100,15 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _setup(self, resume: bool, force: bool) -> None:
-        tc = self.cfg.train
         self.cfg, init_state, self.tokenizer_file = init_from(self.cfg, warn_=self.is_main)
-        cfg = self.cfg
+        self.tf32 = enable_tf32(self.device)
+        self.cfg = resolve_batch_size(
+            self.cfg, self.device, self.precision, self.dist.world_size,
+            run_dir=self.run_dir if resume else None,
+            agree=lambda b: min(all_gather_objects(b)),
+            log=print if self.verbose else lambda _: None,
+        )  # fmt: skip
+        cfg, tc = self.cfg, self.cfg.train
         self.meta = load_meta(cfg.data.out_dir)
         self.train_tokens = open_split(cfg.data.out_dir, "train")
         self.val_tokens = open_split(cfg.data.out_dir, "val")
@@ -121,6 +130,7 @@ class Trainer:
         )
         seed_everything(tc.seed)  # the same initial weights on every rank
         self.model = Transformer(cfg.model)
+        self.model.activation_checkpointing = tc.activation_checkpointing
         if init_state is not None and resume_from is None:
             ckpt.load_weights_into(self.model, init_state, tc.init_from)
         self.model.to(self.device)
@@ -178,13 +188,15 @@ class Trainer:
             _, loss_sum = self.train_model(x, y, reduction="sum")
         return loss_sum
 
-    def train_step(self) -> dict[str, float]:
-        """Run optimizer step `self.step`; return its loss, grad norm, lr and token count."""
+    def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
+        """Run optimizer step `self.step` on `micro` (default: `batches(self.step)`); return its
+        loss and grad norm (0-d device tensors: reading them waits for the device), lr, token
+        count and whether it was finite (the step's one host sync)."""
         tc = self.cfg.train
         lr = schedule_lr(self.step, tc)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        micro = self.batches(self.step)
+        micro = self.batches(self.step) if micro is None else micro
         # Token-weighted accumulation: divide by the target tokens of the whole global batch.
         n_tokens = all_reduce_sum(
             torch.tensor(sum(int((y != -100).sum()) for _, y in micro), dtype=torch.float64)
@@ -200,17 +212,18 @@ class Trainer:
                 loss = loss_sum * scale
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().double()
-        loss_mean = all_reduce_sum(total).item() / max(n_tokens, 1.0)
+        loss_mean = all_reduce_sum(total) / max(n_tokens, 1.0)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):  # FSDP2 returns a DTensor
             norm = norm.full_tensor()
-        grad_norm = float(norm)
-        finite = math.isfinite(loss_mean) and (
-            math.isfinite(grad_norm) or self.scaler is not None  # the scaler skips inf grads
-        )
+        # Decided on the device; bool() is the one wait for it in this step.
+        ok = torch.isfinite(loss_mean)
+        if self.scaler is None:  # the scaler skips inf gradients itself
+            ok = ok & torch.isfinite(norm)
+        finite = bool(ok)
         if finite:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
@@ -218,7 +231,7 @@ class Trainer:
             else:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": n_tokens,
+        return {"loss": loss_mean, "grad_norm": norm.detach(), "lr": lr, "tokens": n_tokens,
                 "finite": finite}  # fmt: skip
 
     def _train_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -335,25 +348,29 @@ class Trainer:
                 )
         saved_at = self.step if self.last_ckpt is not None else -1
         last_eval: dict[str, float] = {}
+        shown: dict[str, str] = {}
+        prefetch = Prefetcher(self.batches, end, pin=self.device.type == "cuda")
         t_start = time.perf_counter()
-        with StopSignal() as stop, contextlib.closing(monitor):
+        with StopSignal() as stop, contextlib.closing(monitor), contextlib.closing(prefetch):
             while self.step < end and not stop.requested:
                 # Every log_every*10 steps, per-layer numbers (not under FSDP: shards only).
                 probe = self.is_main and (self.step + 1) % (tc.log_every * 10) == 0
                 probe = probe and not (self.dist.enabled and tc.parallel == "fsdp")
                 before = block_snapshot(self.model) if probe else None
                 t0 = time.perf_counter()
-                out = self.train_step()
+                out = self.train_step(prefetch(self.step))
                 meter.add(out["tokens"], time.perf_counter() - t0)
                 self.step += 1
                 self.tokens_seen += int(out["tokens"])
                 self._count_bad(out)
                 log = self.step % tc.log_every == 0 or self.step == end
-                if log:
+                if log:  # loss and grad norm cross to the host on logging steps only
+                    out.update(loss=float(out["loss"]), grad_norm=float(out["grad_norm"]))
                     monitor.scalars(meter.scalars(out, self.skipped_steps), self.step)
+                    shown = meter.stats(out)
                 if before is not None:
                     monitor.scalars(self._layer_stats(before), self.step)
-                monitor.step(self.step, meter.stats(out), log)
+                monitor.step(self.step, shown, log)
                 if log:
                     meter.reset()
                 is_best = False
@@ -415,7 +432,8 @@ class Trainer:
         n = self.model.param_count()
         return (
             f"training {n / 1e6:.2f}M parameters on {self.device} ({self.precision}"
-            f"{', compiled' if tc.compile else ''}"
+            f"{', compiled' if tc.compile else ''}{', TF32 matmuls' if self.tf32 else ''}"
+            f"{', activation checkpointing' if tc.activation_checkpointing else ''}"
             f"{f', {self.dist.world_size} ranks, {tc.parallel}' if self.dist.enabled else ''}); "
             f"global batch {tc.batch_size}x{tc.grad_accum}x{self.dist.world_size} seqs of "
             f"{tc.seq_len} = {self.tokens_per_step:,} tokens/step; "
