@@ -17,7 +17,7 @@ from minillm.checkpoint import store as ckpt
 from minillm.config import Config, config_from_dict, config_to_dict
 from minillm.errors import ConfigError, UserError, warn
 
-LOCK_FILE = "train.lock"
+LOCK_FILE = ckpt.LOCK_FILE
 
 # Keys a resumed run may change without a word: they only move the end or the cadence.
 SCHEDULE_KEYS = {
