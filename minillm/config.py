@@ -192,7 +192,9 @@ class TrainConfig(_Section):
     keep_last: int = _f(3, help="Checkpoints kept besides the best one.")
     log_every: int = _f(10, help="Log scalars every this many steps.")
     max_bad_steps: int = _f(5, help="Stop after this many non-finite steps in a row.")
-    peak_flops: float = _f(0.0, help="Peak FLOP/s for MFU; 0 = a known GPU's or a CPU probe.")
+    peak_flops: float = _f(
+        0.0, help="Peak FLOP/s for MFU; 0 = a known GPU's, else a matmul probe cached per machine."
+    )
     init_from: str = _f(
         "",
         help="A Hugging Face Llama folder to start from (its config.json gives the model, its "

@@ -355,3 +355,29 @@ def test_ctrl_c_is_acknowledged_and_a_second_one_loses_no_checkpoint_silently(
             "`minillm train` resumes from the start (no checkpoint yet)" in text
         )
         assert not latest.exists()
+
+
+# ----------------------------------------------------------------------------- 8: the MFU peak
+
+
+def test_the_mfu_peak_is_probed_once_per_machine_and_shown(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import re
+
+    monkeypatch.setenv("MINILLM_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "peak_flops.json"
+    config = str(run.parent / "cfg.yaml")
+    banners = []
+    for name in ("a", "b"):
+        args = ["--set", f"train.out_dir={tmp_path / name}", "--set", "train.max_steps=1"]
+        result = invoke(["train", config, *args])
+        assert result.exit_code == 0, result.output
+        banners.append(next(ln for ln in result.stdout.splitlines() if ln.startswith("training")))
+    assert f"GFLOP/s for MFU (probed 3 s, cached in {cache});" in banners[0]
+    assert f"GFLOP/s for MFU (probed once, cached in {cache});" in banners[1]
+    peaks = [re.search(r"peak (\d+) GFLOP/s", b).group(1) for b in banners]
+    assert peaks[0] == peaks[1]
+    result = invoke(["train", config, "--set", f"train.out_dir={tmp_path / 'c'}",
+                     "--set", "train.max_steps=1", "--set", "train.peak_flops=1e12"])  # fmt: skip
+    assert "peak 1000 GFLOP/s for MFU (train.peak_flops);" in result.stdout

@@ -329,10 +329,12 @@ class Trainer:
         monitor = Monitor(tb_dir, tc.max_steps, self.step, enabled=self.is_main)
         if self.step == 0:
             monitor.text("config", "```yaml\n" + dump_config(self.cfg) + "```")
-        peak = peak_flops(self.device, self.precision, tc.peak_flops) if self.is_main else 0.0
+        peak, peak_source = (
+            peak_flops(self.device, self.precision, tc.peak_flops) if self.is_main else (0.0, "")
+        )
         meter = Meter(self.flops_per_token, peak, self.dist.world_size)
         if self.verbose:
-            monitor.print(self._banner(meter.peak))
+            monitor.print(self._banner(meter.peak, peak_source))
             if tc.warmup_steps >= tc.max_steps and self.step < tc.max_steps:
                 warn(f"train.warmup_steps={tc.warmup_steps} >= train.max_steps={tc.max_steps}: "
                      "the run ends while the lr still rises, before any decay; lower "
@@ -431,7 +433,7 @@ class Trainer:
         stats.update(activation_rms(self.model, x.to(self.device), self.autocast))
         return stats
 
-    def _banner(self, peak: float) -> str:
+    def _banner(self, peak: float, peak_source: str) -> str:
         tc = self.cfg.train
         n = self.model.param_count()
         return (
@@ -440,7 +442,7 @@ class Trainer:
             f"{f', {self.dist.world_size} ranks, {tc.parallel}' if self.dist.enabled else ''}); "
             f"global batch {tc.batch_size}x{tc.grad_accum}x{self.dist.world_size} seqs of "
             f"{tc.seq_len} = {self.tokens_per_step:,} tokens/step; "
-            f"peak {peak / 1e9:.0f} GFLOP/s for MFU; run dir {self.run_dir}"
+            f"peak {peak / 1e9:.0f} GFLOP/s for MFU ({peak_source}); run dir {self.run_dir}"
             + (f"; weights from {tc.init_from}" if tc.init_from and not self.resumed else "")
         )
 
