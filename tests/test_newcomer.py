@@ -381,3 +381,30 @@ def test_the_mfu_peak_is_probed_once_per_machine_and_shown(
     result = invoke(["train", config, "--set", f"train.out_dir={tmp_path / 'c'}",
                      "--set", "train.max_steps=1", "--set", "train.peak_flops=1e12"])  # fmt: skip
     assert "peak 1000 GFLOP/s for MFU (train.peak_flops);" in result.stdout
+
+
+# ----------------------------------------------------------------------------- 9: housekeeping
+
+ROOT = Path(__file__).resolve().parent.parent
+PIPELINE = ["tokenize", "train", "eval", "sample", "export", "info"]
+
+
+def test_readme_lists_commands_in_pipeline_order() -> None:
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    tour = readme.split("## A 5-minute tour")[1].split("```bash")[1].split("```")[0]
+    assert re.findall(r"^minillm (\w+)", tour, re.M) == PIPELINE
+    table = re.findall(r"^\| `minillm (\w+)", readme, re.M)
+    assert table == PIPELINE
+
+
+def test_export_target_is_ignored_and_cleaned_and_the_license_is_spdx() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    assert "hf/" in (ROOT / ".gitignore").read_text().splitlines()
+    clean = (ROOT / "Makefile").read_text().split("\nclean:\n")[1].splitlines()[0]
+    assert " hf " in f"{clean} "
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)
+    assert project["project"]["license"] == "MIT"  # a string, not the deprecated table
