@@ -165,6 +165,7 @@ def test_ckpt_takes_pointer_files_and_best(run: Path) -> None:
     assert eval_json(["--ckpt", str(run), "--best", "--max-tokens", "64"]) == by_folder
     latest = eval_json(["--ckpt", str(ckpts / "LATEST"), "--max-tokens", "64"])
     assert latest == eval_json(["--ckpt", str(run), "--max-tokens", "64"])
+    assert latest == eval_json(["--ckpt", str(ckpts), "--max-tokens", "64"])
     line = error_line(invoke(["eval", "--ckpt", str(ckpts / best), "--best"]))
     assert line == f"error: {ckpts / best}: --best takes a run directory, not a checkpoint"
 

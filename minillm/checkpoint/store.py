@@ -217,6 +217,8 @@ def resolve_checkpoint(path: str | Path, verify: bool = True, best: bool = False
     """The checkpoint for `--ckpt`: a run directory (its newest intact one, or with `best` the
     one BEST names), a checkpoint, or a run's checkpoints/LATEST or checkpoints/BEST file."""
     path = Path(path)
+    if path.name == CKPT_DIR and path.is_dir() and not (path / STATE_FILE).exists():
+        path = path.parent  # runs/x/checkpoints means the run
     if path.name in POINTERS and path.is_file():
         # A pointer file names a checkpoint folder next to it.
         if best:
