@@ -240,6 +240,7 @@ def test_eval_data_renders_chat_rows(run: Path, tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- 7: surprises
 
 
+@pytest.mark.slow
 def test_train_says_what_it_does_and_leaves_no_lock(run: Path, tmp_path: Path) -> None:
     config = str(run.parent / "cfg.yaml")
     # A rerun with nothing to train: no new TensorBoard file, and no train.lock after the exit.
@@ -361,6 +362,7 @@ def test_ctrl_c_is_acknowledged_and_a_second_one_loses_no_checkpoint_silently(
 # ----------------------------------------------------------------------------- 8: the MFU peak
 
 
+@pytest.mark.slow
 def test_the_mfu_peak_is_probed_once_per_machine_and_shown(
     run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
