@@ -56,4 +56,4 @@ bench: setup
 	$(BIN)/python scripts/bench_tokenize.py
 
 clean:
-	rm -rf $(VENV) runs data/tokens .pytest_cache
+	rm -rf $(VENV) runs data/tokens hf .pytest_cache

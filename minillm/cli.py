@@ -7,29 +7,138 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup
+
+try:  # typer >= 0.24 carries its own copy of click; its errors are that copy's classes
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
 
 from minillm.errors import UserError
 
+SUMMARY = (
+    "Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample, "
+    "export, info."
+)
+
+
+def _print_error(message: str) -> None:
+    """The one `error: ...` line on stderr that every user error becomes."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        f"[bold red]error:[/] {message.replace(chr(10), ' ')}", markup=True
+    )
+
+
+def _usage_message(e: Any) -> str:
+    """A parser error as `<option>: <what>` (see `<command> --help`), like the config errors."""
+    command = e.ctx.command_path if e.ctx is not None else "minillm"
+    param = getattr(e, "param", None)
+    if param is None:
+        what = e.format_message().rstrip(".")
+    else:
+        longs = [o for o in param.opts if o.startswith("--")]
+        name = longs[0] if longs and param.param_type_name == "option" else param.metavar
+        name = name or param.name.upper()
+        if isinstance(e, click_errors.MissingParameter):
+            what = f"{name}: is required"
+        else:
+            what = f"{name}: {e.message[:1].lower()}{e.message[1:].rstrip('.')}"
+    return f"{what} (see `{command} --help`)"
+
+
+class _Group(TyperGroup):
+    """Typer's group, except that a parser error (a bad value, a missing option, an unknown
+    command) is one `error:` line and exit 2 like every other user error, not a boxed usage."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as e:  # bare `minillm`: the help, as click does
+            print(e.ctx.get_help())
+            code = 2
+        except click_errors.UsageError as e:
+            _print_error(_usage_message(e))
+            code = 2
+        except click_errors.ClickException as e:
+            _print_error(e.format_message())
+            code = 2
+        except typer.Abort:  # Ctrl-C or end of input at a prompt
+            print("interrupted", file=sys.stderr)
+            code = 130
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+class _Argument(TyperArgument):
+    """An argument shown by its metavar alone (`CONFIG`), not `{config}` and `<path>`."""
+
+    def _usage_display_name(self) -> str:
+        return self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+
+    def display_type_rich(self, ctx: Any) -> str | None:
+        return None if self.metavar else super().display_type_rich(ctx)
+
+
+class _Command(TyperCommand):
+    """A command whose arguments read as their metavars (see `_Argument`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if isinstance(param, TyperArgument):
+                param.__class__ = _Argument
+
+
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample.",
+    # Plain click help: metavars a user reads (CONFIG, PATH, KEY=VALUE), not boxes of types.
+    rich_markup_mode=None,
+    help=SUMMARY,
 )
 
 SetOption = typer.Option(
-    None, "--set", help="Override a config value: section.key=value (repeatable)."
+    None,
+    "--set",
+    metavar="KEY=VALUE",
+    help="Override a config value: section.key=value (repeatable).",
 )
+ConfigArgument = typer.Argument(..., metavar="CONFIG", help="The YAML config.", show_default=False)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from minillm import __version__
+
+        print(f"minillm {__version__}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
-    """Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample."""
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample,
+    export, info."""
 
 
 def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -37,12 +146,7 @@ def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except UserError as e:
-        from rich.console import Console
-
-        message = str(e).replace("\n", " ")
-        Console(stderr=True, highlight=False, soft_wrap=True).print(
-            f"[bold red]error:[/] {message}", markup=True
-        )
+        _print_error(str(e))
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -55,26 +159,28 @@ def _config(path: Path, overrides: list[str] | None):  # noqa: ANN202
     return _run(load_train_config, path, overrides or [])
 
 
-@app.command()
-def info(
-    config: Path = typer.Argument(..., help="The YAML config."),
+# Commands are listed in `--help` in the order they are defined here: the pipeline's order.
+
+
+@app.command(cls=_Command, short_help="Train the tokenizer (if absent) and write the token shards.")
+def tokenize(
+    config: Path = ConfigArgument,
     set_: list[str] | None = SetOption,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    retrain: bool = typer.Option(
+        False, "--retrain", help="Train a new tokenizer even if data.tokenizer exists."
+    ),
 ) -> None:
-    """Parameters, FLOPs per token and a training-memory estimate (nothing is allocated)."""
-    from minillm.info import model_info, print_info
+    """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
+    from minillm.data.shards import print_summary, write_shards
 
     cfg = _config(config, set_)
-    result = _run(model_info, cfg)
-    if as_json:
-        print(json.dumps(result))
-    else:
-        print_info(result, title=str(config))
+    summary = _run(write_shards, cfg, retrain=retrain)
+    print_summary(summary)
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Train the model; Ctrl-C checkpoints, rerunning resumes.")
 def train(
-    config: Path = typer.Argument(..., help="The YAML config."),
+    config: Path = ConfigArgument,
     set_: list[str] | None = SetOption,
     resume: bool = typer.Option(
         True, "--resume/--no-resume", help="Continue from the run's latest checkpoint if any."
@@ -89,6 +195,9 @@ def train(
     """
     from minillm.train.trainer import train as run_training
 
+    if force and resume:
+        _print_error("--force: only with --no-resume (it deletes the run's checkpoints)")
+        raise typer.Exit(2)
     cfg = _config(config, set_)
     summary = _run(run_training, cfg, resume=resume, force=force)
     if summary.get("interrupted"):
@@ -96,22 +205,34 @@ def train(
 
 
 CkptOption = typer.Option(
-    ..., "--ckpt", help="A run directory (its newest intact checkpoint) or one checkpoint folder."
+    ...,
+    "--ckpt",
+    metavar="PATH",
+    help="A run directory (its newest intact checkpoint), one checkpoint folder, or a run's "
+    "checkpoints/LATEST or checkpoints/BEST.",
 )
-DeviceOption = typer.Option("auto", "--device", help="auto (cuda, then mps, then cpu), cpu, cuda.")
+BestOption = typer.Option(
+    False, "--best", help="With a run directory: its best checkpoint (lowest val loss)."
+)
+DeviceOption = typer.Option(
+    "auto", "--device", metavar="DEVICE", help="auto (cuda, then mps, then cpu), cpu, cuda."
+)
 
 
-def _load(ckpt: Path, device: str):  # noqa: ANN202
-    from minillm.checkpoint.store import load_checkpoint
+def _load(ckpt: Path, device: str, best: bool = False):  # noqa: ANN202
+    from minillm.checkpoint.store import load_checkpoint, resolve_checkpoint
     from minillm.runtime.device import resolve_device
 
-    return _run(load_checkpoint, ckpt, _run(resolve_device, device, "--device"))
+    path = _run(resolve_checkpoint, ckpt, verify=False, best=best)  # load_checkpoint verifies
+    return _run(load_checkpoint, path, _run(resolve_device, device, "--device"))
 
 
 EVAL_HELP = (
     "Loss (nats/token), perplexity and bits per byte of a checkpoint, over the run's validation "
-    "shard (data.out_dir/val.bin) or over --data FILE, tokenized with the run's tokenizer as one "
-    "document (no special tokens added).\n\n"
+    "shard (data.out_dir/val.bin) or over --data FILE, tokenized with the run's tokenizer.\n\n"
+    "A .txt file is one document (no special tokens added); a .jsonl, .json, .parquet or .csv "
+    "file is read as `minillm tokenize` reads it (--text-field, default the run's "
+    "data.text_field; chat rows through the chat template), documents joined by end-of-text.\n\n"
     "Every token after the first is predicted exactly once: windows of T = train.seq_len tokens "
     "start at 0, T, 2T, ...; a window's inputs are tokens i .. i+T-1 and its targets tokens "
     "i+1 .. i+T, and the last window is shorter. Bits per byte = total NLL / ln 2 / UTF-8 bytes "
@@ -121,18 +242,38 @@ EVAL_HELP = (
 
 
 @app.command(
-    "eval", help=EVAL_HELP, short_help="Loss, perplexity and bits per byte of a checkpoint."
+    "eval",
+    cls=_Command,
+    help=EVAL_HELP,
+    short_help="Loss, perplexity and bits per byte of a checkpoint.",
 )
 def eval_(
     ckpt: Path = CkptOption,
+    best: bool = BestOption,
     data: Path | None = typer.Option(
-        None, "--data", help="A UTF-8 text file (one document) instead of the validation shard."
+        None,
+        "--data",
+        metavar="FILE",
+        help="A text file (.txt: one document) or a dataset file (.jsonl, .json, .parquet, "
+        ".csv) instead of the validation shard.",
+    ),
+    text_field: str | None = typer.Option(
+        None,
+        "--text-field",
+        metavar="NAME",
+        help="The text column of a --data dataset file (default: the run's data.text_field).",
     ),
     max_tokens: int | None = typer.Option(
-        None, "--max-tokens", help="Predict at most N tokens (the first N+1 of the data)."
+        None,
+        "--max-tokens",
+        metavar="N",
+        help="Predict at most N tokens (the first N+1 of the data).",
     ),
     batch_size: int | None = typer.Option(
-        None, "--batch-size", help="Windows per forward pass; default: the run's train.batch_size."
+        None,
+        "--batch-size",
+        metavar="B",
+        help="Windows per forward pass; default: the run's train.batch_size.",
     ),
     device: str = DeviceOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -151,13 +292,14 @@ def eval_(
     from minillm.infer.tasks import eval_report, evaluate_tasks
 
     tasks = _run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    loaded = _load(ckpt, device)
+    loaded = _load(ckpt, device, best)
     result = {}
     if data is not None or not tasks:
         result = _run(
             evaluate_checkpoint,
             loaded,
             data=data,
+            text_field=text_field,
             max_tokens=max_tokens,
             batch_size=batch_size,
             progress=True,
@@ -174,37 +316,52 @@ def eval_(
     print(eval_report(result, as_json))
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Generate text from a checkpoint, streamed as it comes.")
 def sample(
     ckpt: Path = CkptOption,
+    best: bool = BestOption,
     prompt: list[str] | None = typer.Option(
-        None, "--prompt", help="Text to continue (repeatable: one batch). None: a fresh document."
+        None,
+        "--prompt",
+        metavar="TEXT",
+        help="Text to continue (repeatable: one batch). None: a fresh document.",
     ),
     prompt_file: Path | None = typer.Option(
-        None, "--prompt-file", help="A UTF-8 file whose whole text is one more prompt."
+        None,
+        "--prompt-file",
+        metavar="FILE",
+        help="A UTF-8 file whose whole text is one more prompt.",
     ),
     max_new_tokens: int | None = typer.Option(
         None,
         "--max-new-tokens",
+        metavar="N",
         help="Tokens to generate for each row; past model.max_seq_len the context slides "
         "(default: sample.max_new_tokens).",
     ),
     temperature: float | None = typer.Option(
-        None, "--temperature", help="0 = greedy (default: sample.temperature)."
+        None, "--temperature", metavar="T", help="0 = greedy (default: sample.temperature)."
     ),
     top_k: int | None = typer.Option(
-        None, "--top-k", help="Keep the k most likely tokens, 0 = off (default: sample.top_k)."
+        None,
+        "--top-k",
+        metavar="K",
+        help="Keep the k most likely tokens, 0 = off (default: sample.top_k).",
     ),
     top_p: float | None = typer.Option(
-        None, "--top-p", help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p)."
+        None,
+        "--top-p",
+        metavar="P",
+        help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p).",
     ),
     seed: int | None = typer.Option(
         None,
         "--seed",
+        metavar="S",
         help="Same seed, same text: sample k of a prompt is the same whatever other prompts "
         "run with it and in which order (default: random).",
     ),
-    num_samples: int = typer.Option(1, "--num-samples", help="Samples per prompt."),
+    num_samples: int = typer.Option(1, "--num-samples", metavar="N", help="Samples per prompt."),
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."
     ),
@@ -227,14 +384,15 @@ def sample(
         num_samples=num_samples,
         ignore_eos=ignore_eos,
     )
-    loaded = _load(ckpt, device)
+    loaded = _load(ckpt, device, best)
     _run(sample_checkpoint, loaded, settings)
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Write a Hugging Face Llama folder (transformers loads it).")
 def export(
     ckpt: Path = CkptOption,
-    out: Path = typer.Option(..., "--out", help="The folder to write."),
+    best: bool = BestOption,
+    out: Path = typer.Option(..., "--out", metavar="DIR", help="The folder to write."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
 ) -> None:
     """Write a Hugging Face LlamaForCausalLM folder: config, safetensors weights, tokenizer.
@@ -244,29 +402,30 @@ def export(
     from minillm.infer.hf_folder import check_export_target, export_checkpoint
 
     _run(check_export_target, out, force, ckpt)  # before the (slow) load
-    loaded = _load(ckpt, "cpu")
+    loaded = _load(ckpt, "cpu", best)
     path = _run(export_checkpoint, loaded, out, force=force)
     print(f"wrote {path}")
 
 
-@app.command()
-def tokenize(
-    config: Path = typer.Argument(..., help="The YAML config."),
+@app.command(cls=_Command, short_help="Parameters, FLOPs per token and a memory estimate.")
+def info(
+    config: Path = ConfigArgument,
     set_: list[str] | None = SetOption,
-    retrain: bool = typer.Option(
-        False, "--retrain", help="Train a new tokenizer even if data.tokenizer exists."
-    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
-    from minillm.data.shards import print_summary, write_shards
+    """Parameters, FLOPs per token and a training-memory estimate (nothing is allocated)."""
+    from minillm.info import model_info, print_info
 
     cfg = _config(config, set_)
-    summary = _run(write_shards, cfg, retrain=retrain)
-    print_summary(summary)
+    result = _run(model_info, cfg)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print_info(result, title=str(config))
 
 
 def main() -> None:
-    app()
+    app(prog_name="minillm")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Each field's `help` metadata is its documentation: `scripts/gen_config_docs.py` 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -206,7 +207,9 @@ class TrainConfig(_Section):
     keep_last: int = _f(3, help="Checkpoints kept besides the best one.")
     log_every: int = _f(10, help="Log scalars every this many steps.")
     max_bad_steps: int = _f(5, help="Stop after this many non-finite steps in a row.")
-    peak_flops: float = _f(0.0, help="Peak FLOP/s for MFU; 0 = a known GPU's or a CPU probe.")
+    peak_flops: float = _f(
+        0.0, help="Peak FLOP/s for MFU; 0 = a known GPU's, else a matmul probe cached per machine."
+    )
     init_from: str = _f(
         "",
         help="A Hugging Face Llama folder to start from (its config.json gives the model, its "
@@ -397,7 +400,9 @@ def _build_section(cls: type, raw: Any, name: str) -> Any:
     for key, value in raw.items():
         if key not in fields:
             raise ConfigError(
-                f"{name}.{key}", f"unknown key (valid keys: {', '.join(sorted(fields))})"
+                f"{name}.{key}",
+                f"unknown key{did_you_mean(str(key), fields, name + '.')} "
+                f"(valid keys: {', '.join(sorted(fields))})",
             )
         kwargs[key] = _convert(value, hints[key], f"{name}.{key}")
     missing = [
@@ -412,14 +417,58 @@ def _build_section(cls: type, raw: Any, name: str) -> Any:
     return cls(**kwargs)
 
 
-def config_from_dict(raw: Any, file: str | None = None) -> Config:
-    """Build and validate a Config from plain data (the parsed YAML); errors name `file`."""
+# Names other trainers give our keys (HF, nanoGPT), so that a typo of one of them finds ours.
+_ALIASES = {
+    "learning_rate": "lr",
+    "max_lr": "lr",
+    "min_learning_rate": "min_lr",
+    "max_iters": "max_steps",
+    "num_steps": "max_steps",
+    "warmup_iters": "warmup_steps",
+    "micro_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "n_embd": "d_model",
+    "hidden_size": "d_model",
+    "n_layers": "n_layer",
+    "num_layers": "n_layer",
+    "n_heads": "n_head",
+    "num_heads": "n_head",
+    "block_size": "max_seq_len",
+}
+
+
+def did_you_mean(key: str, valid: typing.Iterable[str], prefix: str = "") -> str:
+    """`; did you mean <prefix><closest>?` for a mistyped key, or "" when nothing is close."""
+    valid = list(valid)
+    names = valid + [alias for alias, ours in _ALIASES.items() if ours in valid]
+    match = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{_ALIASES.get(match[0], match[0])}?" if match else ""
+
+
+def override_keys(overrides: typing.Iterable[str]) -> set[str]:
+    """The `section.key`s (and bare sections) that `--set` overrides give, for error messages."""
+    keys = set()
+    for override in overrides:
+        dotted = override.split("=", 1)[0].strip()
+        keys.update({dotted, dotted.split(".", 1)[0]})
+    return keys
+
+
+def config_from_dict(
+    raw: Any, file: str | None = None, overridden: typing.Collection[str] = ()
+) -> Config:
+    """Build and validate a Config from plain data (the parsed YAML); errors name `file`.
+
+    An error about a key in `overridden` (see `override_keys`) names `--set` instead of `file`:
+    the user typed that value on the command line, not in the file.
+    """
     try:
         if not isinstance(raw, dict):
             raise ConfigError("", "the top level must be a mapping with model, data, train, sample")
         for key in raw:
             if key not in SECTIONS:
-                raise ConfigError(key, f"unknown section (valid: {', '.join(SECTIONS)})")
+                hint = did_you_mean(str(key), SECTIONS)
+                raise ConfigError(key, f"unknown section{hint} (valid: {', '.join(SECTIONS)})")
         raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
         if "model" not in raw:
             raise ConfigError("model", "section is required (or train.init_from to take a model's)")
@@ -436,7 +485,7 @@ def config_from_dict(raw: Any, file: str | None = None) -> Config:
         }
         return Config(**sections)
     except ConfigError as e:
-        e.file = e.file or file
+        e.file = e.file or ("--set" if e.key in overridden else file)
         raise
     except TypeError as e:  # a dataclass compared values of incompatible types
         raise ConfigError("", str(e), file) from None
@@ -465,7 +514,8 @@ def apply_override(raw: dict, override: str) -> None:
         raise ConfigError(dotted, "an override key must be section.key, e.g. train.lr", "--set")
     section, key = parts
     if section not in SECTIONS:
-        raise ConfigError(dotted, f"unknown section (valid: {', '.join(SECTIONS)})", "--set")
+        hint = did_you_mean(section, SECTIONS)
+        raise ConfigError(dotted, f"unknown section{hint} (valid: {', '.join(SECTIONS)})", "--set")
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
@@ -501,7 +551,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     An empty `train.out_dir` becomes `runs/<config file stem>`. A config whose model comes from
     `train.init_from` is read with `minillm.train.setup.load_train_config` instead.
     """
-    return config_from_dict(read_raw_config(path, overrides), str(path))
+    raw = read_raw_config(path, overrides)
+    return config_from_dict(raw, str(path), override_keys(overrides or []))
 
 
 def read_raw_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:

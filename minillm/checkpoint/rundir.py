@@ -19,7 +19,7 @@ from minillm.checkpoint import store as ckpt
 from minillm.config import Config, TrainConfig, config_from_dict, config_to_dict
 from minillm.errors import ConfigError, UserError, warn
 
-LOCK_FILE = "train.lock"
+LOCK_FILE = ckpt.LOCK_FILE
 
 # Keys a resumed run may change without a word: they only move the end or the cadence.
 SCHEDULE_KEYS = {
@@ -65,23 +65,36 @@ class RunLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise UserError(
+                    f"{self.path.parent}: another `minillm train` is using this run ({holder}); "
+                    "wait for it or stop it"
+                ) from None
+            # The holder before us unlinks the file on release: if it did so between our open
+            # and our flock, we hold a file no longer at self.path; open the new one instead.
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise UserError(
-                f"{self.path.parent}: another `minillm train` is using this run ({holder}); "
-                "wait for it or stop it"
-            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self.fd = fd
         return self
 
     def release(self) -> None:
+        """Drop the lock and remove its file: a run at rest holds no train.lock."""
         if self.fd is not None:
+            # Unlinked while still held, so a process that opened the old file notices (above).
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
             os.close(self.fd)  # closing drops the flock
             self.fd = None
 
@@ -184,6 +197,12 @@ def resume_point(
                 f"{run_dir}: has checkpoints; --no-resume starts over only with --force"
             )
         if clear:
+            names = [p.name for p in ckpt.list_checkpoints(ckpt_root)]
+            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            warn(
+                f"{run_dir}: --no-resume --force: deleting {len(names)} checkpoint(s) ({span}) "
+                "and the TensorBoard logs (tb/)"
+            )
             shutil.rmtree(ckpt_root)
             shutil.rmtree(run_dir / "tb", ignore_errors=True)
         return None

@@ -216,23 +216,81 @@ def find_latest(run_dir: str | Path, verify: bool = True) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
-    """The checkpoint for `--ckpt`: a run directory (its newest intact one) or a checkpoint."""
+POINTERS = ("LATEST", "BEST")
+LOCK_FILE = "train.lock"  # the run lock's file (minillm.checkpoint.rundir.RunLock)
+
+
+def resolve_checkpoint(path: str | Path, verify: bool = True, best: bool = False) -> Path:
+    """The checkpoint for `--ckpt`: a run directory (its newest intact one, or with `best` the
+    one BEST names), a checkpoint, or a run's checkpoints/LATEST or checkpoints/BEST file."""
     path = Path(path)
+    if path.name == CKPT_DIR and path.is_dir() and not (path / STATE_FILE).exists():
+        path = path.parent  # runs/x/checkpoints means the run
+    if path.name in POINTERS and path.is_file():
+        # A pointer file names a checkpoint folder next to it.
+        if best:
+            raise CheckpointError(f"{path}: --best takes a run directory, not a pointer file")
+        name = _read_pointer(path.parent, path.name)
+        if name is None or not (path.parent / name / STATE_FILE).is_file():
+            raise CheckpointError(f"{path}: names {name!r}, which is not a checkpoint here")
+        return resolve_checkpoint(path.parent / name, verify)
     if not path.exists():
         raise CheckpointError(f"{path}: no such run or checkpoint directory")
     if (path / STATE_FILE).is_file():
+        if best:
+            raise CheckpointError(f"{path}: --best takes a run directory, not a checkpoint")
         if verify:
             verify_checkpoint(path)
         return path
+    if best:
+        return _best_checkpoint(path, verify)
     if (path / CKPT_DIR).is_dir():
         found = find_latest(path, verify=verify)
-        if found is None:
-            raise CheckpointError(f"{path}: this run has no complete checkpoint yet")
-        return found
+        if found is not None:
+            return found
+    if (path / CKPT_DIR).is_dir() or (path / LOCK_FILE).exists() or (path / "config.yaml").exists():
+        raise CheckpointError(f"{path}: no checkpoint yet{_training_note(path)}")
     raise CheckpointError(
         f"{path}: not a minillm run directory (no {CKPT_DIR}/) nor a checkpoint (no {STATE_FILE})"
     )
+
+
+def _best_checkpoint(run_dir: Path, verify: bool) -> Path:
+    """The checkpoint BEST names in a run (the lowest validation loss so far)."""
+    ckpt_root = run_dir / CKPT_DIR
+    name = _read_pointer(ckpt_root, "BEST")
+    if name is None:
+        if list_checkpoints(ckpt_root):
+            raise CheckpointError(
+                f"{run_dir}: no best checkpoint yet (none saved after a validation); "
+                "drop --best for the latest"
+            )
+        raise CheckpointError(f"{run_dir}: no checkpoint yet{_training_note(run_dir)}")
+    if not (ckpt_root / name / STATE_FILE).is_file():
+        raise CheckpointError(f"{ckpt_root / 'BEST'}: names {name!r}, which is not a checkpoint")
+    if verify:
+        verify_checkpoint(ckpt_root / name)
+    return ckpt_root / name
+
+
+def _training_note(run_dir: Path) -> str:
+    """`; a training holds its lock (pid N on host)` when a live `minillm train` holds the run."""
+    import fcntl
+
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return ""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: nobody trains this run now
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            return f"; a training holds its lock ({holder}): its first checkpoint is not written"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return ""
+    finally:
+        os.close(fd)
 
 
 def load_model_state(

@@ -271,6 +271,10 @@ class TableCorpus(Corpus):
         if rows != self.n_documents:  # a datasets change we do not know: fail loudly, not wrong
             raise RuntimeError(f"read {rows} rows from {files}, expected {self.n_documents}")
 
+    def texts(self) -> Iterator[str]:
+        """Every row's text in order, chat rows rendered, before any split (`minillm eval`)."""
+        return self._texts()
+
     def _texts(self) -> Iterator[str]:
         for column in self._columns():
             for value in column:

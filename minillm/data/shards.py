@@ -42,7 +42,7 @@ from minillm.data.tokenizer import (
     train_tokenizer,
 )
 from minillm.errors import ConfigError, UserError
-from minillm.runtime.files import StagedFile, ensure_writable_dir, fsync_dir
+from minillm.runtime.files import StagedFile, ensure_writable_dir, fsync_dir, removing_new_dirs
 from minillm.runtime.progress import Progress
 
 if TYPE_CHECKING:
@@ -263,7 +263,15 @@ def _commit(staged: list[StagedFile], meta_path: Path) -> None:
 
 
 def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
-    """What `minillm.data.prepare_data` does (see there and the module docstring)."""
+    """What `minillm.data.prepare_data` does (see there and the module docstring).
+
+    A failure leaves no folder behind that it created (an empty data.out_dir).
+    """
+    with removing_new_dirs(cfg.data.out_dir, cfg.data.tokenizer_path.parent):
+        return _write_shards(cfg, retrain)
+
+
+def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
     from rich.console import Console
 
     data = cfg.data

@@ -1,4 +1,4 @@
-"""Loss, perplexity and bits per byte of a checkpoint over its validation shard or a text file.
+"""Loss, perplexity and bits per byte of a checkpoint over its validation shard or a data file.
 
 Offers `evaluate_tokens(model, ids, seq_len, batch_size, device) -> (total_nll, n_predicted)`,
 `metrics(total_nll, n_predicted, n_bytes) -> dict`, `evaluate_checkpoint(ckpt, data, max_tokens)`
@@ -98,6 +98,73 @@ def metrics(total_nll: float, n_predicted: int, n_bytes: float) -> dict[str, Any
     }
 
 
+def _cap(ids: list[int], n_bytes: int, max_tokens: int | None) -> tuple[np.ndarray, float]:
+    """The first max_tokens + 1 ids, and the bytes scaled by the share of predictions made, as
+    for the shard: the whole file's bits per byte, estimated from its first tokens."""
+    scaled = float(n_bytes)
+    if max_tokens is not None and len(ids) > max_tokens + 1:
+        scaled *= max_tokens / (len(ids) - 1)
+        ids = ids[: max_tokens + 1]
+    return np.asarray(ids, dtype=np.int64), scaled
+
+
+def _data_tokens(
+    path: Path, ckpt: Any, text_field: str | None, max_tokens: int | None
+) -> tuple[np.ndarray, float]:
+    """Token ids and UTF-8 bytes of `--data`: a dataset file (by its extension) as `minillm
+    tokenize` reads it, else a text file as one document."""
+    from minillm.data.corpus import EXTENSIONS
+
+    fmt = EXTENSIONS.get(path.suffix.lower(), "text")
+    if fmt == "text":
+        if text_field is not None:
+            raise UserError(f"--text-field: {path} is plain text (one document), not a table")
+        return _file_tokens(path, ckpt.tokenizer, max_tokens)
+    return _table_tokens(path, ckpt, text_field, max_tokens)
+
+
+def _table_tokens(
+    path: Path, ckpt: Any, text_field: str | None, max_tokens: int | None
+) -> tuple[np.ndarray, float]:
+    """Rows of a json/jsonl/parquet/csv file through the corpus loader of `minillm tokenize`
+    (text_field, chat rows rendered), each row a document followed by end-of-text as in the
+    shards, so that the loss is the one the run's val/loss measures on such data."""
+    import dataclasses
+
+    from minillm.data.corpus import TableCorpus, open_corpus
+    from minillm.data.tokenizer import eot_id
+    from minillm.errors import ConfigError
+
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    data = dataclasses.replace(
+        ckpt.config.data,
+        source=str(path),
+        format="auto",
+        text_field=text_field or ckpt.config.data.text_field,
+    )
+    try:
+        corpus = open_corpus(data)
+    except ConfigError as e:  # name the flag the user typed, not the run's config key
+        flag = {"data.text_field": "--text-field"}.get(e.key, "--data")
+        raise UserError(f"{e.file or path}: {flag}: {e.message}") from None
+    assert isinstance(corpus, TableCorpus)
+    tok = ckpt.tokenizer
+    tok.encode_special_tokens = True  # as in the shards: a literal "<|endoftext|>" is text
+    eot = eot_id(tok)
+    ids: list[int] = []
+    n_bytes = 0
+    for text in corpus.texts():
+        if not text:  # like tokenize: an empty row is no document
+            continue
+        ids.extend(tok.encode(text, add_special_tokens=False).ids)
+        ids.append(eot)
+        n_bytes += len(text.encode("utf-8"))
+        if max_tokens is not None and len(ids) > max_tokens + 1:
+            break  # enough rows read; the bytes below are scaled to the tokens kept
+    return _cap(ids, n_bytes, max_tokens)
+
+
 def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np.ndarray, float]:
     """Token ids of a text file (one document, no special tokens added) and its UTF-8 bytes."""
     try:
@@ -111,13 +178,7 @@ def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np
     # The file is one document: a literal "<|endoftext|>" in it is text, as in the shards.
     tokenizer.encode_special_tokens = True
     ids = tokenizer.encode(text, add_special_tokens=False).ids
-    n_bytes = len(text.encode("utf-8"))
-    if max_tokens is not None and len(ids) > max_tokens + 1:
-        # Bytes scaled by the share of predictions made, as for the shard: the whole file's
-        # bits per byte, estimated from its first tokens.
-        n_bytes *= max_tokens / (len(ids) - 1)
-        ids = ids[: max_tokens + 1]
-    return np.asarray(ids, dtype=np.int64), float(n_bytes)
+    return _cap(ids, len(text.encode("utf-8")), max_tokens)
 
 
 def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
@@ -160,8 +221,10 @@ def evaluate_checkpoint(
     batch_size: int | None = None,
     device: torch.device | str | None = None,
     progress: bool = False,
+    text_field: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a LoadedCheckpoint over its validation shard, or over a text file `data`.
+    """Evaluate a LoadedCheckpoint over its validation shard, or over a file `data` (plain
+    text, or a dataset file read through its `text_field`, default the run's data.text_field).
 
     max_tokens caps the predicted tokens. batch_size defaults to the run's train.batch_size.
     Returns the DESIGN.md object plus `source`, `seq_len` and `seconds`.
@@ -172,8 +235,10 @@ def evaluate_checkpoint(
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     cfg = ckpt.config
     if data is not None:
-        ids, n_bytes = _file_tokens(Path(data), ckpt.tokenizer, max_tokens)
+        ids, n_bytes = _data_tokens(Path(data), ckpt, text_field, max_tokens)
         source = str(data)
+    elif text_field is not None:
+        raise UserError("--text-field: only with --data (a dataset file)")
     else:
         ids, n_bytes, source = _val_tokens(ckpt, max_tokens)
     if len(ids) < 2:

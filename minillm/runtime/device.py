@@ -7,8 +7,10 @@ Offers `resolve_device`, `resolve_precision`, `autocast_context`, `make_grad_sca
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -134,20 +136,53 @@ def _decode_python_state(st: list) -> tuple:
 class StopSignal:
     """Turns SIGINT/SIGTERM into a request to checkpoint and stop after the current step.
 
-    A second signal gets the default behaviour back (Ctrl-C twice stops at once; the atomic
-    checkpoint writes keep the previous checkpoint whole either way).
+    The first signal is acknowledged at once with `notice` (on stderr). A second one stops at
+    once (KeyboardInterrupt), except inside `finishing(what)`, a checkpoint being written: there
+    it says that `what` finishes first, and only a third stops at once. The atomic checkpoint
+    writes keep the previous checkpoint whole either way.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, notice: str = "") -> None:
         self.requested = False
         self.signame = ""
+        self.notice = notice
+        self._count = 0
+        self._finishing = ""  # what a second signal lets finish, while inside finishing()
         self._old: dict[int, Any] = {}
 
+    @staticmethod
+    def _say(text: str) -> None:
+        # os.write, not print: a handler may run while the main code is inside a print to stderr.
+        if text:
+            with contextlib.suppress(OSError):
+                os.write(2, f"{text}\n".encode())
+
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        self.signame = signal.Signals(signum).name
+        self._count += 1
+        if not self.requested:
+            self.requested = True
+            self.signame = signal.Signals(signum).name
+            self._say(self.notice)
+            return
+        if self._finishing and self._count == 2:
+            self._say(f"{self._finishing}: finishing it first (interrupt once more to abandon it)")
+            return
+        self._restore()
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def finishing(self, what: str) -> Iterator[None]:
+        """Inside, a second signal lets the work (`what`, e.g. "writing checkpoint ...") end."""
+        self._finishing = what
+        try:
+            yield
+        finally:
+            self._finishing = ""
+
+    def _restore(self) -> None:
         for s, old in self._old.items():
             signal.signal(s, old)
+        self._old = {}
 
     def __enter__(self) -> StopSignal:
         with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
@@ -156,5 +191,4 @@ class StopSignal:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for s, old in self._old.items():
-            signal.signal(s, old)
+        self._restore()

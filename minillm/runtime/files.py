@@ -2,7 +2,8 @@
 
 Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `atomic_copy` (one file),
 `StagedFile` (files that commit together), `commit_dir` (a staged folder renamed into place),
-`fsync_dir`, `fsync_file`, `sha256_file`, `save_safetensors` and `ensure_writable_dir`.
+`fsync_dir`, `fsync_file`, `sha256_file`, `save_safetensors`, `ensure_writable_dir` and
+`removing_new_dirs`.
 A reader therefore sees the old file or the new one, never a half-written one, whatever instant a
 crash or a full disk strikes.
 """
@@ -147,6 +148,26 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def removing_new_dirs(*folders: str | Path) -> Iterator[None]:
+    """On an error inside, remove those of `folders` (and their parents) that did not exist
+    before and are empty now: a command that fails before doing work leaves the disk as it was.
+    """
+    new: list[Path] = []
+    for folder in folders:
+        for p in (Path(folder), *Path(folder).parents):
+            if p.exists():
+                break
+            new.append(p)
+    try:
+        yield
+    except BaseException:
+        for p in sorted(set(new), key=lambda p: len(p.parts), reverse=True):  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only if empty
+        raise
 
 
 def ensure_writable_dir(folder: str | Path, key: str) -> None:

@@ -1,7 +1,8 @@
 """Throughput helpers shared by the trainer and the benchmarks.
 
 Offers `measure_matmul_peak` (a square-matmul probe of what the device sustains), `known_peak_flops`
-(datasheet dense bf16/fp16 tensor-core peaks of common GPUs), `mfu` and `synchronize`.
+(datasheet dense bf16/fp16 tensor-core peaks of common GPUs), `peak_flops` (the peak the trainer
+uses: configured, datasheet, or a probe cached per machine), `mfu` and `synchronize`.
 
 MFU, here and in the trainer, is model FLOP/s over peak FLOP/s, where model FLOP/s is
 `model.flops_per_token(seq_len)` (6 per matmul weight, head included, plus 12 * L * C * T for
@@ -11,11 +12,17 @@ nothing, and causal attention is counted in full.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
 from minillm.runtime.device import PRECISION_DTYPES
+from minillm.runtime.files import atomic_write_json
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s. Matched by
 # substring of torch.cuda.get_device_name(), first match wins, so variants come before the family.
@@ -110,12 +117,58 @@ def mfu(flops_per_token: float, tokens_per_sec: float, peak_flops: float) -> flo
     return flops_per_token * tokens_per_sec / peak_flops
 
 
-def peak_flops(device: torch.device, precision: str, configured: float = 0.0) -> float:
-    """The peak FLOP/s that MFU divides by: `configured` (train.peak_flops) if set, else a known
-    GPU's datasheet peak, else a one-second matmul probe."""
+# A CPU's probe runs this long, once per machine (then cached): a one-second probe read 45% to
+# 88% MFU for the same run on a busy machine, so a longer one, and the same peak for every run.
+PROBE_SECONDS = 3.0
+
+
+def peak_cache_file() -> Path:
+    """Where probed peaks are kept: $MINILLM_CACHE_DIR, else $XDG_CACHE_HOME/minillm or
+    ~/.cache/minillm, file peak_flops.json (delete it to probe again)."""
+    root = os.environ.get("MINILLM_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minillm"
+    return Path(root) / "peak_flops.json"
+
+
+def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
+    """What a probed peak depends on: the device's model, dtype, threads and torch version."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        name = platform.processor() or platform.machine()
+        with contextlib.suppress(OSError):
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                name = next(
+                    (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name
+                )
+    else:
+        name = device.type
+    threads = torch.get_num_threads()
+    return f"{device.type}: {name} | {dtype} | {threads} threads | torch {torch.__version__}"
+
+
+def peak_flops(device: torch.device, precision: str, configured: float = 0.0) -> tuple[float, str]:
+    """The peak FLOP/s that MFU divides by, and where it comes from: `configured`
+    (train.peak_flops) if set, else a known GPU's datasheet peak, else a matmul probe of
+    PROBE_SECONDS, made once per machine and then read from `peak_cache_file()`."""
     if configured:
-        return configured
+        return configured, "train.peak_flops"
     # On a CPU the probe runs in fp32 whatever the precision: bf16 there is emulated, and
     # a 2048^2 bf16 probe would take many seconds.
     dtype = PRECISION_DTYPES[precision] if device.type != "cpu" else torch.float32
-    return known_peak_flops(device, dtype) or measure_matmul_peak(1.0, dtype, device)
+    known = known_peak_flops(device, dtype)
+    if known:
+        return known, "datasheet"
+    path, key = peak_cache_file(), _machine_key(device, dtype)
+    cache: dict[str, float] = {}
+    with contextlib.suppress(OSError, ValueError):
+        cache = json.loads(path.read_text())
+    cached = cache.get(key) if isinstance(cache, dict) else None
+    if isinstance(cached, (int, float)) and cached > 0:
+        return float(cached), f"probed once, cached in {path}"
+    value = measure_matmul_peak(PROBE_SECONDS, dtype, device)
+    with contextlib.suppress(OSError):  # a read-only home: probe again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, dict(cache if isinstance(cache, dict) else {}, **{key: value}))
+    return value, f"probed {PROBE_SECONDS:g} s, cached in {path}"

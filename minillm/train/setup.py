@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from minillm.config import Config, config_from_dict, config_to_dict, read_raw_config
+from minillm.config import (
+    Config,
+    config_from_dict,
+    config_to_dict,
+    override_keys,
+    read_raw_config,
+)
 from minillm.data.meta import stale_data_keys
 from minillm.data.tokenizer import tokenizer_sha256
 from minillm.errors import ConfigError, UserError, warn
@@ -27,7 +33,7 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> C
     init_from = train.get("init_from") if isinstance(train, dict) else None
     if "model" not in raw and init_from:
         raw["model"] = dataclasses.asdict(hf_model_config(init_from))
-    return config_from_dict(raw, str(path))
+    return config_from_dict(raw, str(path), override_keys(overrides or []))
 
 
 def init_from(

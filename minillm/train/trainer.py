@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,12 @@ from minillm.runtime.device import (
     seed_everything,
     set_rng_state,
 )
-from minillm.runtime.files import atomic_copy, atomic_write_text, ensure_writable_dir
+from minillm.runtime.files import (
+    atomic_copy,
+    atomic_write_text,
+    ensure_writable_dir,
+    removing_new_dirs,
+)
 from minillm.runtime.perf import peak_flops
 from minillm.runtime.progress import format_duration
 from minillm.train.batch_size import resolve_batch_size
@@ -88,14 +93,16 @@ class Trainer:
         self.precision = resolve_precision(tc.precision, self.device)
         self.is_main = self.dist.is_main
         self.verbose = verbose and self.is_main
-        if self.is_main:
-            ensure_writable_dir(self.run_dir, "train.out_dir")
-        self.lock = RunLock(self.run_dir).acquire() if self.is_main else None
-        try:
-            self._setup(resume, force)
-        except BaseException:
-            self.close()
-            raise
+        # A run that fails before training (a bad config, no shards) leaves no empty run folder.
+        with removing_new_dirs(*([self.run_dir] if self.is_main else [])):
+            if self.is_main:
+                ensure_writable_dir(self.run_dir, "train.out_dir")
+            self.lock = RunLock(self.run_dir).acquire() if self.is_main else None
+            try:
+                self._setup(resume, force)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ setup
 
@@ -148,6 +155,7 @@ class Trainer:
         self.bad_in_a_row = 0
         self.skipped_steps = 0
         self.last_ckpt: Path | None = None
+        self.resumed = resume_from is not None
         if resume_from is not None:
             self._restore(resume_from)
         else:
@@ -334,13 +342,21 @@ class Trainer:
         """Train until max_steps (or `stop_at`, or a signal); checkpoint on the way out."""
         tc = self.cfg.train
         end = min(tc.max_steps, stop_at) if stop_at is not None else tc.max_steps
-        monitor = Monitor(self.run_dir, tc.max_steps, self.step, enabled=self.is_main)
+        # Nothing to train: no TensorBoard writer, so no new, empty events file in tb/.
+        tb_dir = self.run_dir if self.step < end else None
+        monitor = Monitor(tb_dir, tc.max_steps, self.step, enabled=self.is_main)
         if self.step == 0:
             monitor.text("config", "```yaml\n" + dump_config(self.cfg) + "```")
-        peak = peak_flops(self.device, self.precision, tc.peak_flops) if self.is_main else 0.0
+        peak, peak_source = (
+            peak_flops(self.device, self.precision, tc.peak_flops) if self.is_main else (0.0, "")
+        )
         meter = Meter(self.flops_per_token, peak, self.dist.world_size)
         if self.verbose:
-            monitor.print(self._banner(meter.peak))
+            monitor.print(self._banner(meter.peak, peak_source))
+            if tc.warmup_steps >= tc.max_steps and self.step < tc.max_steps:
+                warn(f"train.warmup_steps={tc.warmup_steps} >= train.max_steps={tc.max_steps}: "
+                     "the run ends while the lr still rises, before any decay; lower "
+                     f"warmup_steps (e.g. {max(tc.max_steps // 10, 1)})")  # fmt: skip
             if self.step >= tc.max_steps:
                 monitor.print(
                     f"the run is already at step {self.step}, train.max_steps is "
@@ -351,7 +367,10 @@ class Trainer:
         shown: dict[str, str] = {}
         prefetch = Prefetcher(self.batches, end, pin=self.device.type == "cuda")
         t_start = time.perf_counter()
-        with StopSignal() as stop, contextlib.closing(monitor), contextlib.closing(prefetch):
+        notice = "stopping after this step; checkpointing it (interrupt again to stop at once)"
+        stop = StopSignal(notice if self.verbose else "")
+        with stop, contextlib.closing(monitor), contextlib.closing(prefetch), \
+                self._say_resume_point_if_cut():  # fmt: skip
             while self.step < end and not stop.requested:
                 # Every log_every*10 steps, per-layer numbers (not under FSDP: shards only).
                 probe = self.is_main and (self.step + 1) % (tc.log_every * 10) == 0
@@ -386,10 +405,12 @@ class Trainer:
                 if self.probes is not None and self.probes.due(self.step):
                     self.probes.write_samples(self.model, self.step, monitor)
                 if is_best or (tc.ckpt_every and self.step % tc.ckpt_every == 0):
-                    self.save(is_best=is_best)
+                    with stop.finishing(f"writing the checkpoint of step {self.step}"):
+                        self.save(is_best=is_best)
                     saved_at = self.step
             if saved_at != self.step:
-                self.save()
+                with stop.finishing(f"writing the checkpoint of step {self.step}"):
+                    self.save()
         elapsed = time.perf_counter() - t_start
         summary = {
             "step": self.step,
@@ -404,6 +425,18 @@ class Trainer:
             print(f"{how} at step {self.step} after {format_duration(elapsed)}; "
                   f"checkpoint {summary['checkpoint']}")  # fmt: skip
         return summary
+
+    @contextlib.contextmanager
+    def _say_resume_point_if_cut(self) -> Iterator[None]:
+        """A stop at once (a repeated Ctrl-C) says which checkpoint the next run resumes from."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self.verbose:
+                where = self.last_ckpt or "the start (no checkpoint yet)"
+                warn(f"stopped at once after step {self.step}, which is not checkpointed; "
+                     f"`minillm train` resumes from {where}")  # fmt: skip
+            raise
 
     def _count_bad(self, out: dict[str, float]) -> None:
         if out["finite"]:
@@ -427,7 +460,7 @@ class Trainer:
         stats.update(activation_rms(self.model, x.to(self.device), self.autocast))
         return stats
 
-    def _banner(self, peak: float) -> str:
+    def _banner(self, peak: float, peak_source: str) -> str:
         tc = self.cfg.train
         n = self.model.param_count()
         return (
@@ -437,7 +470,8 @@ class Trainer:
             f"{f', {self.dist.world_size} ranks, {tc.parallel}' if self.dist.enabled else ''}); "
             f"global batch {tc.batch_size}x{tc.grad_accum}x{self.dist.world_size} seqs of "
             f"{tc.seq_len} = {self.tokens_per_step:,} tokens/step; "
-            f"peak {peak / 1e9:.0f} GFLOP/s for MFU; run dir {self.run_dir}"
+            f"peak {peak / 1e9:.0f} GFLOP/s for MFU ({peak_source}); run dir {self.run_dir}"
+            + (f"; weights from {tc.init_from}" if tc.init_from and not self.resumed else "")
         )
 
     def close(self) -> None:
