@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,37 @@ def prepared_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     cfg = tiny_config(tmp_path, **sections)
     write_shards(cfg)
     return cfg
+
+
+def run_config(data_dir: Path, run: Path, model: dict | None = None, **train: Any) -> Config:
+    """tiny_config over the corpus tokenized in data_dir, training into `run`."""
+    return tiny_config(data_dir, model=model or {}, train=dict(out_dir=str(run), **train))
+
+
+def trained_run(base: Path) -> Path:
+    """A tokenized corpus under `base`, a 4-step run with checkpoints at steps 2 and 4 (BEST names
+    one of them) and its config as `base/cfg.yaml`; returns `base`."""
+    import yaml
+
+    from minillm.config import config_to_dict
+    from minillm.train.trainer import Trainer
+
+    cfg = prepared_config(base, train=dict(max_steps=4, ckpt_every=2, eval_every=2))
+    trainer = Trainer(cfg, verbose=False)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    (base / "cfg.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
+    return base
+
+
+def load_script(name: str, monkeypatch: Any) -> Any:
+    """scripts/<name>.py as a module (registered in sys.modules for its dataclasses)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

@@ -14,9 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from minillm.cli import app
-from minillm.config import config_to_dict
-from minillm.train.trainer import Trainer
-from tests.helpers import prepared_config
+from tests.helpers import trained_run
 
 runner = CliRunner()
 
@@ -24,17 +22,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tokenized corpus, a 4-step run with checkpoints, and its config as a YAML file."""
-    import yaml
-
-    base = tmp_path_factory.mktemp("bad")
-    cfg = prepared_config(base, train=dict(max_steps=4, ckpt_every=2, eval_every=2))
-    trainer = Trainer(cfg, verbose=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    (base / "cfg.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
-    return base
+    return trained_run(tmp_path_factory.mktemp("bad"))
 
 
 def tree_hash(*roots: Path) -> dict[str, str]:

@@ -22,7 +22,7 @@ from minillm.runtime.device import enable_tf32
 from minillm.train import batch_size as auto
 from minillm.train.prefetch import Prefetcher
 from minillm.train.trainer import Trainer
-from tests.helpers import prepared_config, tiny_config
+from tests.helpers import load_script, prepared_config, run_config, tiny_config
 
 cuda = pytest.mark.cuda
 
@@ -34,8 +34,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-def make_cfg(data_dir: Path, run: Path, model: dict | None = None, **train):
-    return tiny_config(data_dir, model=model or {}, train=dict(out_dir=str(run), **train))
+make_cfg = run_config
 
 
 def run_trainer(cfg, stop_at=None) -> Trainer:
@@ -365,14 +364,7 @@ def test_auto_search_under_a_real_memory_cap(data_dir: Path) -> None:
 def test_bench_train_rows_with_and_without_checkpointing(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import importlib.util
-    import sys
-
-    path = Path(__file__).parent.parent / "scripts" / "bench_train.py"
-    spec = importlib.util.spec_from_file_location("bench_train", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_train", bench)  # dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_train", monkeypatch)
     bench.main(["--shapes", "tiny", "--compile", "no", "--steps", "1", "--warmup", "1",
                 "--peak-seconds", "0.02", "--threads", "0", "--checkpointing", "both"])  # fmt: skip
     rows = {line.split("  ")[0]: line.split() for line in capsys.readouterr().out.splitlines()

@@ -129,21 +129,9 @@ def test_version() -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-step run with checkpoints at steps 2 and 4 (BEST names one of them)."""
-    import yaml
+    from tests.helpers import trained_run
 
-    from minillm.config import config_to_dict
-    from minillm.train.trainer import Trainer
-    from tests.helpers import prepared_config
-
-    base = tmp_path_factory.mktemp("run")
-    cfg = prepared_config(base, train=dict(max_steps=4, ckpt_every=2, eval_every=2))
-    trainer = Trainer(cfg, verbose=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    (base / "cfg.yaml").write_text(yaml.safe_dump(config_to_dict(cfg)))
-    return base / "run"
+    return trained_run(tmp_path_factory.mktemp("run")) / "run"
 
 
 def eval_json(args: list[str]) -> dict:

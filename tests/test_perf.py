@@ -3,10 +3,7 @@ and HF's gradients, the MFU helpers, and a smoke run of the training benchmark."
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from minillm.model import Transformer, kernels_cpu
 from minillm.model.hf_names import to_hf_state_dict
 from minillm.model.transformer import apply_rope, rope_tables
 from minillm.runtime import perf
+from tests.helpers import load_script
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -126,11 +124,7 @@ def test_matmul_peak_probe_and_mfu() -> None:
 def test_bench_train_runs_on_a_tiny_shape(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = Path(__file__).parent.parent / "scripts" / "bench_train.py"
-    spec = importlib.util.spec_from_file_location("bench_train", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_train", bench)  # dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_train", monkeypatch)
     bench.main(["--shapes", "tiny", "--compile", "no", "--steps", "2", "--warmup", "1",
                 "--peak-seconds", "0.05", "--threads", "0"])  # fmt: skip
     out = capsys.readouterr().out

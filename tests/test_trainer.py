@@ -14,7 +14,7 @@ from minillm.config import config_from_dict, config_to_dict
 from minillm.errors import UserError
 from minillm.train.optim import lr_at
 from minillm.train.trainer import Trainer, TrainingDiverged
-from tests.helpers import prepared_config, tiny_config
+from tests.helpers import prepared_config, run_config
 
 
 def test_lr_schedule_exact_table() -> None:
@@ -33,8 +33,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-def make_cfg(data_dir: Path, run: Path, model: dict | None = None, **train):
-    return tiny_config(data_dir, model=model or {}, train=dict(out_dir=str(run), **train))
+make_cfg = run_config
 
 
 def run_trainer(cfg, stop_at=None, **kw) -> Trainer:

@@ -25,6 +25,7 @@ import torch
 
 from minillm.data.batches import eval_batches
 from minillm.errors import UserError
+from minillm.runtime.files import read_user_text
 from minillm.runtime.progress import Progress
 
 LN2 = math.log(2.0)
@@ -167,14 +168,7 @@ def _table_tokens(
 
 def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np.ndarray, float]:
     """Token ids of a text file (one document, no special tokens added) and its UTF-8 bytes."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    text = read_user_text(path, "file")
     # The file is one document: a literal "<|endoftext|>" in it is text, as in the shards.
     tokenizer.encode_special_tokens = True
     ids = tokenizer.encode(text, add_special_tokens=False).ids

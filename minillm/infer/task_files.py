@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from minillm.errors import UserError
+from minillm.runtime.files import read_user_text
 
 ROLES = ("system", "user", "assistant")
 KINDS = {"multiple_choice": "multiple-choice", "exact_match": "exact-match"}
@@ -101,14 +102,7 @@ def _exact_match(obj: dict[str, Any], where: str, line: int) -> ExactMatch:
 def read_task(path: str | Path) -> Task:
     """Read and check a jsonl task file (blank lines are skipped)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such task file") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror})") from None
+    text = read_user_text(path, "task file")
     task: Task | None = None
     for n, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from minillm.errors import ConfigError
+from minillm.errors import ConfigError, UserError
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -186,3 +186,16 @@ def ensure_writable_dir(folder: str | Path, key: str) -> None:
         blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
         why = f"{blocker} is a file" if blocker and not blocker.is_dir() else e.strerror or e
         raise ConfigError(key, f"not writable: {why}", str(folder)) from None
+
+
+def read_user_text(path: str | Path, what: str = "file") -> str:
+    """A user's UTF-8 text file; a missing, unreadable or non-UTF-8 one is one UserError line."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such {what}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read ({e.strerror})") from None
