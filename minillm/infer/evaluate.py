@@ -44,6 +44,7 @@ def evaluate_tokens(
     rank: int = 0,
     world_size: int = 1,
     autocast: contextlib.AbstractContextManager | None = None,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[float, int]:
     """Summed cross-entropy (nats) over every token of `ids` after the first, and their count.
 
@@ -51,13 +52,17 @@ def evaluate_tokens(
     rank `rank`'s share, every world_size-th batch, padded with batches that predict nothing so
     that all ranks run the same number of forwards (FSDP's are collective); the caller sums the
     shares. no_grad rather than inference_mode: the trainer's model goes on training after it.
+    batches: these (x, y) instead of `ids`' windows (chat data: one conversation per row).
     """
     if isinstance(ids, torch.Tensor):
         ids = ids.cpu().numpy()
-    batches = eval_batches(ids, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches)
-    n_batches = math.ceil(math.ceil(max(len(ids) - 1, 0) / seq_len) / batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
+    if batches is not None:
+        n_batches = len(batches)
+    else:
+        batches = eval_batches(ids, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches)
+        n_batches = math.ceil(math.ceil(max(len(ids) - 1, 0) / seq_len) / batch_size)
+        if max_batches is not None:
+            n_batches = min(n_batches, max_batches)
     if world_size > 1:
         every = list(batches)
         batches = every[rank::world_size]
