@@ -204,6 +204,48 @@ def sample(
 
 
 @app.command()
+def chat(
+    ckpt: Path = CkptOption,
+    system: str | None = typer.Option(None, "--system", help="A system message to start with."),
+    message: str | None = typer.Option(
+        None, "--message", help="Print only the reply to this one user message, then exit."
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="Longest reply in tokens (default: sample.max_new_tokens)."
+    ),
+    temperature: float | None = typer.Option(
+        None, "--temperature", help="0 = greedy (default: sample.temperature)."
+    ),
+    top_k: int | None = typer.Option(
+        None, "--top-k", help="Keep the k most likely tokens, 0 = off (default: sample.top_k)."
+    ),
+    top_p: float | None = typer.Option(
+        None, "--top-p", help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p)."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Same seed, same replies."),
+    device: str = DeviceOption,
+) -> None:
+    """Talk to a chat model: replies streamed, /reset and /exit; stops each reply at <|end|>.
+
+    With --message, print the one reply and exit. From a pipe, each input line is the next user
+    turn and each reply is printed on one line.
+    """
+    from minillm.infer.chat import ChatSettings, chat_checkpoint
+
+    settings = ChatSettings(
+        system=system,
+        message=message,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )
+    loaded = _load(ckpt, device)
+    _run(chat_checkpoint, loaded, settings)
+
+
+@app.command()
 def export(
     ckpt: Path = CkptOption,
     out: Path = typer.Option(..., "--out", help="The folder to write."),

@@ -1,0 +1,112 @@
+"""`minillm chat`: one reply to --message, replies per piped line, and its one-line errors."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from minillm.checkpoint.store import load_checkpoint
+from minillm.cli import app
+from minillm.data.chat import chat_ids, encode_prompt
+from minillm.infer.chat import ChatSettings, chat_checkpoint
+from minillm.infer.generate import generate
+from tests import tiny_run
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory):
+    run_dir, _, _ = tiny_run.make_run(tmp_path_factory.mktemp("chat"))
+    return run_dir, load_checkpoint(run_dir)
+
+
+def greedy_reply(loaded, messages: list[dict[str, str]], max_new: int) -> str:
+    """The reply by hand: the template's prompt, greedy generate, stop at <|end|>."""
+    tok = loaded.tokenizer
+    ids = chat_ids(tok)
+    prompt = encode_prompt(tok, messages, ids)
+    new = generate(
+        loaded.model,
+        [prompt],
+        max_new_tokens=max_new,
+        temperature=0.0,
+        eot_id=ids["end"],
+        vocab_limit=tok.get_vocab_size(),  # the padded embedding rows are no tokens
+    )[0]
+    return tok.decode(new[:-1] if new and new[-1] == ids["end"] else new)
+
+
+def test_chat_message_prints_only_the_reply(run) -> None:
+    run_dir, loaded = run
+    args = ["chat", "--ckpt", str(run_dir), "--message", "Hello there", "--temperature", "0"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "12", "--system", "Be brief."])
+    assert result.exit_code == 0, result.output
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello there"},
+    ]
+    assert result.stdout == greedy_reply(loaded, messages, 12) + "\n"
+
+
+def test_piped_lines_are_turns_of_one_conversation(run) -> None:
+    _, loaded = run
+    out = io.StringIO()
+    settings = ChatSettings(temperature=0.0, max_new_tokens=6)
+    chat_checkpoint(loaded, settings, stdin=io.StringIO("first\n\nsecond\n"), out=out)
+    lines = out.getvalue().split("\n")[:-1]
+    assert len(lines) == 2  # the empty line is no turn
+    first = greedy_reply(loaded, [{"role": "user", "content": "first"}], 6)
+    assert lines[0] == first.replace("\n", " ")
+    history = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "second"},
+    ]
+    assert lines[1] == greedy_reply(loaded, history, 6).replace("\n", " ")
+
+
+def test_a_long_history_keeps_to_the_context(run) -> None:
+    _, loaded = run
+    out = io.StringIO()
+    lines = "".join(f"turn number {i} of a long talk\n" for i in range(12))
+    chat_checkpoint(
+        loaded, ChatSettings(temperature=0.0, max_new_tokens=8), io.StringIO(lines), out
+    )
+    assert len(out.getvalue().split("\n")[:-1]) == 12
+
+
+def test_a_checkpoint_without_chat_tokens_is_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenizers import trainers
+
+    from minillm.data.tokenizer import EOT, new_tokenizer
+
+    legacy = new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOT], show_progress=False)
+    legacy.train_from_iterator([tiny_run.SHAKESPEARE.read_text(encoding="utf-8")[:6000]], trainer)
+    monkeypatch.setattr(tiny_run, "_tokenizer_json", legacy.to_str)
+    run_dir, _, _ = tiny_run.make_run(tmp_path)
+    result = runner.invoke(app, ["chat", "--ckpt", str(run_dir), "--message", "hi"])
+    assert result.exit_code == 2, result.output
+    assert "has no chat tokens" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--message", " "], "--message: empty message"),
+        (["--message", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--message", "x", "--max-new-tokens", "64"], "leaves no room for a prompt"),
+    ],
+)
+def test_chat_bad_input_is_one_line_and_exit_2(run, args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["chat", "--ckpt", str(run[0]), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
