@@ -110,3 +110,50 @@ def test_chat_bad_input_is_one_line_and_exit_2(run, args: list[str], message: st
     assert result.exit_code == 2, result.output
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_eval_on_a_chat_file_scores_each_conversation_alone(run, tmp_path: Path) -> None:
+    import json
+    import math
+
+    import torch
+
+    from minillm.data.chat import encode_conversation
+    from minillm.infer.evaluate import evaluate_checkpoint
+
+    _, loaded = run
+    rows = [
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+        [
+            {"role": "system", "content": "Be kind."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello, friend."},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Bye!"},
+        ],
+    ]
+    path = tmp_path / "talk.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows), encoding="utf-8")
+    result = evaluate_checkpoint(loaded, data=path, batch_size=1)
+    tok, total, count = loaded.tokenizer, 0.0, 0
+    seq_len = loaded.config.train.seq_len  # 16: the second conversation is cut to 17 tokens
+    for messages in rows:  # by hand: each conversation alone, the loss on its targets
+        ids, target = encode_conversation(tok, messages)
+        ids, target = ids[: seq_len + 1], target[: seq_len + 1]
+        with torch.no_grad():
+            logits, _ = loaded.model(torch.tensor([ids[:-1]]))
+        logp = torch.log_softmax(logits[0].double(), dim=-1)
+        for t in range(len(ids) - 1):
+            if target[t + 1]:
+                total -= float(logp[t, ids[t + 1]])
+                count += 1
+    answer_bytes = len("4") + len("Hello, friend.") + len("Bye!")
+    assert result["tokens"] == count > 2 and result["bytes"] == answer_bytes
+    assert math.isclose(result["loss"], total / count, rel_tol=1e-5)
+    assert math.isclose(result["bits_per_byte"], total / math.log(2) / answer_bytes, rel_tol=1e-5)
+
+    rows[1][2]["role"] = "bot"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows), encoding="utf-8")
+    bad = runner.invoke(app, ["eval", "--ckpt", str(run[0]), "--data", str(path)])
+    assert bad.exit_code == 2
+    assert r"talk.jsonl: data.text_field: row 2: messages[2].role: 'bot'" in bad.stderr

@@ -25,6 +25,7 @@ import torch
 
 from minillm.data.batches import eval_batches
 from minillm.errors import UserError
+from minillm.infer.chat_eval import chat_eval_data
 from minillm.runtime.progress import Progress
 
 LN2 = math.log(2.0)
@@ -176,19 +177,28 @@ def evaluate_checkpoint(
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     cfg = ckpt.config
-    if data is not None:
+    seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    batch_size = batch_size or cfg.train.batch_size
+    # Chat data (a chat run's shard, a jsonl of messages): every conversation on its own.
+    chat = chat_eval_data(ckpt, data, seq_len, batch_size, max_tokens)
+    batches = None
+    if chat is not None:
+        if data is None:
+            _val_tokens(ckpt, None)  # its checks: the shards' tokenizer is the checkpoint's
+        batches, n_bytes, source = chat
+        ids = np.zeros(0, dtype=np.int64)
+    elif data is not None:
         ids, n_bytes = _file_tokens(Path(data), ckpt.tokenizer, max_tokens)
         source = str(data)
     else:
         ids, n_bytes, source = _val_tokens(ckpt, max_tokens)
-    if len(ids) < 2:
+    if chat is None and len(ids) < 2:
         raise UserError(f"{source}: {len(ids)} token(s); at least 2 are needed to predict one")
-    seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
     if device is None:
         device = next(ckpt.model.parameters()).device
     start = time.perf_counter()
     total, n = evaluate_tokens(
-        ckpt.model, ids, seq_len, batch_size or cfg.train.batch_size, device, progress=progress
+        ckpt.model, ids, seq_len, batch_size, device, progress=progress, batches=batches
     )
     result = metrics(total, n, n_bytes)
     result.update(source=source, seq_len=seq_len, seconds=time.perf_counter() - start)
