@@ -246,3 +246,60 @@ def test_a_tokenizer_without_chat_tokens_is_refused() -> None:
 
     with pytest.raises(UserError, match="has no chat tokens"):
         chat_ids(Tokenizer(models.BPE()), "x")
+
+
+@pytest.mark.slow  # a pretraining run, then a fine-tuning one
+def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """init_from a run: its model, weights and tokenizer; differing keys are named."""
+    import yaml
+
+    from minillm.checkpoint import store as ckpt
+    from minillm.train.setup import load_train_config
+    from tests.helpers import prepared_config
+
+    (tmp_path / "pre").mkdir()
+    pre = prepared_config(tmp_path / "pre", train=dict(max_steps=2, eval_every=0))
+    first = Trainer(pre, verbose=False)
+    try:
+        first.fit()
+    finally:
+        first.close()
+    run_dir = Path(pre.train.out_dir)
+
+    base = chat_config(tmp_path)  # writes chat.jsonl; the YAML below leaves model out
+    raw = {
+        "data": {"source": base.data.source, "text_field": "messages", "vocab_size": 300,
+                 "out_dir": str(tmp_path / "chat_tok")},
+        "train": {"init_from": str(run_dir), "out_dir": str(tmp_path / "sft"), "seq_len": 32,
+                  "batch_size": 2, "max_steps": 2, "warmup_steps": 1, "eval_every": 0,
+                  "device": "cpu", "precision": "fp32"},
+    }  # fmt: skip
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    cfg = load_train_config(path)
+    assert cfg.model == pre.model
+    assert Path(cfg.data.tokenizer) == run_dir / "tokenizer.json"  # the run's vocabulary
+    write_shards(cfg)
+    trainer = Trainer(cfg, verbose=False)
+    try:
+        start = ckpt.load_model_state(ckpt.resolve_checkpoint(run_dir))
+        for name, value in trainer.model.state_dict().items():
+            assert torch.equal(value, start[name]), name
+        trainer.fit()
+    finally:
+        trainer.close()
+
+    raw["model"] = {"d_model": 32, "n_layer": 1, "n_head": 4, "max_seq_len": 64}
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    other = load_train_config(path)
+    other.train.out_dir = str(tmp_path / "sft2")
+    Trainer(other, verbose=False).close()
+    assert "model.n_layer" in capsys.readouterr().err  # the warning names the keys not used
+
+    # Shards made with another tokenizer than the run's: one error naming data.tokenizer.
+    (tmp_path / "own").mkdir()
+    own = chat_config(tmp_path / "own")
+    write_shards(own)
+    other.data.out_dir, other.data.tokenizer = own.data.out_dir, own.data.tokenizer
+    with pytest.raises(ConfigError, match="data.tokenizer: .*another tokenizer than train.init"):
+        Trainer(other, verbose=False)
