@@ -222,8 +222,10 @@ class Trainer:
             else:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": n_tokens,
-                "finite": finite}  # fmt: skip
+        # Tokens processed (throughput, MFU, tokens_seen): with a target mask, more than n_tokens.
+        n_inputs = sum(b[0].numel() for b in micro) * self.dist.world_size
+        return {"loss": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": n_inputs,
+                "targets": n_tokens, "finite": finite}  # fmt: skip
 
     def _train_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
         tc = self.cfg.train
