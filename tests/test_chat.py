@@ -303,3 +303,33 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     other.data.out_dir, other.data.tokenizer = own.data.out_dir, own.data.tokenizer
     with pytest.raises(ConfigError, match="data.tokenizer: .*another tokenizer than train.init"):
         Trainer(other, verbose=False)
+
+
+def test_accumulation_with_doc_mask_equals_one_big_batch(chat_dir: Path, tmp_path: Path) -> None:
+    """Token-weighted over the assistant targets: 2 micro-batches give the big batch's gradient."""
+    out = chat_dir / "tok"
+    meta = load_meta(out)
+    tokens, mask, eot = open_split(out, "train"), open_mask(out, "train", meta), meta["eot_id"]
+    kw = dict(seed=0, step=0, rank=0, world_size=1, seq_len=48, mask=mask, eot_id=eot)
+    (big,) = train_batch(tokens, batch_size=4, grad_accum=1, starts=doc_starts(tokens, eot), **kw)
+    x, y, docs = big
+    assert len({int((y[r] != -100).sum()) for r in range(4)}) > 1  # uneven targets per row
+
+    def grads(run: str, micro: list, **train: Any) -> dict[str, torch.Tensor]:
+        cfg = chat_config(chat_dir, train=dict(out_dir=str(tmp_path / run), **train))
+        trainer = Trainer(cfg, verbose=False, batches=lambda step: micro)
+        captured: dict[str, torch.Tensor] = {}
+        trainer.optimizer.step = lambda *a, **k: captured.update(
+            {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+        )
+        try:
+            trainer.train_step()
+        finally:
+            trainer.close()
+        return captured
+
+    split = grads("a", [(x[:2], y[:2], docs[:2]), (x[2:], y[2:], docs[2:])], grad_accum=2,
+                  batch_size=2)  # fmt: skip
+    whole = grads("b", [(x, y, docs)], grad_accum=1, batch_size=4)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-7)

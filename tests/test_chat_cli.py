@@ -157,3 +157,33 @@ def test_eval_on_a_chat_file_scores_each_conversation_alone(run, tmp_path: Path)
     bad = runner.invoke(app, ["eval", "--ckpt", str(run[0]), "--data", str(path)])
     assert bad.exit_code == 2
     assert r"talk.jsonl: data.text_field: row 2: messages[2].role: 'bot'" in bad.stderr
+
+
+def test_chat_data_with_a_tokenizer_without_chat_tokens_is_one_line_exit_2(tmp_path: Path) -> None:
+    """A tokenizer from before the chat tokens, reused for chat data: the template cannot apply."""
+    import json
+
+    import yaml
+    from tokenizers import trainers
+
+    from minillm.data.tokenizer import EOT, new_tokenizer
+
+    legacy = new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOT], show_progress=False)
+    legacy.train_from_iterator([tiny_run.SHAKESPEARE.read_text(encoding="utf-8")[:6000]], trainer)
+    legacy.save(str(tmp_path / "old.json"))
+    rows = [[{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]
+            for i in range(10)]  # fmt: skip
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    cfg = {
+        "model": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 32},
+        "train": {"seq_len": 16},
+        "data": {"source": str(tmp_path / "c.jsonl"), "text_field": "messages",
+                 "vocab_size": 300, "tokenizer": str(tmp_path / "old.json"),
+                 "out_dir": str(tmp_path / "tok")},
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    result = runner.invoke(app, ["tokenize", str(tmp_path / "c.yaml")])
+    assert result.exit_code == 2, result.output
+    assert "data.tokenizer: the tokenizer has no chat tokens" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
