@@ -187,3 +187,34 @@ def test_chat_data_with_a_tokenizer_without_chat_tokens_is_one_line_exit_2(tmp_p
     assert result.exit_code == 2, result.output
     assert "data.tokenizer: the tokenizer has no chat tokens" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_terminal_conversation_streams_resets_and_leaves(run, monkeypatch) -> None:
+    _, loaded = run
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    typed = iter(["hello", "/reset", "hello", "again"])
+
+    def fake_input(prompt: str) -> str:
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None  # Ctrl-D
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    out, err = io.StringIO(), io.StringIO()
+    settings = ChatSettings(temperature=0.0, max_new_tokens=5)
+    chat_checkpoint(loaded, settings, stdin=Terminal(), out=out, err=err)
+    replies = out.getvalue().split("assistant> ")[1:]
+    assert len(replies) == 3 and "a new conversation" in err.getvalue()
+    first = greedy_reply(loaded, [{"role": "user", "content": "hello"}], 5)
+    assert replies[0] == first + "\n" and replies[1] == first + "\n"  # /reset forgot the first
+    history = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "again"},
+    ]
+    assert replies[2] == greedy_reply(loaded, history, 5) + "\n"
