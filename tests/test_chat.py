@@ -268,8 +268,8 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
 
     base = chat_config(tmp_path)  # writes chat.jsonl; the YAML below leaves model out
     raw = {
-        "data": {"source": base.data.source, "text_field": "messages", "vocab_size": 300,
-                 "out_dir": str(tmp_path / "chat_tok")},
+        "data": {"source": base.data.source, "text_field": "messages",
+                 "out_dir": str(tmp_path / "chat_tok")},  # vocab_size: the run's
         "train": {"init_from": str(run_dir), "out_dir": str(tmp_path / "sft"), "seq_len": 32,
                   "batch_size": 2, "max_steps": 2, "warmup_steps": 1, "eval_every": 0,
                   "device": "cpu", "precision": "fp32"},

@@ -3,10 +3,11 @@
 Offers `load_train_config(path, overrides)` (what `minillm train`, `tokenize` and `info` read),
 `init_from(cfg)` (the starting weights and tokenizer) and `check_data` (shards vs config).
 `train.init_from` is resolved here, once, and not in `minillm.config` (a leaf of the layers).
-It names a Hugging Face Llama folder, or a minillm run directory (its newest intact checkpoint)
-or one checkpoint: the model and the tokenizer are then the run's. For a minillm run an empty
-`data.tokenizer` becomes the run's tokenizer, so `minillm tokenize` makes the fine-tuning shards
-with the vocabulary the model was trained on (every tokenizer reserves the chat tokens).
+It names a Hugging Face Llama folder, or a minillm run directory (its newest intact checkpoint) or
+one checkpoint: the model and the tokenizer are then the run's. For a minillm run an empty
+`data.tokenizer` becomes the run's tokenizer (and an absent `data.vocab_size` its size), so `minillm
+tokenize` makes the fine-tuning shards with the vocabulary the model was trained on (every tokenizer
+reserves the chat tokens).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> C
         data = raw.setdefault("data", {})
         if isinstance(data, dict) and not data.get("tokenizer"):
             data["tokenizer"] = str(tok)
+            data.setdefault("vocab_size", source.data.vocab_size)  # the size of that tokenizer
     elif "model" not in raw and init_from:
         raw["model"] = dataclasses.asdict(hf_model_config(init_from))
     return config_from_dict(raw, str(path))
