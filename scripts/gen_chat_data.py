@@ -2,9 +2,10 @@
 
     python scripts/gen_chat_data.py   # data/tiny_chat.jsonl and data/tiny_chat_test.jsonl
 
-A task a small model learns on a CPU in minutes, with an exact answer: "Reverse: k q m z" ->
-"z m q k" (or "Copy: ..." -> the same letters). Letters are spaced, so each is one token of any
-byte-level BPE, and the model has to attend to the prompt rather than memorise. A third of the
+A task a small model learns on a CPU in minutes, with an exact answer: "Reverse: k q m" ->
+"m q k" (or "Copy: ..." -> the same letters). Letters are spaced, so each is one token of any
+byte-level BPE, and the model has to attend to the prompt rather than memorise (17,576 letter
+triples, so held-out prompts are new ones). A third of the
 conversations open with a system message. The seed is fixed: the files are the same every time.
 tiny_chat.jsonl (training, `data.text_field: messages`) and tiny_chat_test.jsonl (held out: the
 conversation without its answer, and the answer, the exact-match task format of DESIGN.md) share
@@ -20,11 +21,15 @@ import string
 from pathlib import Path
 
 SYSTEM = "You follow instructions exactly."
+# Three letters: each answer letter then sits at a fixed distance from the token that predicts
+# it, which a 1M-parameter model learns in a few hundred steps; 3 to 6 letters (tried first)
+# left it at 0% exact match after 400 steps, though it had learned the answer's length.
+LETTERS = 3
 
 
 def conversation(rng: random.Random) -> tuple[list[dict[str, str]], str]:
     """One conversation (ending with the user's turn) and its answer."""
-    letters = rng.choices(string.ascii_lowercase, k=rng.randint(3, 6))
+    letters = rng.choices(string.ascii_lowercase, k=LETTERS)
     task = rng.choice(("Copy", "Reverse"))
     answer = " ".join(letters if task == "Copy" else letters[::-1])
     messages = [{"role": "user", "content": f"{task}: {' '.join(letters)}"}]
