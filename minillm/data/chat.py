@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from minillm.errors import ConfigError, UserError
 
 ROLES = ("system", "user", "assistant")
@@ -117,7 +115,3 @@ def assistant_bytes(messages: list[dict[str, str]]) -> int:
 def content_bytes(messages: list[dict[str, str]]) -> int:
     """UTF-8 bytes of every content (the conversation's text, without its special tokens)."""
     return sum(len(m["content"].encode("utf-8")) for m in messages)
-
-
-def as_arrays(ids: list[int], target: list[bool]) -> tuple[np.ndarray, np.ndarray]:
-    return np.asarray(ids, dtype=np.int64), np.asarray(target, dtype=bool)

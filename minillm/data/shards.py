@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from minillm.config import Config
-from minillm.data.chat import assistant_bytes, chat_ids, content_bytes, encode_conversation
+from minillm.data.chat_shards import ChatEncoder, resolve_loss_on
 from minillm.data.corpus import Corpus, Document, open_corpus
 from minillm.data.meta import (
     MASK_SUFFIX,
@@ -174,55 +174,6 @@ class _SplitEncoder:
         self.progress.update(self.progress.done + units, self.progress.nbytes + nbytes)
 
 
-class _ChatEncoder:
-    """Encodes one split's conversations with the chat template: ids, then the target mask.
-
-    Conversations are encoded in batches (one `encode_batch_fast` over their contents), each
-    followed by EOT (never a target). `mask` is None when every token is a target (loss_on all).
-    """
-
-    def __init__(
-        self, tok: Tokenizer, eot: int, writer: _ShardWriter, mask: _ShardWriter | None,
-        progress: Progress,
-    ) -> None:  # fmt: skip
-        self.tok, self.eot, self.writer, self.mask, self.progress = tok, eot, writer, mask, progress
-        self.ids = chat_ids(tok, "data.tokenizer")
-        self.batch: list[list[dict[str, str]]] = []
-        self.chars = 0
-        self.seconds = 0.0
-        self.targets = 0  # target tokens written
-        self.target_bytes = 0  # bytes of the texts those targets spell
-
-    def add_document(self, doc: Document) -> int:
-        assert doc.messages is not None
-        self.batch.append(doc.messages)
-        self.chars += doc.nbytes
-        if self.chars >= BATCH_CHARS:
-            self.finish()
-        return doc.nbytes
-
-    def finish(self) -> None:
-        start = time.perf_counter()
-        ids: list[int] = []
-        target: list[bool] = []
-        for messages in self.batch:
-            conv_ids, conv_target = encode_conversation(self.tok, messages, self.ids)
-            ids += [*conv_ids, self.eot]
-            target += [*conv_target, False]
-            self.target_bytes += assistant_bytes(messages) if self.mask else content_bytes(messages)
-        self.seconds += time.perf_counter() - start
-        self.writer.write(np.asarray(ids, dtype=np.int64))
-        if self.mask is not None:
-            self.mask.write(np.asarray(target, dtype=np.uint8))
-            self.targets += sum(target)
-        else:
-            self.targets += len(ids)
-        self.progress.update(
-            self.progress.done + len(self.batch), self.progress.nbytes + self.chars
-        )
-        self.batch, self.chars = [], 0
-
-
 def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
     """Train the tokenizer on the train split, with a progress bar over the text it reads."""
     by_bytes = corpus.unit == "bytes"
@@ -281,8 +232,8 @@ def _encode(
     try:
         # On an error the pool waits for the batch in flight (a second or so), then is gone.
         with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
-            encoders: dict[str, _SplitEncoder | _ChatEncoder] = {
-                s: _ChatEncoder(tok, eot, writers[s], masks[s] if masks else None, progress)
+            encoders: dict[str, _SplitEncoder | ChatEncoder] = {
+                s: ChatEncoder(tok, eot, writers[s], masks[s] if masks else None, progress)
                 if getattr(corpus, "chat", False)
                 else _SplitEncoder(tok, eot, writers[s], pool, progress, by_bytes)
                 for s in SPLITS
@@ -294,23 +245,11 @@ def _encode(
                 enc = encoders[s]
                 enc.finish()
                 stats[s]["seconds"] = enc.seconds
-                if isinstance(enc, _ChatEncoder):
+                if isinstance(enc, ChatEncoder):
                     stats[s]["targets"], stats[s]["target_bytes"] = enc.targets, enc.target_bytes
     finally:
         progress.close()
     return stats
-
-
-def _loss_on(data: Any, chat: bool, label: str) -> str:
-    """data.loss_on resolved: auto = assistant for chat data, all otherwise."""
-    if data.loss_on == "assistant" and not chat:
-        raise ConfigError(
-            "data.loss_on",
-            f"assistant needs chat data (a column of {{role, content}} messages); "
-            f"data.text_field {data.text_field!r} holds plain text",
-            label,
-        )
-    return data.loss_on if data.loss_on != "auto" else ("assistant" if chat else "all")
 
 
 def _split_summary(documents: int, nbytes: int, tokens: int, seconds: float) -> dict[str, Any]:
@@ -379,7 +318,7 @@ def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
             tok_sha = hashlib.sha256(tok_json.encode("utf-8")).hexdigest()
         vocab, dtype = tok.get_vocab_size(), shard_dtype(tok.get_vocab_size())
         chat = bool(getattr(corpus, "chat", False))
-        loss_on = _loss_on(data, chat, corpus.label)
+        loss_on = resolve_loss_on(data, chat, corpus.label)
         writers = {s: _ShardWriter(out_dir / f"{s}.bin", dtype) for s in SPLITS}
         staged += writers.values()
         masks = None
