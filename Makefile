@@ -46,7 +46,7 @@ chat-demo: setup
 	$(BIN)/minillm tokenize configs/tiny-chat.yaml
 	$(BIN)/minillm train configs/tiny-chat.yaml
 	$(BIN)/python scripts/chat_exact_match.py --ckpt runs/tiny-chat
-	$(BIN)/minillm chat --ckpt runs/tiny-chat --message "Reverse: m a k e"
+	$(BIN)/minillm chat --ckpt runs/tiny-chat --message "Reverse: m a k"
 
 lint: setup
 	$(BIN)/ruff check minillm tests scripts
