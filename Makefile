@@ -10,7 +10,7 @@ TORCH_CPU      ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: setup test test-fast demo lint format bench clean
+.PHONY: setup test test-fast demo chat-demo lint format bench clean
 
 setup: $(BIN)/.installed
 
@@ -40,6 +40,14 @@ demo: setup
 	$(BIN)/minillm eval --ckpt runs/tiny
 	$(BIN)/minillm eval --ckpt runs/tiny --task data/shakespeare_next_line.jsonl
 	$(BIN)/minillm sample --ckpt runs/tiny --prompt "ROMEO:" --max-new-tokens 200
+
+# The chat demo: a small model trained on the shipped copy/reverse chat set (regenerate it with
+# scripts/gen_chat_data.py), then its exact match on 200 held-out conversations and one reply.
+chat-demo: setup
+	$(BIN)/minillm tokenize configs/tiny-chat.yaml
+	$(BIN)/minillm train configs/tiny-chat.yaml
+	$(BIN)/minillm eval --ckpt runs/tiny-chat --task data/tiny_chat_test.jsonl
+	$(BIN)/minillm chat --ckpt runs/tiny-chat --message "Reverse: m a k"
 
 lint: setup
 	$(BIN)/ruff check minillm tests scripts

@@ -23,7 +23,7 @@ from minillm.errors import UserError
 
 SUMMARY = (
     "Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample, "
-    "export, info."
+    "chat, export, info."
 )
 
 
@@ -138,7 +138,7 @@ def _root(
     ),
 ) -> None:
     """Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample,
-    export, info."""
+    chat, export, info."""
 
 
 def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -386,6 +386,65 @@ def sample(
     )
     loaded = _load(ckpt, device, best)
     _run(sample_checkpoint, loaded, settings)
+
+
+@app.command(
+    cls=_Command, short_help="Talk to a chat model: one --message, a conversation or a pipe."
+)
+def chat(
+    ckpt: Path = CkptOption,
+    best: bool = BestOption,
+    system: str | None = typer.Option(
+        None, "--system", metavar="TEXT", help="A system message to start with."
+    ),
+    message: str | None = typer.Option(
+        None,
+        "--message",
+        metavar="TEXT",
+        help="Print only the reply to this one user message, then exit.",
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None,
+        "--max-new-tokens",
+        metavar="N",
+        help="Longest reply in tokens (default: sample.max_new_tokens).",
+    ),
+    temperature: float | None = typer.Option(
+        None, "--temperature", metavar="T", help="0 = greedy (default: sample.temperature)."
+    ),
+    top_k: int | None = typer.Option(
+        None,
+        "--top-k",
+        metavar="K",
+        help="Keep the k most likely tokens, 0 = off (default: sample.top_k).",
+    ),
+    top_p: float | None = typer.Option(
+        None,
+        "--top-p",
+        metavar="P",
+        help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p).",
+    ),
+    seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
+    device: str = DeviceOption,
+) -> None:
+    """Talk to a chat model: replies streamed, /reset and /exit; stops each reply at <|end|>.
+
+    With --message, print the one reply and exit. From a pipe, each input line is the next user
+    turn and each reply is printed on one line.
+    """
+    from minillm.infer.chat import ChatSettings, chat_checkpoint
+
+    settings = ChatSettings(
+        system=system,
+        message=message,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )
+    loaded = _load(ckpt, device, best)
+    _run(chat_checkpoint, loaded, settings)
 
 
 @app.command(cls=_Command, short_help="Write a Hugging Face Llama folder (transformers loads it).")

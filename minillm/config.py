@@ -126,8 +126,13 @@ class DataConfig(_Section):
     )
     text_field: str = _f(
         "text",
-        help="Column holding the text. A column of [{role, content}, ...] messages is rendered "
-        "as chat: each message becomes <|role|>, a newline, its content and a newline.",
+        help="Column holding the text. A column of [{role, content}, ...] messages (roles "
+        "system, user, assistant) is chat: each message becomes <|role|> + content + <|end|>.",
+    )
+    loss_on: Literal["auto", "all", "assistant"] = _f(
+        "auto",
+        help="Which tokens are training targets: all, or (chat data) the assistant turns' tokens "
+        "and their <|end|>. auto = assistant for chat data, all otherwise.",
     )
     val_fraction: float = _f(
         0.1, help="Share of documents held out for validation (the tail of a single document)."
@@ -142,11 +147,12 @@ class DataConfig(_Section):
             self._fail("source", "must not be empty")
         if not 0.0 < self.val_fraction < 1.0:
             self._fail("val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        # 256 byte tokens and the end-of-text token (minillm.data.tokenizer.MIN_VOCAB).
-        if self.vocab_size < 257:
+        # 256 byte tokens, end-of-text and the 4 chat tokens (minillm.data.tokenizer.MIN_VOCAB).
+        if self.vocab_size < 261:
             self._fail(
                 "vocab_size",
-                f"{self.vocab_size} is too small: the 256 byte tokens plus <|endoftext|> need 257",
+                f"{self.vocab_size} is too small: the 256 byte tokens plus the 5 special tokens "
+                "(<|endoftext|> and the chat tokens) need 261",
             )
         if not self.text_field:
             self._fail("text_field", "must not be empty")
@@ -212,8 +218,13 @@ class TrainConfig(_Section):
     )
     init_from: str = _f(
         "",
-        help="A Hugging Face Llama folder to start from (its config.json gives the model, its "
-        "weights the initial values; the model section may then be left out).",
+        help="A Hugging Face Llama folder, a minillm run directory or a checkpoint to start from "
+        "(its model and tokenizer are used; the model section may then be left out).",
+    )
+    doc_mask: bool | None = _f(
+        None,
+        help="Keep attention inside each document of a packed window (RoPE positions restart "
+        "per document); chat windows then start at a conversation. null = on for chat data.",
     )
     eval_tasks: list[str] = _f(
         [],

@@ -298,6 +298,22 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
             step = make_step(compiled, call_ours, idx, targets, device, autocast)
             rows.append(Row("minillm compiled" + suffix, step))
 
+    if args.doc_mask:
+        # Packed documents of 1..seq/4 tokens (mean ~seq/8): attention kept inside each one.
+        lengths = torch.randint(1, max(2, shape.seq // 4), (batch, shape.seq), generator=gen)
+        starts = torch.zeros(batch, shape.seq, dtype=torch.long)
+        for r in range(batch):
+            pos = torch.cumsum(lengths[r], 0)
+            starts[r, pos[pos < shape.seq]] = 1
+        doc_ids = torch.cumsum(starts, dim=1).to(device)  # (B, T)
+
+        def call_doc(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor):
+            return model(idx, targets, doc_ids=doc_ids)[1]
+
+        doc_model = copy.deepcopy(ours)
+        rows.append(Row("minillm doc_mask", make_step(doc_model, call_doc, idx, targets, device,
+                                                      autocast)))  # fmt: skip
+
     dtype_name = "bf16 autocast" if autocast else "fp32"
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     print(
@@ -419,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.1,
         help="CPU share of other processes above which a step is set aside",
+    )
+    p.add_argument(
+        "--doc-mask", action="store_true", help="add a row with train.doc_mask's packed documents"
     )
     p.add_argument("--profile", action="store_true", help="print an operator profile per row")
     p.add_argument("--profile-steps", type=int, default=5)

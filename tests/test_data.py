@@ -27,7 +27,7 @@ from minillm.config import Config, config_from_dict
 from minillm.data import shards as shards_mod
 from minillm.data import text as text_mod
 from minillm.data.batches import eval_batches, train_batch
-from minillm.data.corpus import TableCorpus, _looks_like_hub, open_corpus, render_chat, val_mask
+from minillm.data.corpus import TableCorpus, _looks_like_hub, open_corpus, val_mask
 from minillm.data.meta import load_meta, open_split, shard_dtype
 from minillm.data.shards import write_shards
 from minillm.data.text import is_cut, read_text_blocks, split_pieces
@@ -91,7 +91,7 @@ def decoded_docs(out_dir: Path, split: str) -> list[str]:
     docs, start = [], 0
     for i, t in enumerate(ids):
         if t == meta["eot_id"]:
-            docs.append(tok.decode(ids[start:i]))
+            docs.append(tok.decode(ids[start:i], skip_special_tokens=False))
             start = i + 1
     return docs
 
@@ -191,11 +191,6 @@ def test_binary_input_names_file_and_offset(tmp_path: Path, content: bytes, mess
     for block in (3, 1 << 20):
         with pytest.raises(UserError, match=f"bin.txt: data.source: {message}"):
             list(read_text_blocks(path, block_bytes=block))
-
-
-def test_render_chat() -> None:
-    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
-    assert render_chat(messages) == "<|user|>\n2+2?\n<|assistant|>\n4\n"
 
 
 # ----------------------------------------------------------------------------- sources, splits
@@ -302,9 +297,12 @@ def test_chat_messages_are_rendered(tmp_path: Path) -> None:
     src = str(shutil.copy(DATA / "gsm8k_chat_200.jsonl", tmp_path / "chat.jsonl"))
     write_shards(make_cfg(tmp_path, source=src, text_field="messages"))
     docs = decoded_docs(tmp_path / "tokens", "train") + decoded_docs(tmp_path / "tokens", "val")
-    expected = [render_chat(json.loads(line)["messages"]) for line in open(src, encoding="utf-8")]
+    expected = [
+        "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in json.loads(line)["messages"])
+        for line in open(src, encoding="utf-8")
+    ]
     assert len(docs) == 200 and sorted(docs) == sorted(expected)
-    assert docs[0].startswith("<|user|>\n")
+    assert docs[0].startswith("<|user|>")
 
 
 def test_in_memory_dataset_and_a_single_row(tmp_path: Path) -> None:

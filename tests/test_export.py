@@ -57,7 +57,8 @@ def test_exported_folder_has_the_hf_files(exported) -> None:
     assert cfg["tie_word_embeddings"] == m.tie_embeddings and cfg["vocab_size"] == m.vocab_size
     eot = eot_id(loaded.tokenizer)
     gen = json.loads((out / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == eot and gen["do_sample"] and gen["top_k"] == 20
+    end = loaded.tokenizer.token_to_id("<|end|>")  # a chat turn ends generation too
+    assert gen["eos_token_id"] == [eot, end] and gen["do_sample"] and gen["top_k"] == 20
     assert gen["max_new_tokens"] == 20 and "max_length" not in gen
 
 
@@ -89,14 +90,18 @@ def test_greedy_generation_equals_hf_generate(exported) -> None:
     ours = generate(loaded.model, prompts, max_new_tokens=30, temperature=0.0, eot_id=eot)
     for prompt, got in zip(prompts, ours):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=eot
+            )
         assert got == ref[0, len(prompt) :].tolist()
     # HF's own left-padded batch agrees as well.
     T = max(map(len, prompts))
     idx = torch.tensor([[eot] * (T - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        ref = hf.generate(idx, attention_mask=mask, max_new_tokens=30, do_sample=False)
+        ref = hf.generate(
+            idx, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eot
+        )
     for r, got in enumerate(ours):
         assert ref[r, T : T + len(got)].tolist() == got
 
@@ -117,6 +122,45 @@ def test_exported_end_of_text_row_still_learns_in_transformers(exported) -> None
     ref = hf.model.embed_tokens.weight.grad[eot]
     assert ref.abs().sum() > 0
     torch.testing.assert_close(ref, ours.tok_emb.weight.grad[eot], atol=1e-5, rtol=1e-4)
+
+
+def test_chat_template_and_replies_match_hf(exported) -> None:
+    """apply_chat_template gives our ids; greedy HF generate gives `chat --message`'s reply."""
+    from minillm.data.chat import encode_prompt
+
+    loaded, out = exported
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Grüße! What is 2 + 2?"},
+        {"role": "assistant", "content": "4 🙂"},
+        {"role": "user", "content": " And 3+3?\n"},
+    ]
+    ours = encode_prompt(loaded.tokenizer, messages)
+    theirs = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs  # newer: a BatchEncoding
+    assert list(theirs) == ours
+    assert hf_tok.apply_chat_template(messages, tokenize=False).count("<|end|>") == 4
+
+    args = ["chat", "--ckpt", str(loaded.path), "--temperature", "0", "--max-new-tokens", "15"]
+    reply = CliRunner().invoke(app, [*args, "--system", "You are terse.", "--message", "Hi"])
+    assert reply.exit_code == 0, reply.output
+    prompt = hf_tok.apply_chat_template(
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.no_grad():  # generation_config stops at <|end|>; the padded rows are no tokens
+        ref = hf.generate(
+            **prompt,
+            max_new_tokens=15,
+            do_sample=False,
+            suppress_tokens=list(range(hf_tok.vocab_size, loaded.config.model.vocab_size)),
+        )
+    new = ref[0, prompt["input_ids"].shape[1] :]
+    assert reply.stdout == hf_tok.decode(new, skip_special_tokens=True) + "\n"
 
 
 def test_export_refuses_a_non_empty_folder_unless_forced(tmp_path: Path) -> None:

@@ -15,6 +15,9 @@ runner = CliRunner()
 CONF = "model: {d_model: 64, n_layer: 2, n_head: 4}\n"
 
 
+PIPELINE = ["tokenize", "train", "eval", "sample", "chat", "export", "info"]
+
+
 def conf(tmp_path: Path, text: str = CONF) -> str:
     path = tmp_path / "grimm.yaml"
     path.write_text(text)
@@ -103,9 +106,9 @@ def test_parser_errors_are_one_line(args: list[str], expected: str) -> None:
 def test_help_reads_as_metavars_and_lists_commands_in_pipeline_order() -> None:
     top = invoke(["--help"])
     assert top.exit_code == 0
-    assert "tokenize, train, eval, sample, export, info." in " ".join(top.stdout.split())
+    assert "tokenize, train, eval, sample, chat, export, info." in " ".join(top.stdout.split())
     listed = [line.split()[0] for line in top.stdout.split("Commands:")[1].strip().splitlines()]
-    assert listed == ["tokenize", "train", "eval", "sample", "export", "info"]
+    assert listed == PIPELINE
     train = invoke(["train", "--help"]).stdout
     assert "Usage: minillm train [OPTIONS] CONFIG" in train
     assert "--set KEY=VALUE" in train
@@ -213,16 +216,19 @@ def test_eval_data_reads_tables_as_tokenize_does(run: Path, tmp_path: Path) -> N
     assert line == f"error: {jsonl}: --text-field: no column 'body' (columns found: text, n)"
 
 
-def test_eval_data_renders_chat_rows(run: Path, tmp_path: Path) -> None:
+def test_eval_data_scores_chat_rows_over_the_answers(run: Path, tmp_path: Path) -> None:
+    """Chat rows go through the chat template: the loss is over the assistant's tokens and its
+    <|end|>, bits per byte over the assistant's bytes (as a chat run's val/loss)."""
     import json
 
-    from minillm.data.corpus import render_chat
+    from minillm.data.chat import assistant_bytes
 
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": messages}) + "\n")
     result = eval_json(["--ckpt", str(run), "--data", str(chat), "--text-field", "messages"])
-    assert result["bytes"] == len(render_chat(messages).encode())
+    assert result["bytes"] == assistant_bytes(messages) == 6
+    assert 2 <= result["tokens"] <= 7  # "Hello." in 1-6 tokens, then <|end|>
 
 
 # ----------------------------------------------------------------------------- 7: surprises
@@ -377,7 +383,6 @@ def test_the_mfu_peak_is_probed_once_per_machine_and_shown(
 # ----------------------------------------------------------------------------- 9: housekeeping
 
 ROOT = Path(__file__).resolve().parent.parent
-PIPELINE = ["tokenize", "train", "eval", "sample", "export", "info"]
 
 
 def test_readme_lists_commands_in_pipeline_order() -> None:

@@ -18,7 +18,6 @@ from minillm.errors import UserError
 from minillm.infer.generate import generate
 from minillm.infer.task_files import ExactMatch, MultipleChoice, Task, read_task
 from minillm.infer.tasks import (
-    CHAT_TOKENS,
     answer_matches,
     chat_prompt_ids,
     choice_ids,
@@ -153,18 +152,20 @@ def test_answer_matches() -> None:
 
 
 def chat_tokenizer():
+    """The test tokenizer: every minillm tokenizer has the chat tokens."""
     tok = tiny_tokenizer()
-    tok.add_special_tokens(list(CHAT_TOKENS))
+    assert tok.token_to_id("<|end|>") is not None
     return tok
 
 
 def test_chat_prompt_follows_the_template() -> None:
     tok = chat_tokenizer()
     eot = eot_id(tok)
-    t = {name: tok.token_to_id(name) for name in CHAT_TOKENS}
-    ids = chat_prompt_ids(tok, (("system", "Be brief."), ("user", "Speak, speak.")), eot)
+    names = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+    t = {name: tok.token_to_id(name) for name in names}
+    ids = chat_prompt_ids(tok, (("system", "Be brief."), ("user", "Speak, speak.")), "t.jsonl")
+    assert eot not in ids  # a conversation starts at position 0, as apply_chat_template's
     assert ids == [
-        eot,
         *[t["<|system|>"], *enc(tok, "Be brief."), t["<|end|>"]],
         *[t["<|user|>"], *enc(tok, "Speak, speak."), t["<|end|>"]],
         t["<|assistant|>"],
@@ -178,7 +179,7 @@ def test_exact_match_scores_greedy_replies_to_the_end_token(run) -> None:
     questions = ["Speak, speak.", "Who is there?", "Grüße aus Köln", "hear me", "All:"]
     examples = []
     for i, q in enumerate(questions):
-        prompt = chat_prompt_ids(tok, (("user", q),), eot)
+        prompt = chat_prompt_ids(tok, (("user", q),), "t.jsonl")
         (reply,) = generate(model, [prompt], max_new_tokens=6, temperature=0.0, eot_id=end,
                             vocab_limit=tok.get_vocab_size())  # fmt: skip
         stop = [k for k, t in enumerate(reply) if t in (end, eot)]
@@ -203,7 +204,7 @@ def test_eval_exact_match_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     tok = load_checkpoint(run_dir).tokenizer
     end, eot = tok.token_to_id("<|end|>"), eot_id(tok)
     messages = (("system", "Be brief."), ("user", "Speak, speak."))
-    prompt = chat_prompt_ids(tok, messages, eot)
+    prompt = chat_prompt_ids(tok, messages, "t.jsonl")
     (reply,) = generate(model, [prompt], max_new_tokens=cfg.sample.max_new_tokens,
                         temperature=0.0, eot_id=end, vocab_limit=tok.get_vocab_size())  # fmt: skip
     stop = [k for k, t in enumerate(reply) if t in (end, eot)]
@@ -285,15 +286,12 @@ def test_bad_task_file_is_one_error_line(run, tmp_path: Path, content: str, mess
 def test_task_options_refused_with_one_line(run, tmp_path: Path) -> None:
     run_dir, _ = run
     mc = write_jsonl(tmp_path / "mc.jsonl", MC_ROWS)
-    em = write_jsonl(tmp_path / "em.jsonl", [{"messages": [{"role": "user", "content": "Hi"}],
-                                              "answer": "1"}])  # fmt: skip
     (tmp_path / "other").mkdir()
     twin = write_jsonl(tmp_path / "other" / "mc.jsonl", MC_ROWS)
     cases = [
         (["--task", str(tmp_path / "nope.jsonl")], "nope.jsonl: no such task file"),
         (["--task", str(mc), "--extract-number"], "--extract-number: applies to exact-match"),
         (["--task", str(mc), "--task", str(twin)], "have the same name 'mc'"),
-        (["--task", str(em)], "this model has no chat template"),
     ]
     for argv, message in cases:
         result = runner.invoke(app, ["eval", "--ckpt", str(run_dir), *argv])
@@ -301,6 +299,21 @@ def test_task_options_refused_with_one_line(run, tmp_path: Path) -> None:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
         assert message in lines[0], lines[0]
+
+
+def test_exact_match_on_a_model_without_chat_tokens_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiny_run
+
+    monkeypatch.setattr(tiny_run, "_tokenizer_json", tiny_run.legacy_tokenizer_json)
+    run_dir, _, _ = tiny_run.make_run(tmp_path)
+    em = write_jsonl(tmp_path / "em.jsonl", [{"messages": [{"role": "user", "content": "Hi"}],
+                                              "answer": "1"}])  # fmt: skip
+    result = runner.invoke(app, ["eval", "--ckpt", str(run_dir), "--task", str(em)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {em}: the tokenizer has no chat tokens")
 
 
 # ----------------------------------------------------------------------------- training
@@ -337,14 +350,18 @@ def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
     "row, message",
     [
         ({**GOOD, "label": 9}, r"bad.jsonl: line 1: label: 9"),
-        ({"messages": [{"role": "user", "content": "?"}], "answer": "1"}, "no chat template"),
+        ({"messages": [{"role": "user", "content": "?"}], "answer": "1"}, "has no chat tokens"),
     ],
 )
 def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path, row, message) -> None:
+    import tiny_run
+
     from minillm.train.trainer import Trainer
     from tests.helpers import prepared_config
 
     task = write_jsonl(tmp_path / "bad.jsonl", [row])
+    (tmp_path / "tokens").mkdir()  # a tokenizer from before the chat tokens, reused by tokenize
+    (tmp_path / "tokens" / "tokenizer.json").write_text(tiny_run.legacy_tokenizer_json())
     cfg = prepared_config(tmp_path, train=dict(eval_tasks=[str(task)]))
     with pytest.raises(UserError, match=message):
         Trainer(cfg, verbose=False)

@@ -53,7 +53,7 @@ def test_round_trip_is_byte_exact(tok: Tokenizer) -> None:
 
 
 def test_literal_eot_is_text_and_eot_is_special(tok: Tokenizer) -> None:
-    assert special_tokens(tok) == [EOT]
+    assert special_tokens(tok) == [EOT, "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
     eot = eot_id(tok)
     assert eot == tok.token_to_id(EOT)
     assert eot not in tok.encode(f"x {EOT} y").ids  # a quoted separator cannot end a document
@@ -62,12 +62,21 @@ def test_literal_eot_is_text_and_eot_is_special(tok: Tokenizer) -> None:
 
 def test_vocab_size_is_exact(tok: Tokenizer) -> None:
     assert tok.get_vocab_size() == 512
-    assert MIN_VOCAB == 257
+    assert MIN_VOCAB == 261
 
 
 def test_vocab_below_bytes_plus_specials_is_a_user_error() -> None:
-    with pytest.raises(ConfigError, match="data.vocab_size.*at least 257"):
+    with pytest.raises(ConfigError, match="data.vocab_size.*at least 261"):
         train_tokenizer(["some text"], 256)
+
+
+def test_chat_tokens_are_never_made_from_text(tok: Tokenizer) -> None:
+    for name in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"):
+        special = tok.token_to_id(name)
+        assert special is not None
+        ids = tok.encode(f"a {name} b").ids
+        assert special not in ids  # quoted in a text, a chat token is text
+        assert tok.decode(ids) == f"a {name} b"
 
 
 def test_corpus_too_small_for_the_vocab_is_a_user_error() -> None:

@@ -35,6 +35,18 @@ def _tokenizer_json() -> str:
     return train_tokenizer([text], VOCAB).to_str()
 
 
+def legacy_tokenizer_json() -> str:
+    """A tokenizer from before minillm reserved the chat tokens (only <|endoftext|>)."""
+    from tokenizers import trainers
+
+    from minillm.data.tokenizer import EOT, new_tokenizer
+
+    legacy = new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOT], show_progress=False)
+    legacy.train_from_iterator([SHAKESPEARE.read_text(encoding="utf-8")[:6000]], trainer)
+    return legacy.to_str()
+
+
 def tiny_tokenizer() -> Tokenizer:
     tok = Tokenizer.from_str(_tokenizer_json())
     tok.encode_special_tokens = True

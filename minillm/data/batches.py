@@ -1,9 +1,13 @@
 """The batches that training and evaluation read from a split: pure functions of their inputs.
 
 Offers `train_batch` (the micro-batches of one step, a function of (seed, step, rank, world
-size)) and `eval_batches` (windows that predict every token after the first once). So a resumed run
-sees the same data, and the global batch does not depend on how it is spread over ranks and
-micro-batches.
+size)), `eval_batches` (windows that predict every token after the first once), and for packed
+documents `doc_starts`, `doc_ids` and `conversation_batches` (every conversation alone in its
+row). So a resumed run sees the same data, and the global batch does not depend on how it is
+spread over ranks and micro-batches.
+
+A micro-batch is (x, y) or, with document masking, (x, y, doc_ids): doc_ids (B, T) numbers the
+documents of a window (a document's EOT belongs to it), for the model's `doc_ids` argument.
 """
 
 from __future__ import annotations
@@ -26,13 +30,19 @@ def train_batch(
     batch_size: int,
     grad_accum: int,
     seq_len: int,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's `grad_accum` micro-batches (x, y) of step `step`, each (B, T) int64.
+    mask: np.ndarray | None = None,
+    eot_id: int | None = None,
+    starts: np.ndarray | None = None,
+) -> list[tuple[torch.Tensor, ...]]:
+    """This rank's `grad_accum` micro-batches (x, y[, doc_ids]) of step `step`, each (B, T).
 
     A pure function of (seed, step, rank, world_size): the step draws G = B * grad_accum *
     world_size window offsets uniformly in [0, len - T - 1] from `default_rng([seed, step])`, and
     rank r's micro-batch m takes offsets[(r * grad_accum + m) * B :][:B]. So the global batch of a
     step is the same set of windows however it is split over ranks and micro-batches.
+    mask: per token, whether it is a target (others get y = -100). eot_id: add doc_ids.
+    starts: draw the offsets from these document starts instead (chat: a window starts at a
+    conversation); a window running past the end is padded with EOT inputs and -100 targets.
     """
     import torch
 
@@ -46,14 +56,75 @@ def train_batch(
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     rng = np.random.default_rng([seed % 2**64, step])  # numpy seeds must be >= 0
     windows = batch_size * grad_accum * world_size  # G, the global batch of the step
-    offsets = rng.integers(0, n - seq_len - 1, size=windows, endpoint=True)
-    batches = []
+    if starts is None:
+        offsets = rng.integers(0, n - seq_len - 1, size=windows, endpoint=True)
+    else:
+        offsets = starts[rng.integers(0, len(starts), size=windows)]
+    pad = 0 if eot_id is None else eot_id
+    batches: list[tuple[torch.Tensor, ...]] = []
     for m in range(grad_accum):
         first = (rank * grad_accum + m) * batch_size
-        rows = [tokens[o : o + seq_len + 1] for o in offsets[first : first + batch_size]]
-        window = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
-        batches.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
+        rows, targets = [], []
+        for o in offsets[first : first + batch_size]:
+            row = np.full(seq_len + 1, pad, dtype=np.int64)  # (T+1,)
+            got = np.asarray(tokens[o : o + seq_len + 1])
+            row[: len(got)] = got
+            keep = np.zeros(seq_len + 1, dtype=bool)
+            keep[: len(got)] = True if mask is None else mask[o : o + len(got)]
+            rows.append(row)
+            targets.append(keep)
+        window = torch.from_numpy(np.stack(rows))  # (B, T+1)
+        x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        y[~torch.from_numpy(np.stack(targets)[:, 1:])] = -100
+        batches.append((x, y) if eot_id is None else (x, y, doc_ids(x, eot_id)))
     return batches
+
+
+def doc_ids(x: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """(B, T) document number of each input token: a document's EOT closes (belongs to) it."""
+    is_eot = (x == eot_id).long()
+    return is_eot.cumsum(dim=1) - is_eot
+
+
+def doc_starts(tokens: np.ndarray, eot_id: int) -> np.ndarray:
+    """Offsets where the documents of a split start: 0 and every position after an EOT."""
+    after = np.flatnonzero(np.asarray(tokens) == eot_id) + 1
+    return np.concatenate([[0], after[after < len(tokens)]]).astype(np.int64)
+
+
+def conversation_batches(
+    tokens: np.ndarray,
+    mask: np.ndarray | None,
+    eot_id: int,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches (x, y), each (<= B, T), with every document alone in its row from its start.
+
+    A row is one document and its EOT (cut to T+1 tokens), padded with target -100; targets are
+    the mask's (every token where mask is None). So each conversation is scored on its own, as
+    a chat model sees it, and no other conversation is in its context.
+    """
+    import torch
+
+    starts = doc_starts(tokens, eot_id)
+    ends = np.append(starts[1:], len(tokens))  # a document's EOT is the last token before `end`
+    for b, first in enumerate(range(0, len(starts), batch_size)):
+        if max_batches is not None and b >= max_batches:
+            return
+        rows = range(first, min(first + batch_size, len(starts)))
+        x = torch.zeros((len(rows), seq_len), dtype=torch.int64)
+        y = torch.full((len(rows), seq_len), -100, dtype=torch.int64)
+        for r, d in enumerate(rows):
+            lo, hi = int(starts[d]), min(int(ends[d]), int(starts[d]) + seq_len + 1)
+            ids = torch.from_numpy(np.asarray(tokens[lo:hi]).astype(np.int64))
+            x[r, : hi - lo - 1], y[r, : hi - lo - 1] = ids[:-1], ids[1:]
+            if mask is not None:
+                keep = torch.from_numpy(np.array(mask[lo + 1 : hi], dtype=bool))
+                y[r, : hi - lo - 1][~keep] = -100
+        yield x, y
 
 
 def eval_batches(

@@ -1,7 +1,7 @@
 """Documents from `data.source`, streamed as text and tagged with their split.
 
-Offers `open_corpus(data_cfg) -> Corpus`, `Corpus`, `TextCorpus`, `TableCorpus`, `Document`,
-`render_chat` and `val_mask`.
+Offers `open_corpus(data_cfg) -> Corpus`, `Corpus`, `TextCorpus`, `TableCorpus`, `Document` and
+`val_mask`.
 
 Sources. `data.source` is a file, a glob (`data/*.txt`, `**` recurses), a folder (searched
 recursively, hidden files skipped) or a Hugging Face hub dataset name. A hub name is tried only
@@ -15,13 +15,8 @@ make every line a document). It is read in ~1 MB blocks of strict UTF-8, so memo
 with the file. json/jsonl, parquet and csv are loaded with `datasets.load_dataset(...,
 split="train")`, which converts them once to memory-mapped arrow, and read in batches of rows;
 each row's `data.text_field` is one document and empty rows are skipped. A column of chat
-messages (`[{"role": ..., "content": ...}, ...]`) is rendered with this template, one header line
-per message and every message ending in a newline:
-
-    <|user|>
-    What is 2 + 2?
-    <|assistant|>
-    4
+messages (`[{"role": ..., "content": ...}, ...]`) makes every row one conversation
+(`Document.messages`, checked by minillm.data.chat, which also holds the template).
 
 Split. `data.val_fraction` of the documents (at least one, at most all but one) go to validation,
 chosen by `data.seed`. A corpus of a single document (one .txt file) is split at its tail instead,
@@ -46,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from minillm.config import DataConfig
+from minillm.data.chat import check_messages, content_bytes
 from minillm.data.text import read_text_blocks, split_pieces
 from minillm.errors import ConfigError
 
@@ -84,11 +80,6 @@ def _first_line(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- documents
 
 
-def render_chat(messages: list[dict[str, Any]] | None) -> str:
-    """`[{"role": "user", "content": "Hi"}, ...]` as `"<|user|>\\nHi\\n..."` (module docstring)."""
-    return "".join(f"<|{m.get('role')}|>\n{m.get('content') or ''}\n" for m in messages or ())
-
-
 def val_mask(n: int, val_fraction: float, seed: int) -> np.ndarray:
     """A boolean mask of the `n` documents that go to validation: at least one, never all."""
     n_val = min(n - 1, max(1, round(n * val_fraction)))
@@ -100,17 +91,22 @@ def val_mask(n: int, val_fraction: float, seed: int) -> np.ndarray:
 
 @dataclass
 class Document:
-    """One document of a split: a string (a table row) or bytes [start, end) of a text file."""
+    """One document of a split: a string (a table row), bytes [start, end) of a text file, or a
+    conversation (a row of chat messages, checked)."""
 
     split: str
     text: str | None = None
     path: Path | None = None
     start: int = 0
     end: int = 0
+    messages: list[dict[str, str]] | None = None
 
     @property
     def nbytes(self) -> int:
-        """UTF-8 bytes of the text (a file's bytes are exactly that, since it is strict UTF-8)."""
+        """UTF-8 bytes of the text (a file's bytes are exactly that, since it is strict UTF-8);
+        of a conversation, its contents' bytes."""
+        if self.messages is not None:
+            return content_bytes(self.messages)
         if self.text is not None:
             return len(self.text.encode("utf-8"))
         return self.end - self.start
@@ -278,9 +274,26 @@ class TableCorpus(Corpus):
     def _texts(self) -> Iterator[str]:
         for column in self._columns():
             for value in column:
-                yield render_chat(value) if self.chat else (value or "")
+                yield value or ""
+
+    def _conversations(self) -> Iterator[list[dict[str, str]]]:
+        row = 0
+        for column in self._columns():
+            for value in column:
+                row += 1
+                yield check_messages(value, self.label, row, self.field)
 
     def documents(self) -> Iterator[Document]:
+        if self.chat:
+            if self.n_documents == 1:
+                raise _fail(
+                    self.label,
+                    "data.val_fraction",
+                    "one conversation cannot be split into train and validation; add rows",
+                )
+            for messages, is_val in zip(self._conversations(), self.mask):
+                yield Document("val" if is_val else "train", messages=messages)
+            return
         if self.n_documents == 1:
             text = next(self._texts())
             cut = _tail_cut([text], len(text.encode("utf-8")), self.val_fraction)

@@ -1,21 +1,25 @@
 """Token shards on disk: the format, `meta.json`, and opening a split for reading.
 
-Offers `load_meta`, `open_split`, `shard_dtype`, `data_record`, `stale_data_keys`,
-`META_VERSION`, `SPLITS` and `TOKEN_TOKEN_DTYPES`. The writer is `minillm.data.shards`.
+Offers `load_meta`, `open_split`, `open_mask`, `shard_dtype`, `data_record`, `stale_data_keys`,
+`META_VERSION`, `MASK_SUFFIX`, `SPLITS` and `TOKEN_DTYPES`. The writer is `minillm.data.shards`.
 
 A shard is the split's documents' token ids, each document followed by the EOT id, as raw
 little-endian uint16 (uint32 when the vocabulary exceeds 65,536). `meta.json` holds:
 
     {"version", "dtype", "vocab_size", "eot_id",
-     "train": {"tokens", "bytes", "documents", "sha256"}, "val": {...},
-     "tokenizer_sha256", "source_fingerprint",
-     "data": {"source", "format", "text_field", "val_fraction", "seed"}}
+     "train": {"tokens", "bytes", "documents", "sha256", "targets", "target_bytes"}, "val": {...},
+     "chat", "loss_on", "tokenizer_sha256", "source_fingerprint",
+     "data": {"source", "format", "text_field", "val_fraction", "seed", "loss_on"}}
 
-`bytes` counts the UTF-8 bytes of a split's document texts (not the separators), for
-bits-per-byte. Everything a run writes (tokenizer.json when it trains one, both shards, meta.json)
-goes to temporary names first and is fsynced; only when all of it is whole are the names swapped
-in, meta.json last. A failed or interrupted run therefore leaves the previous shards and tokenizer
-as they were, and `open_split` refuses a shard whose size disagrees with meta.json.
+`bytes` counts the UTF-8 bytes of a split's document texts (not the separators; of a conversation,
+its contents), for bits-per-byte. With chat data (`"chat": true`) and `"loss_on": "assistant"`,
+`<split>.mask` holds one byte per token, 1 where the token is a training target (an assistant
+content's token or its `<|end|>`), and `targets` / `target_bytes` count those tokens and the
+assistant bytes. Shards without a mask (older ones too, which lack these keys) make every token a
+target. Everything a run writes (tokenizer.json when it trains one, both shards, meta.json) goes to
+temporary names first and is fsynced; only when all of it is whole are the names swapped in,
+meta.json last. A failed or interrupted run therefore leaves the previous shards and tokenizer as
+they were, and `open_split` refuses a shard whose size disagrees with meta.json.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import numpy as np
 from minillm.config import DataConfig
 from minillm.errors import ConfigError
 
-META_VERSION = 1
+META_VERSION = 1  # the chat keys are optional additions: older readers ignore them
+MASK_SUFFIX = ".mask"
 SPLITS = ("train", "val")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _RERUN = "run `minillm tokenize CONFIG` again"
@@ -51,6 +56,7 @@ def data_record(data: DataConfig) -> dict[str, Any]:
         "text_field": data.text_field,
         "val_fraction": data.val_fraction,
         "seed": data.seed,
+        "loss_on": data.loss_on,
     }
 
 
@@ -119,3 +125,24 @@ def open_split(out_dir: str | Path, split: str) -> np.ndarray:
     if tokens == 0:  # numpy cannot map an empty file
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
+
+
+def open_mask(out_dir: str | Path, split: str, meta: dict[str, Any]) -> np.ndarray | None:
+    """The split's target mask (bool per token) as a memmap, or None: every token a target."""
+    if meta.get("loss_on") != "assistant":
+        return None
+    path = Path(out_dir) / f"{split}{MASK_SUFFIX}"
+    tokens = meta[split]["tokens"]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise ConfigError("data.out_dir", f"missing; {_RERUN}", str(path)) from None
+    if size != tokens:
+        raise ConfigError(
+            "data.out_dir",
+            f"{size} bytes, but meta.json says {tokens} tokens (an interrupted run?); {_RERUN}",
+            str(path),
+        )
+    if tokens == 0:
+        return np.zeros(0, dtype=bool)
+    return np.memmap(path, dtype=np.bool_, mode="r", shape=(tokens,))

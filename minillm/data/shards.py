@@ -10,9 +10,11 @@ multithreaded in Rust) on a worker thread while this thread reads ahead and writ
 batch. Ids go straight to a temporary file, so memory does not grow with the corpus.
 
 Crash safety: tokenizer.json (when trained), train.bin, val.bin and meta.json are all written to
-temporary names and fsynced; only when all are whole is meta.json removed, the others renamed
-into place and the new meta.json renamed in last. Until then the previous files are untouched;
-during the renames no meta.json exists, so no reader can pair old counts with new files.
+temporary names and fsynced (with chat data and the loss on the assistant, also train.mask and
+val.mask: one byte per token, 1 = a training target); only when all are whole is meta.json removed,
+the others renamed into place and the new meta.json renamed in last. Until then the previous files
+are untouched; during the renames no meta.json exists, so no reader can pair old counts with new
+files.
 """
 
 from __future__ import annotations
@@ -30,8 +32,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from minillm.config import Config
+from minillm.data.chat_shards import ChatEncoder, resolve_loss_on
 from minillm.data.corpus import Corpus, Document, open_corpus
-from minillm.data.meta import META_VERSION, SPLITS, TOKEN_DTYPES, data_record, shard_dtype
+from minillm.data.meta import (
+    MASK_SUFFIX,
+    META_VERSION,
+    SPLITS,
+    TOKEN_DTYPES,
+    data_record,
+    shard_dtype,
+)
 from minillm.data.text import split_pieces
 from minillm.data.tokenizer import (
     check_tokenizer,
@@ -60,7 +70,7 @@ class _ShardWriter(StagedFile):
 
     def __init__(self, path: Path, dtype: str) -> None:
         super().__init__(path)
-        self.dtype = TOKEN_DTYPES[dtype]
+        self.dtype = TOKEN_DTYPES.get(dtype) or np.dtype(dtype)  # a mask file: "u1"
         self.sha = hashlib.sha256()
         self.tokens = 0
         self.file = open(self.tmp, "wb")  # closed by finish() or discard()
@@ -178,7 +188,10 @@ def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
             if doc.split != "train":
                 continue
             nbytes, done = doc.nbytes, progress.done
-            for piece in split_pieces(doc.blocks()):
+            # A conversation's contents are trained on one by one, as they are encoded.
+            chat = doc.messages is not None
+            pieces = (m["content"] for m in doc.messages) if chat else split_pieces(doc.blocks())
+            for piece in pieces:
                 if by_bytes:  # in characters ~ bytes, settled at the document's end
                     progress.update(progress.done + len(piece), progress.nbytes + len(piece))
                 yield piece
@@ -203,9 +216,14 @@ def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
 
 
 def _encode(
-    corpus: Corpus, tok: Tokenizer, writers: dict[str, _ShardWriter], console: Console
+    corpus: Corpus,
+    tok: Tokenizer,
+    writers: dict[str, _ShardWriter],
+    masks: dict[str, _ShardWriter] | None,
+    console: Console,
 ) -> dict[str, dict[str, Any]]:
-    """One pass over the corpus into both shards; per split: documents, bytes, encoding seconds."""
+    """One pass over the corpus into both shards; per split: documents, bytes, encoding seconds,
+    and (chat data) target tokens and the bytes they spell. `masks`: loss on the assistant."""
     tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a text is text, not a boundary
     eot = eot_id(tok)
     stats = {s: {"documents": 0, "bytes": 0, "seconds": 0.0} for s in SPLITS}
@@ -214,15 +232,21 @@ def _encode(
     try:
         # On an error the pool waits for the batch in flight (a second or so), then is gone.
         with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
-            encoders = {
-                s: _SplitEncoder(tok, eot, writers[s], pool, progress, by_bytes) for s in SPLITS
+            encoders: dict[str, _SplitEncoder | ChatEncoder] = {
+                s: ChatEncoder(tok, eot, writers[s], masks[s] if masks else None, progress)
+                if getattr(corpus, "chat", False)
+                else _SplitEncoder(tok, eot, writers[s], pool, progress, by_bytes)
+                for s in SPLITS
             }
             for doc in corpus.documents():
                 stats[doc.split]["bytes"] += encoders[doc.split].add_document(doc)
                 stats[doc.split]["documents"] += 1
             for s in SPLITS:
-                encoders[s].finish()
-                stats[s]["seconds"] = encoders[s].seconds
+                enc = encoders[s]
+                enc.finish()
+                stats[s]["seconds"] = enc.seconds
+                if isinstance(enc, ChatEncoder):
+                    stats[s]["targets"], stats[s]["target_bytes"] = enc.targets, enc.target_bytes
     finally:
         progress.close()
     return stats
@@ -249,13 +273,15 @@ def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
             )
 
 
-def _commit(staged: list[StagedFile], meta_path: Path) -> None:
+def _commit(staged: list[StagedFile], meta_path: Path, remove: list[Path]) -> None:
     """Swap the staged files in, meta.json (the last of `staged`) last.
 
     From the unlink until the new meta.json lands no meta.json exists, so no reader can pair the
     old token counts with new shards. Only renames here: nothing that could fill a disk.
     """
     meta_path.unlink(missing_ok=True)
+    for path in remove:
+        path.unlink(missing_ok=True)
     for s in staged:
         s.commit()
     for folder in {s.path.parent for s in staged}:
@@ -299,11 +325,17 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
             staged.append(StagedFile.text(tok_path, tok_json))
             tok_sha = hashlib.sha256(tok_json.encode("utf-8")).hexdigest()
         vocab, dtype = tok.get_vocab_size(), shard_dtype(tok.get_vocab_size())
+        chat = bool(getattr(corpus, "chat", False))
+        loss_on = resolve_loss_on(data, chat, corpus.label)
         writers = {s: _ShardWriter(out_dir / f"{s}.bin", dtype) for s in SPLITS}
         staged += writers.values()
+        masks = None
+        if loss_on == "assistant":
+            masks = {s: _ShardWriter(out_dir / f"{s}{MASK_SUFFIX}", "u1") for s in SPLITS}
+            staged += masks.values()
         pass_start = time.perf_counter()
-        stats = _encode(corpus, tok, writers, console)
-        for w in writers.values():
+        stats = _encode(corpus, tok, writers, masks, console)
+        for w in [*writers.values(), *(masks or {}).values()]:
             w.finish()
         pass_seconds = time.perf_counter() - pass_start
         _check_splits(stats, corpus)
@@ -315,13 +347,20 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
                 "bytes": stats[s]["bytes"],
                 "documents": stats[s]["documents"],
                 "sha256": writers[s].sha.hexdigest(),
+                "targets": stats[s].get("targets", writers[s].tokens),
+                "target_bytes": stats[s].get("target_bytes", stats[s]["bytes"]),
             }
+            if masks:
+                meta[s]["mask_sha256"] = masks[s].sha.hexdigest()
+        meta["chat"], meta["loss_on"] = chat, loss_on
         meta["tokenizer_sha256"] = tok_sha
         meta["source_fingerprint"] = corpus.fingerprint
         meta["data"] = data_record(data)
         meta_path = out_dir / "meta.json"
         staged.append(StagedFile.text(meta_path, json.dumps(meta, indent=2) + "\n"))
-        _commit(staged, meta_path)
+        # Masks of an earlier tokenize must not pair with these new shards.
+        stale = [] if masks else [out_dir / f"{s}{MASK_SUFFIX}" for s in SPLITS]
+        _commit(staged, meta_path, stale)
     except BaseException as e:
         for s in staged:
             s.discard()

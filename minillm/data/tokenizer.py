@@ -1,16 +1,21 @@
 """The byte-level BPE tokenizer (Hugging Face `tokenizers`): train, save, load, check.
 
 Offers `EOT`, `SPECIAL_TOKENS`, `MIN_VOCAB`, `new_tokenizer`, `train_tokenizer`, `save_tokenizer`,
-`load_tokenizer`, `check_tokenizer`, `check_vocab_size`, `special_tokens` and `eot_id`.
+`load_tokenizer`, `check_tokenizer`, `check_vocab_size`, `special_tokens`, `eot_id`,
+`CHAT_TOKENS` and `LEGACY_SPECIAL_TOKENS`.
 
 The tokenizer is GPT-2's recipe: text is split by the byte-level regex (no prefix space), every
 byte is in the base alphabet, and merges are learned on top. So any string, whatever its script,
 emoji or whitespace, encodes without an unknown token and decodes back byte for byte.
 
-`EOT` (`<|endoftext|>`) is the one special token: it separates documents in the token shards. It
-is only ever inserted by id. Tokenizers returned here encode the literal text `<|endoftext|>` as
-ordinary text (`encode_special_tokens = True`), so a document that quotes it cannot fake a
-document boundary and still round-trips. (That flag is not stored in tokenizer.json.)
+`EOT` (`<|endoftext|>`) separates documents in the token shards; the chat tokens `<|system|>`,
+`<|user|>`, `<|assistant|>` and `<|end|>` (end of a turn, minillm.data.chat) are reserved by every
+tokenizer trained here, so a pretraining run's tokenizer can be fine-tuned on chat as it is.
+Special tokens are only ever inserted by id. Tokenizers returned here encode their literal text
+(`<|endoftext|>`, `<|user|>`, ...) as ordinary text (`encode_special_tokens = True`), so a
+document that quotes one cannot fake a boundary or a turn and still round-trips. (That flag is
+not stored in tokenizer.json.) Tokenizers from before the chat tokens (only `<|endoftext|>`)
+still load; chat data and `minillm chat` refuse them.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from minillm.errors import ConfigError
 from minillm.runtime.files import atomic_write_text
 
 EOT = "<|endoftext|>"
-SPECIAL_TOKENS: tuple[str, ...] = (EOT,)
+CHAT_TOKENS: tuple[str, ...] = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_TOKENS: tuple[str, ...] = (EOT, *CHAT_TOKENS)
+LEGACY_SPECIAL_TOKENS: tuple[str, ...] = (EOT,)  # tokenizers made before the chat tokens
 # Every byte is a token of its own, so the vocabulary can't be smaller than this.
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 
@@ -124,7 +131,8 @@ def special_tokens(tok: Tokenizer) -> list[str]:
 
 
 def check_tokenizer(tok: Tokenizer, vocab_size: int, path: str | Path) -> None:
-    """A reused tokenizer must have the configured size and exactly our special tokens."""
+    """A reused tokenizer must have the configured size and exactly our special tokens (or only
+    `<|endoftext|>`: a tokenizer from before the chat tokens, fine for plain text)."""
     got = tok.get_vocab_size()
     if got != vocab_size:
         raise ConfigError(
@@ -134,7 +142,7 @@ def check_tokenizer(tok: Tokenizer, vocab_size: int, path: str | Path) -> None:
             str(path),
         )
     specials = special_tokens(tok)
-    if specials != list(SPECIAL_TOKENS):
+    if specials not in (list(SPECIAL_TOKENS), list(LEGACY_SPECIAL_TOKENS)):
         raise ConfigError(
             "data.tokenizer",
             f"the existing tokenizer's special tokens are {specials}, expected "

@@ -25,6 +25,7 @@ import torch
 
 from minillm.data.batches import eval_batches
 from minillm.errors import UserError
+from minillm.infer.chat_eval import chat_eval_data
 from minillm.runtime.files import read_user_text
 from minillm.runtime.progress import Progress
 
@@ -45,6 +46,7 @@ def evaluate_tokens(
     rank: int = 0,
     world_size: int = 1,
     autocast: contextlib.AbstractContextManager | None = None,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[float, int]:
     """Summed cross-entropy (nats) over every token of `ids` after the first, and their count.
 
@@ -52,13 +54,17 @@ def evaluate_tokens(
     rank `rank`'s share, every world_size-th batch, padded with batches that predict nothing so
     that all ranks run the same number of forwards (FSDP's are collective); the caller sums the
     shares. no_grad rather than inference_mode: the trainer's model goes on training after it.
+    batches: these (x, y) instead of `ids`' windows (chat data: one conversation per row).
     """
     if isinstance(ids, torch.Tensor):
         ids = ids.cpu().numpy()
-    batches = eval_batches(ids, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches)
-    n_batches = math.ceil(math.ceil(max(len(ids) - 1, 0) / seq_len) / batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
+    if batches is not None:
+        n_batches = len(batches)
+    else:
+        batches = eval_batches(ids, seq_len=seq_len, batch_size=batch_size, max_batches=max_batches)
+        n_batches = math.ceil(math.ceil(max(len(ids) - 1, 0) / seq_len) / batch_size)
+        if max_batches is not None:
+            n_batches = min(n_batches, max_batches)
     if world_size > 1:
         every = list(batches)
         batches = every[rank::world_size]
@@ -228,21 +234,30 @@ def evaluate_checkpoint(
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     cfg = ckpt.config
-    if data is not None:
+    seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    batch_size = batch_size or cfg.train.batch_size
+    # Chat data (a chat run's shard, a jsonl of messages): every conversation on its own.
+    chat = chat_eval_data(ckpt, data, seq_len, batch_size, max_tokens)
+    batches = None
+    if chat is not None:
+        if data is None:
+            _val_tokens(ckpt, None)  # its checks: the shards' tokenizer is the checkpoint's
+        batches, n_bytes, source = chat
+        ids = np.zeros(0, dtype=np.int64)
+    elif data is not None:
         ids, n_bytes = _data_tokens(Path(data), ckpt, text_field, max_tokens)
         source = str(data)
     elif text_field is not None:
         raise UserError("--text-field: only with --data (a dataset file)")
     else:
         ids, n_bytes, source = _val_tokens(ckpt, max_tokens)
-    if len(ids) < 2:
+    if chat is None and len(ids) < 2:
         raise UserError(f"{source}: {len(ids)} token(s); at least 2 are needed to predict one")
-    seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
     if device is None:
         device = next(ckpt.model.parameters()).device
     start = time.perf_counter()
     total, n = evaluate_tokens(
-        ckpt.model, ids, seq_len, batch_size or cfg.train.batch_size, device, progress=progress
+        ckpt.model, ids, seq_len, batch_size, device, progress=progress, batches=batches
     )
     result = metrics(total, n, n_bytes)
     result.update(source=source, seq_len=seq_len, seconds=time.perf_counter() - start)

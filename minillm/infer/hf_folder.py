@@ -7,7 +7,9 @@ minillm/model/hf_names.py.
 
 An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
-`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. With the chat tokens,
+tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids)
+and generation stops at `<|end|>` as well as at end-of-text.
 """
 
 from __future__ import annotations
@@ -40,9 +42,18 @@ TOKENIZER_FILE = "tokenizer.json"
 # ----------------------------------------------------------------------------- export
 
 
-def hf_tokenizer_config(eot: str, eot_id: int, max_len: int) -> dict[str, Any]:
-    """tokenizer_config.json for PreTrainedTokenizerFast: end-of-text is bos, eos and pad."""
-    return {
+def hf_tokenizer_config(
+    eot: str, eot_id: int, max_len: int, specials: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """tokenizer_config.json for PreTrainedTokenizerFast: end-of-text is bos, eos and pad.
+
+    specials: every special token -> id (default: end-of-text alone). With the chat tokens among
+    them the config carries the chat template, so `apply_chat_template` gives minillm's ids.
+    """
+    from minillm.data.chat import END, HF_CHAT_TEMPLATE
+
+    specials = specials or {eot: eot_id}
+    config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": eot,
         "eos_token": eot,
@@ -55,27 +66,34 @@ def hf_tokenizer_config(eot: str, eot_id: int, max_len: int) -> dict[str, Any]:
         "model_max_length": max_len,
         "padding_side": "left",
         "added_tokens_decoder": {
-            str(eot_id): {
-                "content": eot,
+            str(i): {
+                "content": name,
                 "lstrip": False,
                 "normalized": False,
                 "rstrip": False,
                 "single_word": False,
                 "special": True,
             }
+            for name, i in sorted(specials.items(), key=lambda kv: kv[1])
         },
     }
+    if END in specials:
+        config["chat_template"] = HF_CHAT_TEMPLATE
+    return config
 
 
-def generation_config(sample: SampleConfig, eot_id: int) -> dict[str, Any]:
-    """generation_config.json: the run's `sample` defaults, stopping at end-of-text.
+def generation_config(
+    sample: SampleConfig, eot_id: int, end_id: int | None = None
+) -> dict[str, Any]:
+    """generation_config.json: the run's `sample` defaults, stopping at end-of-text (and at
+    `<|end|>`, the end of a chat turn, when the tokenizer has it).
 
     It sets max_new_tokens, not max_length: transformers warns when a caller's max_new_tokens
     meets a max_length from the folder.
     """
     out: dict[str, Any] = {
         "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
+        "eos_token_id": eot_id if end_id is None else [eot_id, end_id],
         "pad_token_id": eot_id,
         "max_new_tokens": sample.max_new_tokens,
     }
@@ -128,13 +146,15 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
     """
 
-    from minillm.data.tokenizer import EOT, eot_id
+    from minillm.data.chat import END
+    from minillm.data.tokenizer import EOT, eot_id, special_tokens
 
     out = Path(out)
     check_export_target(out, force, ckpt.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = ckpt.config
     eot = eot_id(ckpt.tokenizer)
+    specials = {name: ckpt.tokenizer.token_to_id(name) for name in special_tokens(ckpt.tokenizer)}
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -144,9 +164,9 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         files: dict[str, Any] = {
             CONFIG_FILE: hf_config_dict(cfg.model, bos_id=eot, eos_id=eot),
-            "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len),
+            "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len, specials),
             "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
-            "generation_config.json": generation_config(cfg.sample, eot),
+            "generation_config.json": generation_config(cfg.sample, eot, specials.get(END)),
         }
         for name, obj in files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

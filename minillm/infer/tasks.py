@@ -1,7 +1,7 @@
 """Task scores: multiple-choice accuracy and exact match of greedy chat replies.
 
 Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
-`multiple_choice_metrics`, `score_multiple_choice`; `CHAT_TOKENS`, `chat_prompt_ids`,
+`multiple_choice_metrics`, `score_multiple_choice`; `chat_prompt_ids`,
 `extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
 --task` runs), `eval_report` and `format_tasks`. Task files are read by `minillm.infer.task_files`.
 
@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import torch
 
+from minillm.data.chat import chat_ids, encode_prompt
 from minillm.errors import UserError
 from minillm.infer.task_files import MultipleChoice, Task
 from minillm.runtime.progress import Progress
@@ -156,30 +157,14 @@ def score_multiple_choice(
 
 # ----------------------------------------------------------------------------- exact match
 
-CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def chat_token_ids(tokenizer: Any, where: str) -> dict[str, int]:
-    """The ids of the chat tokens; a tokenizer without them cannot be prompted as a chat model."""
-    ids = {t: tokenizer.token_to_id(t) for t in CHAT_TOKENS}
-    missing = [t for t, i in ids.items() if i is None]
-    if missing:
-        raise UserError(
-            f"{where}: exact-match tasks need a chat model, and this model has no "
-            f"chat template (its tokenizer lacks {', '.join(missing)})"
-        )
-    return ids
-
-
-def chat_prompt_ids(tokenizer: Any, messages: tuple[tuple[str, str], ...], eot: int) -> list[int]:
-    """DESIGN.md's chat template: a fresh document (end-of-text, as `minillm sample` starts one),
-    then per message <|role|> content <|end|>, then the generation prompt <|assistant|>."""
-    ids = [eot]
-    for role, content in messages:
-        ids += [tokenizer.token_to_id(f"<|{role}|>"), *_encode(tokenizer, content)]
-        ids.append(tokenizer.token_to_id("<|end|>"))
-    return [*ids, tokenizer.token_to_id("<|assistant|>")]
+def chat_prompt_ids(tokenizer: Any, messages: tuple[tuple[str, str], ...], where: str) -> list[int]:
+    """The prompt of an exact-match example: the chat template of minillm.data.chat (the one
+    `minillm chat` and the export use), ending in the generation prompt <|assistant|>."""
+    ids = chat_ids(tokenizer, where)
+    return encode_prompt(tokenizer, [{"role": r, "content": c} for r, c in messages], ids)
 
 
 def extract_number(text: str) -> str | None:
@@ -220,10 +205,9 @@ def score_exact_match(
     from minillm.data.tokenizer import eot_id
     from minillm.infer.generate import generate
 
-    ids = chat_token_ids(tokenizer, str(task.path))
-    tokenizer.encode_special_tokens = True  # a "<|user|>" typed in a message is text
-    eot, end = eot_id(tokenizer), ids["<|end|>"]
-    prompts = [chat_prompt_ids(tokenizer, ex.messages, eot) for ex in task.examples]
+    where = str(task.path)
+    prompts = [chat_prompt_ids(tokenizer, ex.messages, where) for ex in task.examples]
+    eot, end = eot_id(tokenizer), chat_ids(tokenizer, where)["end"]
     context = model.cfg.max_seq_len
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     room = context - len(prompts[longest]) + 1

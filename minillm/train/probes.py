@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from minillm.config import Config
+from minillm.data.chat import chat_ids
 from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.generate import encode_prompts, generate
 from minillm.infer.task_files import Task, read_tasks
 from minillm.infer.tasks import (
-    chat_token_ids,
     encode_multiple_choice,
     score_exact_match,
     score_multiple_choice,
@@ -56,7 +56,7 @@ class TrainingProbes:
         }
         for task in self.tasks:
             if task.kind == "exact_match":
-                chat_token_ids(tokenizer, f"train.eval_tasks: {task.path}")  # a chat model?
+                chat_ids(tokenizer, f"train.eval_tasks: {task.path}")  # a chat model?
         self.prompts: list[list[int]] = []
         if tc.sample_every:
             self.prompts = encode_prompts(tokenizer, tc.sample_prompts, eot_id(tokenizer), context)

@@ -2,10 +2,12 @@
 
 Offers `Trainer`, `TrainingDiverged` and `train(cfg, resume, force)`.
 
-One optimizer step = `grad_accum` micro-batches per rank whose summed token losses are divided
-by the number of target tokens of the whole global batch, so the gradient equals that of one big
-batch of the same tokens. The batch of step s is a pure function of (seed, s, rank, world size)
-and every other piece of state is in the checkpoint, so a resumed run continues bit for bit.
+One optimizer step = `grad_accum` micro-batches per rank whose summed token losses are divided by
+the number of target tokens of the whole global batch (with chat data, the assistant tokens only),
+so the gradient equals that of one big batch of the same tokens. With `train.doc_mask` a window's
+tokens attend only within their own document (minillm.data.batches.doc_ids). The batch of step s is
+a pure function of (seed, s, rank, world size) and every other piece of state is in the checkpoint,
+so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -58,13 +60,14 @@ from minillm.train.distributed import (
 )
 from minillm.train.monitor import Meter, Monitor
 from minillm.train.optim import build_optimizer, schedule_lr
+from minillm.train.packing import Packing
 from minillm.train.parallel import full_state, load_full_state, no_sync, wrap_model
 from minillm.train.prefetch import Prefetcher
 from minillm.train.probes import TrainingProbes
 from minillm.train.setup import check_data, init_from
 
-# This rank's micro-batches (x, y) of a step, each (B, T) int64.
-Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
+# This rank's micro-batches (x, y) or (x, y, doc_ids) of a step, each (B, T) int64.
+Batches = Callable[[int], list[tuple[torch.Tensor, ...]]]
 
 
 class TrainingDiverged(UserError):
@@ -119,6 +122,9 @@ class Trainer:
         self.meta = load_meta(cfg.data.out_dir)
         self.train_tokens = open_split(cfg.data.out_dir, "train")
         self.val_tokens = open_split(cfg.data.out_dir, "val")
+        self.packing = Packing(cfg, self.meta, self.train_tokens, self.val_tokens)
+        if self.verbose and self.packing.note:
+            print(self.packing.note)
         self.tokenizer_sha = check_data(
             cfg, self.meta, self.tokenizer_file, len(self.train_tokens), warn_=self.is_main
         )
@@ -190,10 +196,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def micro_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def micro_loss(
+        self, x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Summed cross-entropy of one micro-batch (a hook point for tests)."""
         with self.autocast:
-            _, loss_sum = self.train_model(x, y, reduction="sum")
+            _, loss_sum = self.train_model(x, y, doc_ids=doc_ids, reduction="sum")
         return loss_sum
 
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
@@ -207,16 +215,17 @@ class Trainer:
         micro = self.batches(self.step) if micro is None else micro
         # Token-weighted accumulation: divide by the target tokens of the whole global batch.
         n_tokens = all_reduce_sum(
-            torch.tensor(sum(int((y != -100).sum()) for _, y in micro), dtype=torch.float64)
+            torch.tensor(sum(int((b[1] != -100).sum()) for b in micro), dtype=torch.float64)
         ).item()
         # DDP/FSDP average gradients over ranks; multiplying by world size undoes that.
         scale = self.dist.world_size / max(n_tokens, 1.0)
         total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for i, (x, y) in enumerate(micro):
+        for i, (x, y, *doc) in enumerate(micro):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            doc = [d.to(self.device, non_blocking=True) for d in doc]  # doc_ids, if packed
             sync = i == len(micro) - 1
             with no_sync(self.train_model, self.model, sync):
-                loss_sum = self.micro_loss(x, y)
+                loss_sum = self.micro_loss(x, y, *doc)
                 loss = loss_sum * scale
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().double()
@@ -239,10 +248,12 @@ class Trainer:
             else:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_mean, "grad_norm": norm.detach(), "lr": lr, "tokens": n_tokens,
-                "finite": finite}  # fmt: skip
+        # Tokens processed (throughput, MFU, tokens_seen): with a target mask, more than n_tokens.
+        n_inputs = sum(b[0].numel() for b in micro) * self.dist.world_size
+        return {"loss": loss_mean, "grad_norm": norm.detach(), "lr": lr, "tokens": n_inputs,
+                "targets": n_tokens, "finite": finite}  # fmt: skip
 
-    def _train_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _train_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
         tc = self.cfg.train
         return train_batch(
             self.train_tokens,
@@ -253,6 +264,7 @@ class Trainer:
             batch_size=tc.batch_size,
             grad_accum=tc.grad_accum,
             seq_len=tc.seq_len,
+            **self.packing.train_kwargs(),
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -271,12 +283,11 @@ class Trainer:
             rank=self.dist.rank,
             world_size=self.dist.world_size,
             autocast=self.autocast,
+            batches=self.packing.val_batches(tc.seq_len, tc.batch_size, tc.eval_steps or None),
         )
         sums = all_reduce_sum(torch.tensor([total, n], dtype=torch.float64, device=self.device))
         total, n = sums[0].item(), max(int(sums[1].item()), 1)
-        val = self.meta["val"]
-        # Bytes per prediction: the split's tokens - 1 are predicted, as `minillm eval` counts.
-        bytes_per_prediction = val["bytes"] / max(val["tokens"] - 1, 1)
+        bytes_per_prediction = self.packing.val_bytes_per_target
         result = metrics(total, n, n * bytes_per_prediction)
         return {k: result[k] for k in ("loss", "perplexity", "bits_per_byte")}
 
