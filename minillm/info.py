@@ -12,6 +12,7 @@ import torch
 
 from minillm.config import Config
 from minillm.model import Transformer
+from minillm.model.param_groups import split_summary
 
 GiB = 1024**3
 
@@ -32,10 +33,13 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
     per_token_layer = 10 * m.d_model + 3 * m.n_kv_head * m.head_dim + 4 * m.ffn_hidden
     tokens = t.batch_size * t.seq_len
     activations = tokens * (m.n_layer * per_token_layer * act_bytes + 2 * m.vocab_size * 4)
+    optimizers = split_summary(model, t)
+    # fp32 state: AdamW keeps two moments per parameter, Muon one momentum buffer.
+    state_bytes = sum((4 if o["optimizer"] == "muon" else 8) * o["params"] for o in optimizers)
     memory = {
         "weights": 4 * params,  # fp32 master weights, also under autocast
         "grads": 4 * params,
-        "adamw_state": 8 * params,
+        "optimizer_state": state_bytes,
         "activations": activations,
     }
     memory["total"] = sum(memory.values())
@@ -57,6 +61,7 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "ffn_hidden": m.ffn_hidden,
         "vocab_size": m.vocab_size,
         "seq_len": t.seq_len,
+        "optimizers": optimizers,
         "memory_bytes": memory,
     }
 
@@ -90,6 +95,12 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
         f"of {info['seq_len']})",
     )
     table.add_row("FLOPs per step", _human(info["flops_per_step"]))
+    for o in info["optimizers"]:
+        table.add_row(
+            f"optimizer: {o['optimizer']}",
+            f"{_human(o['params'])} params in {o['tensors']} tensors: {o['what']} "
+            f"(lr {o['lr']:g}, weight decay {o['weight_decay']:g})",
+        )
     for name, value in info["memory_bytes"].items():
         table.add_row(f"memory: {name.replace('_', ' ')}", f"{value / GiB:.2f} GiB")
     Console().print(table)
