@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from minillm.config import ModelConfig, TrainConfig, load_config
+from minillm.config import ModelConfig, TrainConfig, config_to_dict, load_config
 from minillm.errors import ConfigError, UserError
 from minillm.info import model_info
 from minillm.model import Transformer
@@ -189,3 +192,26 @@ def test_changing_the_optimizer_on_resume_is_refused(data_dir: Path, tmp_path: P
     cfg.train.optimizer = "muon"
     with pytest.raises(UserError, match=r"train\.optimizer \('adamw' -> 'muon'\)"):
         run(cfg)
+
+
+@pytest.mark.slow
+def test_bench_quality_trains_and_evaluates_each_variant(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = Path(__file__).parent.parent / "scripts" / "bench_quality.py"
+    spec = importlib.util.spec_from_file_location("bench_quality", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(config_to_dict(tiny_config(data_dir))))
+    out_json = tmp_path / "rows.json"
+    bench.main([str(config), "--steps", "2", "--variants", "adamw-cosine,muon-wsd",
+                "--variant", "fast:train.muon_lr=0.05,train.optimizer=muon",
+                "--json", str(out_json)])  # fmt: skip
+    table = capsys.readouterr().out
+    assert "| adamw-cosine | " in table and "| muon-wsd | " in table and "| fast | " in table
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())}
+    # The same seed and data: the variants differ only by what they were told to change.
+    assert rows["adamw-cosine"]["val_bpb"] != rows["muon-wsd"]["val_bpb"]
+    assert rows["muon-wsd"]["val_bpb"] != rows["fast"]["val_bpb"]
+    assert all(0 < r["optim_share"] < 1 and r["tokens_per_s"] > 0 for r in rows.values())
