@@ -169,10 +169,12 @@ def test_resume_with_muon_is_bitwise_exact(data_dir: Path, tmp_path: Path) -> No
     assert_same(straight, run(split_cfg))
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_wsd_run_extended_before_its_decay_equals_the_longer_run(
-    data_dir: Path, tmp_path: Path, optimizer: str
+    data_dir: Path, tmp_path: Path
 ) -> None:
+    # AdamW keeps it fast; Muon's lr follows the same schedule (test above) and resumes bitwise.
+    optimizer = "adamw"
+
     def cfg(name: str, max_steps: int):
         train = dict(optimizer=optimizer, schedule="wsd", decay_fraction=0.25,
                      max_steps=max_steps, out_dir=str(tmp_path / name))  # fmt: skip
