@@ -203,6 +203,30 @@ class TrainConfig(_Section):
     lr: float = _f(3e-4, help="Peak learning rate, reached after warmup.")
     min_lr: float = _f(3e-5, help="Learning rate at the end of the cosine decay.")
     warmup_steps: int = _f(100, help="Steps of linear warmup from 0 to lr.")
+    optimizer: Literal["adamw", "muon"] = _f(
+        "adamw",
+        help="adamw: AdamW for every parameter. muon: torch.optim.Muon for the 2-D matrices inside "
+        "the blocks (attention and SwiGLU projections), AdamW (lr, weight_decay, betas) for the "
+        "embedding, the untied head and the norm gains. Not under parallel: fsdp.",
+    )
+    schedule: Literal["cosine", "wsd", "constant"] = _f(
+        "cosine",
+        help="After the linear warmup: cosine to min_lr at max_steps; wsd (warmup-stable-decay) "
+        "holds lr, then falls as 1-sqrt to min_lr over the last decay_fraction of max_steps; "
+        "constant holds lr.",
+    )
+    decay_fraction: float = _f(
+        0.2, help="Share of max_steps spent decaying at the end of schedule: wsd, in (0, 1]."
+    )
+    muon_lr: float = _f(
+        0.02,
+        help="Peak learning rate of the Muon matrices (optimizer: muon), scheduled like lr. "
+        "Muon's own scale (Keller Jordan's shape adjustment), typically 10x AdamW's.",
+    )
+    muon_weight_decay: float = _f(
+        0.0, help="Decoupled weight decay of the Muon matrices (a shrink of muon_lr x this a step)."
+    )
+    muon_momentum: float = _f(0.95, help="Muon's (Nesterov) momentum.")
     weight_decay: float = _f(0.1, help="AdamW weight decay, applied to matrices only.")
     betas: tuple[float, float] = _f((0.9, 0.95), help="AdamW betas.")
     adam_eps: float = _f(1e-8, help="AdamW epsilon.")
@@ -251,6 +275,12 @@ class TrainConfig(_Section):
             self._fail("batch_tokens", f"{self.batch_tokens} is not a multiple of seq_len")
         if self.batch_size == "auto" and not self.batch_tokens:
             self._fail("batch_size", "auto needs train.batch_tokens (the tokens per step)")
+        self._positive("muon_lr")
+        self._non_negative("muon_weight_decay")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            self._fail("decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            self._fail("muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
         self._positive("keep_last", "log_every", "max_bad_steps")
         self._non_negative("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every")
         self._non_negative("eval_steps", "ckpt_every", "peak_flops", "sample_every")

@@ -12,6 +12,7 @@ import torch
 
 from minillm.config import Config
 from minillm.model import Transformer
+from minillm.model.param_groups import split_summary
 
 GiB = 1024**3
 
@@ -34,9 +35,11 @@ def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
     return t.seq_len * (blocks + 2 * m.vocab_size * 4)
 
 
-def static_bytes(params: int) -> dict[str, int]:
-    """fp32 master weights (also under autocast), gradients and AdamW's two moments."""
-    return {"weights": 4 * params, "grads": 4 * params, "adamw_state": 8 * params}
+def static_bytes(params: int, optimizers: list[dict[str, Any]]) -> dict[str, int]:
+    """fp32 master weights (also under autocast), gradients and the optimizers' fp32 state:
+    AdamW keeps two moments per parameter, Muon one momentum buffer (`split_summary` rows)."""
+    state = sum((4 if o["optimizer"] == "muon" else 8) * o["params"] for o in optimizers)
+    return {"weights": 4 * params, "grads": 4 * params, "optimizer_state": state}
 
 
 def runs_half(cfg: Config) -> bool:
@@ -59,7 +62,8 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
     half = runs_half(cfg)
     micro = 1 if t.batch_size == "auto" else t.batch_size
     per_seq = {ck: activation_bytes(cfg, half, ck) for ck in (False, True)}
-    memory = static_bytes(params)
+    optimizers = split_summary(model, t)
+    memory = static_bytes(params, optimizers)
     memory["activations"] = micro * per_seq[t.activation_checkpointing]
     memory["total"] = sum(memory.values())
     flops_token = model.flops_per_token(t.seq_len)
@@ -85,6 +89,7 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "seq_len": t.seq_len,
         "batch_size": t.batch_size,
         "activation_checkpointing": t.activation_checkpointing,
+        "optimizers": optimizers,
         "memory_bytes": memory,
         # Per micro-batch of the config (one sequence under auto), without and with checkpointing.
         "activation_bytes": {"full": micro * per_seq[False], "checkpointed": micro * per_seq[True]},
@@ -122,6 +127,12 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
     table.add_row("FLOPs per step", _human(info["flops_per_step"]))
     if info["batch_size"] == "auto":
         table.add_row("micro-batch", "auto: found at the start of training; memory for 1 seq")
+    for o in info["optimizers"]:
+        table.add_row(
+            f"optimizer: {o['optimizer']}",
+            f"{_human(o['params'])} params in {o['tensors']} tensors: {o['what']} "
+            f"(lr {o['lr']:g}, weight decay {o['weight_decay']:g})",
+        )
     for name, value in info["memory_bytes"].items():
         if name == "activations":
             name += " (checkpointed)" if info["activation_checkpointing"] else ""

@@ -122,3 +122,20 @@ def test_single_process_resumes_a_two_rank_checkpoint_with_a_warning(workdir: Pa
     proc = single(workdir, "train.out_dir=from_fsdp", "train.max_steps=8")
     assert "global batch 8 sequences (world size 2) with 4 (world size 1)" in proc.stderr
     assert (dst / "checkpoints" / "step_000008").is_dir()
+
+
+def test_muon_under_ddp_follows_the_single_process_and_fsdp_refuses_it(workdir: Path) -> None:
+    single(workdir, "train.grad_accum=4", "train.out_dir=single_muon", "train.optimizer=muon")
+    torchrun(workdir, "train.optimizer=muon", "train.out_dir=ddp_muon")
+    # Newton-Schulz runs in bf16: a last-bit difference of the averaged gradient may move a
+    # rounding, hence a looser tolerance than AdamW's.
+    assert losses(workdir / "ddp_muon") == pytest.approx(losses(workdir / "single_muon"), rel=1e-3)
+    args = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "minillm"]
+    args += ["train", "cfg.yaml", "--set", "train.optimizer=muon", "--set", "train.parallel=fsdp"]
+    args += ["--set", "train.out_dir=fsdp_muon"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "train.optimizer: muon cannot run under train.parallel: fsdp" in proc.stderr
+    # torchrun prints its own traceback for a failed worker; the workers print one line each.
+    assert "minillm/train/" not in proc.stderr

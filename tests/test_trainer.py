@@ -12,7 +12,7 @@ import torch
 from minillm.checkpoint import store as ckpt
 from minillm.config import config_from_dict, config_to_dict
 from minillm.errors import UserError
-from minillm.train.optim import lr_at
+from minillm.train.schedule import lr_at
 from minillm.train.trainer import Trainer, TrainingDiverged
 from tests.helpers import prepared_config, run_config
 

@@ -22,6 +22,7 @@ from minillm.errors import ConfigError, UserError, warn
 LOCK_FILE = ckpt.LOCK_FILE
 
 # Keys a resumed run may change without a word: they only move the end or the cadence.
+REFUSED_KEYS = {"data.vocab_size", "train.optimizer"}
 SCHEDULE_KEYS = {
     "train.max_steps",
     "train.eval_every",
@@ -127,7 +128,8 @@ def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], lis
         if a == b or key in SCHEDULE_KEYS:
             continue
         entry = f"{key} ({a!r} -> {b!r})"
-        if (key.startswith("model.") and key != "model.dropout") or key == "data.vocab_size":
+        # The optimizer's state has another shape (Muon keeps one buffer, AdamW two moments).
+        if (key.startswith("model.") and key != "model.dropout") or key in REFUSED_KEYS:
             refused.append(entry)
         else:
             changed.append(entry)
@@ -216,7 +218,7 @@ def resume_point(
         refused.append(f"tokenizer ({tokenizer_file} differs from the run's)")
     if refused:
         raise UserError(
-            f"{found}: cannot resume with a different architecture or tokenizer: "
+            f"{found}: cannot resume with a different architecture, tokenizer or optimizer: "
             + "; ".join(refused)
         )
     redrawn = None

@@ -1,6 +1,7 @@
 """The training stage: `Trainer` and what it is made of.
 
 Modules: `trainer` (the loop), `setup` (resolving a run's config and starting weights), `optim`
-(AdamW and the learning-rate schedule), `distributed` and `parallel` (torchrun, DDP, FSDP2),
-`monitor` (TensorBoard and the console), `diagnostics` (per-layer numbers).
+(AdamW, or Muon plus AdamW), `schedule` (the learning-rate schedule), `distributed` and
+`parallel` (torchrun, DDP, FSDP2), `monitor` (TensorBoard and the console), `diagnostics`
+(per-layer numbers).
 """

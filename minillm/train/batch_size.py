@@ -25,7 +25,7 @@ import torch
 from minillm.checkpoint import store as ckpt
 from minillm.config import Config
 from minillm.errors import ConfigError, UserError
-from minillm.info import activation_bytes, model_info, runs_half, static_bytes
+from minillm.info import activation_bytes, model_info, runs_half
 from minillm.model import Transformer
 from minillm.runtime.device import autocast_context
 from minillm.train.optim import build_optimizer
@@ -106,7 +106,8 @@ def available_memory(device: torch.device) -> int:
 
 def estimate_micro_batch(cfg: Config, available: int, half: bool) -> int:
     """Sequences per micro-batch that `minillm info`'s estimate puts within `available` bytes."""
-    static = sum(static_bytes(model_info(cfg)["params"]).values())
+    memory = model_info(cfg)["memory_bytes"]  # weights, grads, optimizer state, activations
+    static = sum(v for k, v in memory.items() if k not in ("activations", "total"))
     per_seq = activation_bytes(cfg, half, cfg.train.activation_checkpointing)
     return max(int((ESTIMATE_SHARE * available - static) // per_seq), 0)
 

@@ -29,6 +29,7 @@ from minillm.data.meta import load_meta, open_split
 from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer
+from minillm.model.param_groups import describe
 from minillm.runtime.device import (
     StopSignal,
     autocast_context,
@@ -59,7 +60,7 @@ from minillm.train.distributed import (
     shutdown_distributed,
 )
 from minillm.train.monitor import Meter, Monitor
-from minillm.train.optim import build_optimizer, schedule_lr
+from minillm.train.optim import build_optimizer, newton_schulz_flops, schedule_lr, set_lr
 from minillm.train.packing import Packing
 from minillm.train.parallel import full_state, load_full_state, no_sync, wrap_model
 from minillm.train.prefetch import Prefetcher
@@ -171,8 +172,12 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
             atomic_copy(self.tokenizer_file, self.run_dir / "tokenizer.json")
-        self.flops_per_token = self.model.flops_per_token(tc.seq_len)
         self.tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * self.dist.world_size
+        # Muon's Newton-Schulz matmuls run on every rank; MFU counts them as work done.
+        ns_flops = newton_schulz_flops(self.optimizer) * self.dist.world_size
+        self.flops_per_token = (
+            self.model.flops_per_token(tc.seq_len) + ns_flops / self.tokens_per_step
+        )
 
     def _restore(self, path: Path) -> None:
         state = ckpt.read_state(path)
@@ -209,9 +214,7 @@ class Trainer:
         loss and grad norm (0-d device tensors: reading them waits for the device), lr, token
         count and whether it was finite (the step's one host sync)."""
         tc = self.cfg.train
-        lr = schedule_lr(self.step, tc)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(self.optimizer, self.step, tc)
         micro = self.batches(self.step) if micro is None else micro
         # Token-weighted accumulation: divide by the target tokens of the whole global batch.
         n_tokens = all_reduce_sum(
@@ -483,6 +486,7 @@ class Trainer:
             f"{tc.seq_len} = {self.tokens_per_step:,} tokens/step; "
             f"peak {peak / 1e9:.0f} GFLOP/s for MFU ({peak_source}); run dir {self.run_dir}"
             + (f"; weights from {tc.init_from}" if tc.init_from and not self.resumed else "")
+            + f"\n{describe(self.model, tc)}"
         )
 
     def close(self) -> None:
