@@ -75,11 +75,11 @@ def run_variant(cfg: Config, out_dir: Path) -> dict[str, Any]:
     optim_s: list[float] = []
     train_step, optim_step = trainer.train_step, trainer.optimizer.step
 
-    def timed_train_step() -> dict[str, float]:
+    def timed_train_step(micro: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        out = train_step()
+        out = train_step(micro)
+        losses.append(float(out["loss"]))  # a device tensor: reading it waits for the step
         step_s.append(time.perf_counter() - t0)
-        losses.append(out["loss"])
         return out
 
     def timed_optim_step(*args: Any, **kwargs: Any) -> None:
