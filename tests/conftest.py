@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 from minillm.config import ModelConfig
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# The trainer caches its probed FLOP/s peak per machine; a probe taken while tests load the
+# machine must not become the user's MFU reference: tests keep theirs apart (one per session,
+# shared with the CLI subprocesses through the environment).
+os.environ.setdefault("MINILLM_CACHE_DIR", tempfile.mkdtemp(prefix="minillm-test-cache-"))
 
 
 @pytest.fixture
