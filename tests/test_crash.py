@@ -21,3 +21,37 @@ def test_ten_sigkills_lose_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("kill ") == 10
     assert "OK: 10 kills" in proc.stdout
+
+
+def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kill -9 inside the rmtree of an old checkpoint: every step_* folder left is whole."""
+    import shutil
+
+    import torch
+
+    from minillm.checkpoint import store
+
+    weights = {"w": torch.ones(2)}
+    for step in (1, 2):
+        store.save_checkpoint(tmp_path, step, weights, {"step": step}, {"config": {}}, keep_last=5)
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):  # deletes one file, then the process "dies"
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        store.save_checkpoint(tmp_path, 3, weights, {"step": 3}, {"config": {}}, keep_last=2)
+    monkeypatch.setattr(store.shutil, "rmtree", real_rmtree)
+    root = tmp_path / "checkpoints"
+    names = [p.name for p in store.list_checkpoints(root)]
+    assert names == ["step_000002", "step_000003"]
+    for ckpt in store.list_checkpoints(root):
+        store.verify_checkpoint(ckpt)  # whole
+    (trash,) = root.glob(".trash-step_000001-*")  # out of sight; a later run clears it
+    trash.rename(root / ".trash-step_000001-999999999")  # as left by a process now dead
+    store.prune_checkpoints(root, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_000002", "step_000003"]

@@ -145,8 +145,13 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
     keep.update(p.name for p in ckpts[-keep_last:])
     for p in ckpts:
         if p.name not in keep:
-            shutil.rmtree(p, ignore_errors=True)
-    for p in ckpt_root.glob(".tmp-*"):
+            # Renamed out of sight first: a kill inside rmtree must not leave a half-deleted
+            # folder under a checkpoint's name.
+            trash = ckpt_root / f".trash-{p.name}-{os.getpid()}"
+            os.rename(p, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+    # Leftovers of dead processes: unfinished writes, half-deleted or replaced checkpoints.
+    for p in [*ckpt_root.glob(".tmp-*"), *ckpt_root.glob(".trash-*"), *ckpt_root.glob(".*.old-*")]:
         pid = p.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
