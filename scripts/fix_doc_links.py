@@ -26,6 +26,7 @@ MOVED = {
     "minillm/model.py": ["minillm/model/transformer.py", "minillm/model/kv_cache.py",
                          "minillm/model/decode.py", "minillm/model/kernels_cpu.py"],
     "minillm/hf.py": ["minillm/model/hf_names.py"],
+    "minillm/config.py": ["minillm/config/schema.py", "minillm/config/loading.py"],
     "minillm/data.py": ["minillm/data/meta.py", "minillm/data/batches.py",
                         "minillm/data/shards.py"],
     "minillm/corpus.py": ["minillm/data/corpus.py"],

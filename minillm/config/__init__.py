@@ -1,0 +1,48 @@
+"""Typed configuration: one YAML file, four sections (model, data, train, sample).
+
+`from minillm.config import load_config, ModelConfig` is the stable entry (DESIGN.md's Python
+API). Modules: `schema` (the typed sections and their checks), `loading` (YAML, `--set`
+overrides, type conversion, suggestions). A leaf of the layers: it imports only minillm.errors.
+"""
+
+from minillm.config.loading import (
+    _type_name,
+    apply_override,
+    config_from_dict,
+    config_to_dict,
+    did_you_mean,
+    dump_config,
+    load_config,
+    override_keys,
+    read_raw_config,
+)
+from minillm.config.schema import (
+    DEVICE_PATTERN,
+    SECTIONS,
+    Config,
+    DataConfig,
+    ModelConfig,
+    SampleConfig,
+    TrainConfig,
+)
+from minillm.errors import ConfigError
+
+__all__ = [
+    "DEVICE_PATTERN",
+    "SECTIONS",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "SampleConfig",
+    "TrainConfig",
+    "_type_name",
+    "apply_override",
+    "config_from_dict",
+    "config_to_dict",
+    "did_you_mean",
+    "dump_config",
+    "load_config",
+    "override_keys",
+    "read_raw_config",
+]

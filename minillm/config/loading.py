@@ -1,0 +1,305 @@
+"""Reading a config: YAML, `--set` overrides, type conversion, did-you-mean suggestions.
+
+Offers `load_config(path, overrides)`, `read_raw_config`, `config_from_dict`, `config_to_dict`,
+`dump_config`, `apply_override`, `override_keys` and `did_you_mean`. Precedence is dataclass
+defaults < YAML < `--set key=value`; every YAML value is converted to the field's declared type
+(PyYAML reads `3e-4` as a string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from minillm.config.schema import SECTIONS, Config, DataConfig
+from minillm.errors import ConfigError
+
+# ----------------------------------------------------------------------------- conversion
+
+
+_UNIONS = (typing.Union, types.UnionType)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in _UNIONS:
+        args = typing.get_args(tp)
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        return names + (" or null" if type(None) in args else "")
+    if origin is tuple:
+        return "a list of " + ", ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list of " + _type_name(typing.get_args(tp)[0]).removeprefix("a ") + "s"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML value to the declared type `tp`, or raise ConfigError naming `key`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+    if origin in _UNIONS:  # X | None, or X | Literal[...]: the first member that takes it
+        nullable = type(None) in args
+        if nullable and (
+            value is None or (isinstance(value, str) and value.lower() in ("null", "none"))
+        ):
+            return None
+        for inner in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, inner, key)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is Literal:
+        if value not in args:
+            raise bad
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad
+        return tuple(_convert(v, a, key) for v, a in zip(value, args))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_convert(v, args[0], key) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise bad
+    if isinstance(value, bool):  # YAML's `yes`/`true` must not become 1 or 1.0
+        raise bad
+    if tp is int:
+        if isinstance(value, int):
+            return value
+        try:
+            number = float(value) if isinstance(value, str) else value
+        except ValueError:
+            raise bad from None
+        if isinstance(number, float) and number.is_integer():
+            return int(number)
+        raise bad
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad from None
+        if not isinstance(value, (int, float)):
+            raise bad
+        if not math.isfinite(value):  # nan passes every range check (nan < 0 is False)
+            raise ConfigError(key, f"expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    raise bad
+
+
+def _build_section(cls: type, raw: Any, name: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(name, f"must be a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(
+                f"{name}.{key}",
+                f"unknown key{did_you_mean(str(key), fields, name + '.')} "
+                f"(valid keys: {', '.join(sorted(fields))})",
+            )
+        kwargs[key] = _convert(value, hints[key], f"{name}.{key}")
+    missing = [
+        k
+        for k, f in fields.items()
+        if k not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{name}.{missing[0]}", "is required")
+    return cls(**kwargs)
+
+
+# Names other trainers give our keys (HF, nanoGPT), so that a typo of one of them finds ours.
+_ALIASES = {
+    "learning_rate": "lr",
+    "max_lr": "lr",
+    "min_learning_rate": "min_lr",
+    "max_iters": "max_steps",
+    "num_steps": "max_steps",
+    "warmup_iters": "warmup_steps",
+    "micro_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "n_embd": "d_model",
+    "hidden_size": "d_model",
+    "n_layers": "n_layer",
+    "num_layers": "n_layer",
+    "n_heads": "n_head",
+    "num_heads": "n_head",
+    "block_size": "max_seq_len",
+}
+
+
+def did_you_mean(key: str, valid: typing.Iterable[str], prefix: str = "") -> str:
+    """`; did you mean <prefix><closest>?` for a mistyped key, or "" when nothing is close."""
+    valid = list(valid)
+    names = valid + [alias for alias, ours in _ALIASES.items() if ours in valid]
+    match = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{_ALIASES.get(match[0], match[0])}?" if match else ""
+
+
+def override_keys(overrides: typing.Iterable[str]) -> set[str]:
+    """The `section.key`s (and bare sections) that `--set` overrides give, for error messages."""
+    keys = set()
+    for override in overrides:
+        dotted = override.split("=", 1)[0].strip()
+        keys.update({dotted, dotted.split(".", 1)[0]})
+    return keys
+
+
+def config_from_dict(
+    raw: Any, file: str | None = None, overridden: typing.Collection[str] = ()
+) -> Config:
+    """Build and validate a Config from plain data (the parsed YAML); errors name `file`.
+
+    An error about a key in `overridden` (see `override_keys`) names `--set` instead of `file`:
+    the user typed that value on the command line, not in the file.
+    """
+    try:
+        if not isinstance(raw, dict):
+            raise ConfigError("", "the top level must be a mapping with model, data, train, sample")
+        for key in raw:
+            if key not in SECTIONS:
+                hint = did_you_mean(str(key), SECTIONS)
+                raise ConfigError(key, f"unknown section{hint} (valid: {', '.join(SECTIONS)})")
+        raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+        if "model" not in raw:
+            raise ConfigError("model", "section is required (or train.init_from to take a model's)")
+        # The embedding table defaults to the tokenizer's size.
+        model_raw, data_raw = raw.get("model"), raw.get("data") or {}
+        if isinstance(model_raw, dict) and "vocab_size" not in model_raw:
+            model_raw["vocab_size"] = (
+                data_raw.get("vocab_size", DataConfig.vocab_size)
+                if isinstance(data_raw, dict)
+                else DataConfig.vocab_size
+            )
+        sections = {
+            name: _build_section(cls, raw.get(name), name) for name, cls in SECTIONS.items()
+        }
+        return Config(**sections)
+    except ConfigError as e:
+        e.file = e.file or ("--set" if e.key in overridden else file)
+        raise
+    except TypeError as e:  # a dataclass compared values of incompatible types
+        raise ConfigError("", str(e), file) from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Plain data for YAML/JSON: tuples become lists."""
+    out = {}
+    for name in SECTIONS:
+        section = dataclasses.asdict(getattr(cfg, name))
+        out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+    return out
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Apply one `section.key=value` to the raw dict; the value is parsed as YAML."""
+    if "=" not in override:
+        raise ConfigError(override, "an override must look like section.key=value", "--set")
+    dotted, text = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(dotted, "an override key must be section.key, e.g. train.lr", "--set")
+    section, key = parts
+    if section not in SECTIONS:
+        hint = did_you_mean(section, SECTIONS)
+        raise ConfigError(dotted, f"unknown section{hint} (valid: {', '.join(SECTIONS)})", "--set")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    target = raw.setdefault(section, {})
+    if target is None:
+        target = raw[section] = {}
+    if not isinstance(target, dict):
+        raise ConfigError(section, "is not a mapping", "--set")
+    target[key] = value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load, except that a key given twice in one mapping is an error, not "last wins"."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an odd key (a list, ...): the schema check names it later
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply `section.key=value` overrides, convert types and validate.
+
+    An empty `train.out_dir` becomes `runs/<config file stem>`. A config whose model comes from
+    `train.init_from` is read with `minillm.train.setup.load_train_config` instead.
+    """
+    raw = read_raw_config(path, overrides)
+    return config_from_dict(raw, str(path), override_keys(overrides or []))
+
+
+def read_raw_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The YAML file as plain data with the overrides applied, before types and checks."""
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("", "no such config file", file) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("", f"cannot read: {e}", file) from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f"line {where.line + 1}: " if where is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError("", f"invalid YAML: {line}{problem}", file) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            "", "the top level must be a mapping with model, data, train, sample", file
+        )
+    for override in overrides or []:
+        apply_override(raw, override)
+    train = raw.get("train")
+    if train is None or (isinstance(train, dict) and not train.get("out_dir")):
+        raw["train"] = dict(train or {}, out_dir=str(Path("runs") / path.stem))
+    return raw
