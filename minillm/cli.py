@@ -219,6 +219,21 @@ DeviceOption = typer.Option(
 )
 
 
+# Sampling options shared by `sample` and `chat` (defaults: the run's sample section).
+TemperatureOption = typer.Option(
+    None, "--temperature", metavar="T", help="0 = greedy (default: sample.temperature)."
+)
+TopKOption = typer.Option(
+    None,
+    "--top-k",
+    metavar="K",
+    help="Keep the k most likely tokens, 0 = off (default: sample.top_k).",
+)
+TopPOption = typer.Option(
+    None, "--top-p", metavar="P", help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p)."
+)
+
+
 def _load(ckpt: Path, device: str, best: bool = False):  # noqa: ANN202
     from minillm.checkpoint.store import load_checkpoint, resolve_checkpoint
     from minillm.runtime.device import resolve_device
@@ -339,21 +354,9 @@ def sample(
         help="Tokens to generate for each row; past model.max_seq_len the context slides "
         "(default: sample.max_new_tokens).",
     ),
-    temperature: float | None = typer.Option(
-        None, "--temperature", metavar="T", help="0 = greedy (default: sample.temperature)."
-    ),
-    top_k: int | None = typer.Option(
-        None,
-        "--top-k",
-        metavar="K",
-        help="Keep the k most likely tokens, 0 = off (default: sample.top_k).",
-    ),
-    top_p: float | None = typer.Option(
-        None,
-        "--top-p",
-        metavar="P",
-        help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p).",
-    ),
+    temperature: float | None = TemperatureOption,
+    top_k: int | None = TopKOption,
+    top_p: float | None = TopPOption,
     seed: int | None = typer.Option(
         None,
         "--seed",
@@ -409,21 +412,9 @@ def chat(
         metavar="N",
         help="Longest reply in tokens (default: sample.max_new_tokens).",
     ),
-    temperature: float | None = typer.Option(
-        None, "--temperature", metavar="T", help="0 = greedy (default: sample.temperature)."
-    ),
-    top_k: int | None = typer.Option(
-        None,
-        "--top-k",
-        metavar="K",
-        help="Keep the k most likely tokens, 0 = off (default: sample.top_k).",
-    ),
-    top_p: float | None = typer.Option(
-        None,
-        "--top-p",
-        metavar="P",
-        help="Nucleus mass in (0, 1], 1 = off (default: sample.top_p).",
-    ),
+    temperature: float | None = TemperatureOption,
+    top_k: int | None = TopKOption,
+    top_p: float | None = TopPOption,
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
     device: str = DeviceOption,
 ) -> None:
