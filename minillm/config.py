@@ -144,6 +144,11 @@ class DataConfig(_Section):
         "data/tokens",
         help="Folder for the shards (train_000000.bin, ..., val_000000.bin, ...) and meta.json.",
     )
+    tokenizer_sample_bytes: int = _f(
+        256_000_000,
+        help="Train the BPE on about this many bytes of the train split, a deterministic sample "
+        "spread evenly over it, instead of all of it (a smaller corpus is used whole); 0 = all.",
+    )
     shard_tokens: int = _f(
         100_000_000,
         help="Most tokens per shard file; a corpus smaller than this gives one shard per split. "
@@ -166,6 +171,8 @@ class DataConfig(_Section):
             self._fail("text_field", "must not be empty")
         if not self.out_dir:
             self._fail("out_dir", "must not be empty")
+        if self.tokenizer_sample_bytes < 0:
+            self._fail("tokenizer_sample_bytes", f"must be >= 0, got {self.tokenizer_sample_bytes}")
         if self.shard_tokens < 1:
             self._fail("shard_tokens", f"must be at least 1, got {self.shard_tokens}")
 

@@ -319,3 +319,55 @@ def test_a_changed_config_or_source_is_refused_naming_it(
     write_shards(cfg_with(tmp_path, **{"shard_tokens": 1500, **change}), retrain=True)
     write_shards(cfg_with(tmp_path, "fresh", **{"shard_tokens": 1500, **change}))
     assert files(tmp_path / "tokens") == files(tmp_path / "fresh")
+
+
+# ----------------------------------------------------------------------------- tokenizer sample
+
+
+def recording_trainer(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Record the texts each tokenizer training is given."""
+    real, runs = shards_mod.train_tokenizer, []
+
+    def train(texts: Any, vocab_size: int) -> Any:
+        runs.append(list(texts))
+        return real(iter(runs[-1]), vocab_size)
+
+    monkeypatch.setattr(shards_mod, "train_tokenizer", train)
+    return runs
+
+
+def test_the_tokenizer_sample_is_deterministic_and_spread_over_the_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = recording_trainer(monkeypatch)
+    sample = 40_000
+    write_shards(cfg_with(tmp_path, "a", tokenizer_sample_bytes=sample))
+    write_shards(cfg_with(tmp_path, "b", tokenizer_sample_bytes=sample))
+    write_shards(cfg_with(tmp_path, "all", tokenizer_sample_bytes=0))
+    a, b, whole = runs
+    assert a == b  # the same pieces, so the same tokenizer
+    tok = {d: (tmp_path / d / "tokenizer.json").read_bytes() for d in ("a", "b", "all")}
+    assert tok["a"] == tok["b"] != tok["all"]
+    chars = sum(len(p) for p in a)
+    assert 0.6 * sample < chars < 1.3 * sample < sum(len(p) for p in whole)
+    # Spread over the split: pieces from its first and from its last quarter are in the sample.
+    position = {p: i for i, p in enumerate(whole)}
+    taken = sorted(position[p] for p in a)
+    assert taken[0] < len(whole) // 4 and taken[-1] > 3 * len(whole) // 4
+    # A corpus smaller than the sample trains on all of it: the default changes nothing small.
+    write_shards(cfg_with(tmp_path, "default"))
+    assert runs[-1] == whole
+
+
+def test_the_tokenizer_sample_of_a_single_text_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = recording_trainer(monkeypatch)
+    src = tmp_path / "book.txt"
+    src.write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:400_000])
+    write_shards(cfg_with(tmp_path, source=str(src), tokenizer_sample_bytes=50_000))
+    write_shards(cfg_with(tmp_path, "all", source=str(src), tokenizer_sample_bytes=0))
+    sample, whole = runs
+    # One document: pieces of it are taken, off by at most one piece from the 50,000 bytes.
+    assert abs(sum(len(p) for p in sample) - 50_000) <= max(len(p) for p in whole)
+    assert sum(len(p) for p in whole) > 300_000 and set(sample) < set(whole)

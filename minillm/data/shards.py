@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minillm.config import Config
+from minillm.config import Config, DataConfig
 from minillm.data import staging as staging_mod
 from minillm.data.chat_shards import ChatEncoder, resolve_loss_on
 from minillm.data.corpus import Corpus, Document, open_corpus
@@ -159,16 +159,32 @@ class _SplitEncoder:
         self.progress.update(self.progress.done + units, self.progress.nbytes + nbytes)
 
 
-def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
-    """Train the tokenizer on the train split, with a progress bar over the text it reads."""
+def _sample_rate(corpus: Corpus, data: DataConfig, train_bytes: int | None) -> float:
+    """The share of the train text the tokenizer trains on: data.tokenizer_sample_bytes over
+    the train split's bytes (for rows, estimated from the files' sizes), at most 1."""
+    if data.tokenizer_sample_bytes <= 0 or not corpus.files:  # a hub dataset: its size unknown
+        return 1.0
+    if train_bytes is None:  # rows: their text is not counted before a pass; the files are
+        train_bytes = int(sum(f.stat().st_size for f in corpus.files) * (1 - data.val_fraction))
+    return min(1.0, data.tokenizer_sample_bytes / max(train_bytes, 1))
+
+
+def _train(corpus: Corpus, data: DataConfig, console: Console) -> Tokenizer:
+    """Train the tokenizer on the train split, with a progress bar over the text it reads.
+
+    With a sample rate r < 1 (data.tokenizer_sample_bytes) it trains on a share r of the text
+    pieces, spread evenly over the whole split (a piece is taken whenever the credit of r per
+    character read covers it): deterministic, and not biased to the corpus's first documents.
+    """
     by_bytes = corpus.unit == "bytes"
     docs = [d for d in corpus.documents() if d.split == "train"] if by_bytes else None
     total = sum(d.nbytes for d in docs) if docs is not None else int((~corpus.mask).sum())
+    rate = _sample_rate(corpus, data, total if by_bytes else None)
     progress = Progress("train tokenizer", total, console)
-    seen = 0
+    seen, credit = 0, 0.0
 
     def texts() -> Iterator[str]:
-        nonlocal seen
+        nonlocal seen, credit
         for doc in docs if docs is not None else corpus.documents():
             if doc.split != "train":
                 continue
@@ -179,13 +195,16 @@ def _train(corpus: Corpus, vocab_size: int, console: Console) -> Tokenizer:
             for piece in pieces:
                 if by_bytes:  # in characters ~ bytes, settled at the document's end
                     progress.update(progress.done + len(piece), progress.nbytes + len(piece))
-                yield piece
+                credit += len(piece) * rate
+                if credit >= len(piece):
+                    credit -= len(piece)
+                    yield piece
             seen += nbytes
             progress.update(done + (nbytes if by_bytes else 1), seen)
         progress.describe("train tokenizer: merging")  # the trainer's last step, after reading
 
     try:
-        tok = train_tokenizer(texts(), vocab_size)
+        tok = train_tokenizer(texts(), data.vocab_size)
     except ConfigError as err:
         if not seen and err.key == "data.vocab_size":  # the tokenizer saw no text at all
             raise ConfigError(
@@ -325,7 +344,7 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
     try:
         if mode == "train":
             train_start = time.perf_counter()
-            tok = _train(corpus, data.vocab_size, console)
+            tok = _train(corpus, data, console)
             tok_seconds = time.perf_counter() - train_start
             staging.start()
             tok_json = tok.to_str()

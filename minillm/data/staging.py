@@ -220,6 +220,7 @@ def pass_inputs(data: DataConfig, fingerprint: str, tokenizer: str) -> dict[str,
     record = data_record(data)
     inputs: dict[str, Any] = {f"data.{k}": v for k, v in record.items() if k != "source"}
     inputs["data.vocab_size"], inputs["data.shard_tokens"] = data.vocab_size, data.shard_tokens
+    inputs["data.tokenizer_sample_bytes"] = data.tokenizer_sample_bytes
     inputs["data.tokenizer"] = tokenizer
     inputs["data.source"] = f"{record['source']} (fingerprint {fingerprint[:12]})"
     return inputs
