@@ -371,3 +371,36 @@ def test_the_tokenizer_sample_of_a_single_text_file(
     # One document: pieces of it are taken, off by at most one piece from the 50,000 bytes.
     assert abs(sum(len(p) for p in sample) - 50_000) <= max(len(p) for p in whole)
     assert sum(len(p) for p in whole) > 300_000 and set(sample) < set(whole)
+
+
+def test_training_on_many_shards_equals_training_on_one(tmp_path: Path) -> None:
+    """The trainer reads a sharded split as one array: same batches, bit-identical weights."""
+    import torch
+
+    from minillm.train.trainer import Trainer
+
+    write_shards(cfg_with(tmp_path, "one"))
+    (tmp_path / "many").mkdir()
+    shutil.copy(tmp_path / "one" / "tokenizer.json", tmp_path / "many" / "tokenizer.json")
+    write_shards(cfg_with(tmp_path, "many", shard_tokens=700))
+    weights = []
+    for out in ("one", "many"):
+        cfg = config_from_dict(
+            {
+                "model": dict(d_model=32, n_layer=1, n_head=2, ffn_hidden=64, max_seq_len=64),
+                "data": {"source": str(corpus(tmp_path)), "vocab_size": 300,
+                         "out_dir": str(tmp_path / out)},
+                "train": dict(out_dir=str(tmp_path / f"run_{out}"), batch_size=4, seq_len=48,
+                              max_steps=4, eval_every=2, eval_steps=2, ckpt_every=4,
+                              device="cpu", precision="fp32", warmup_steps=1),
+            }
+        )  # fmt: skip
+        trainer = Trainer(cfg, verbose=False)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        weights.append(trainer.model.state_dict())
+    assert len(load_meta(tmp_path / "many")["train"]["shards"]) > 20
+    for name, value in weights[0].items():
+        assert torch.equal(value, weights[1][name]), name
