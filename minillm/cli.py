@@ -167,7 +167,10 @@ def tokenize(
     config: Path = ConfigArgument,
     set_: list[str] | None = SetOption,
     retrain: bool = typer.Option(
-        False, "--retrain", help="Train a new tokenizer even if data.tokenizer exists."
+        False,
+        "--retrain",
+        help="Train a new tokenizer even if data.tokenizer exists, and start over instead of "
+        "resuming an interrupted run.",
     ),
 ) -> None:
     """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""

@@ -160,7 +160,7 @@ class Staging:
                     key,
                     f"changed since the interrupted `minillm tokenize` whose checkpoint is in "
                     f"{self.path} (was {_short(was.get(key))}, now {_short(inputs[key])}); put "
-                    "it back to resume, or pass --retrain to start over",
+                    "it back to resume, or pass --retrain (or delete that folder) to start over",
                     label,
                 )
 
