@@ -421,7 +421,12 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
         "out_dir": str(out_dir),
         "dtype": dtype,
         "vocab_size": vocab,
-        "tokenizer": {"path": str(tok_path), "trained": trained, "seconds": tok_seconds},
+        "tokenizer": {
+            "path": str(tok_path),
+            "trained": trained,
+            "seconds": tok_seconds,
+            "by_interrupted_run": mode == "staged",
+        },
         "resumed_documents": resume["documents"] if resume else 0,
         "splits": splits,
         "seconds": time.perf_counter() - start,

@@ -39,6 +39,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         )
     tok = summary["tokenizer"]
     how = f"trained in {tok['seconds']:.1f}s" if tok["trained"] else "reused"
+    if tok.get("by_interrupted_run"):
+        how = "trained by the interrupted run"
     if summary.get("resumed_documents"):
         how += f"; resumed after {summary['resumed_documents']:,} documents"
     console = Console(highlight=False)
