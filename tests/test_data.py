@@ -27,6 +27,7 @@ from minillm.config import Config, config_from_dict
 from minillm.data import shards as shards_mod
 from minillm.data import staging as staging_mod
 from minillm.data import text as text_mod
+from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import eval_batches, train_batch
 from minillm.data.corpus import TableCorpus, _looks_like_hub, open_corpus, val_mask
 from minillm.data.meta import load_meta, open_split, shard_dtype
@@ -531,6 +532,7 @@ def test_progress_ends_at_its_total(
             super().close()
 
     monkeypatch.setattr(shards_mod, "Progress", Recording)
+    monkeypatch.setattr(tokenizer_train_mod, "Progress", Recording)
     monkeypatch.setattr(shards_mod, "BATCH_CHARS", 5000)
     if fmt == "txt":
         src = str(write_text(tmp_path / "s.txt", EXCERPT))

@@ -24,6 +24,7 @@ from minillm.cli import app
 from minillm.config import Config, config_from_dict
 from minillm.data import shards as shards_mod
 from minillm.data import staging as staging_mod
+from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import eval_batches, train_batch
 from minillm.data.meta import load_meta, open_mask, open_split
 from minillm.data.sharded import ShardedArray
@@ -326,13 +327,13 @@ def test_a_changed_config_or_source_is_refused_naming_it(
 
 def recording_trainer(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Record the texts each tokenizer training is given."""
-    real, runs = shards_mod.train_tokenizer, []
+    real, runs = tokenizer_train_mod.train_tokenizer, []
 
     def train(texts: Any, vocab_size: int) -> Any:
         runs.append(list(texts))
         return real(iter(runs[-1]), vocab_size)
 
-    monkeypatch.setattr(shards_mod, "train_tokenizer", train)
+    monkeypatch.setattr(tokenizer_train_mod, "train_tokenizer", train)
     return runs
 
 
