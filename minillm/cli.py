@@ -167,11 +167,15 @@ def tokenize(
     config: Path = ConfigArgument,
     set_: list[str] | None = SetOption,
     retrain: bool = typer.Option(
-        False, "--retrain", help="Train a new tokenizer even if data.tokenizer exists."
+        False,
+        "--retrain",
+        help="Train a new tokenizer even if data.tokenizer exists, and start over instead of "
+        "resuming an interrupted run.",
     ),
 ) -> None:
     """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
-    from minillm.data.shards import print_summary, write_shards
+    from minillm.data.shards import write_shards
+    from minillm.data.summary import print_summary
 
     cfg = _config(config, set_)
     summary = _run(write_shards, cfg, retrain=retrain)
@@ -244,7 +248,7 @@ def _load(ckpt: Path, device: str, best: bool = False):  # noqa: ANN202
 
 EVAL_HELP = (
     "Loss (nats/token), perplexity and bits per byte of a checkpoint, over the run's validation "
-    "shard (data.out_dir/val.bin) or over --data FILE, tokenized with the run's tokenizer.\n\n"
+    "shards (data.out_dir/val_*.bin) or over --data FILE, tokenized with the run's tokenizer.\n\n"
     "A .txt file is one document (no special tokens added); a .jsonl, .json, .parquet or .csv "
     "file is read as `minillm tokenize` reads it (--text-field, default the run's "
     "data.text_field; chat rows through the chat template), documents joined by end-of-text.\n\n"

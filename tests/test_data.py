@@ -25,7 +25,9 @@ from typer.testing import CliRunner
 from minillm.cli import app
 from minillm.config import Config, config_from_dict
 from minillm.data import shards as shards_mod
+from minillm.data import staging as staging_mod
 from minillm.data import text as text_mod
+from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import eval_batches, train_batch
 from minillm.data.corpus import TableCorpus, _looks_like_hub, open_corpus, val_mask
 from minillm.data.meta import load_meta, open_split, shard_dtype
@@ -33,7 +35,6 @@ from minillm.data.shards import write_shards
 from minillm.data.text import is_cut, read_text_blocks, split_pieces
 from minillm.data.tokenizer import load_tokenizer, train_tokenizer
 from minillm.errors import ConfigError, UserError
-from minillm.runtime import files as files_mod
 from minillm.runtime import progress as progress_mod
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -263,7 +264,8 @@ def test_jsonl_documents_split_and_byte_counts(tmp_path: Path) -> None:
     for split, docs in (("train", train), ("val", val)):
         assert meta[split]["bytes"] == sum(len(d.encode("utf-8")) for d in docs)
         assert (
-            meta[split]["sha256"] == hashlib.sha256((out / f"{split}.bin").read_bytes()).hexdigest()
+            meta[split]["shards"][0]["sha256"]
+            == hashlib.sha256((out / f"{split}_000000.bin").read_bytes()).hexdigest()
         )
     assert (
         meta["tokenizer_sha256"]
@@ -346,8 +348,8 @@ def test_uint32_shards_hold_the_same_ids(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(shards_mod, "shard_dtype", lambda vocab_size: "uint32")
     write_shards(make_cfg(tmp_path, source=src, out_dir=str(tmp_path / "b")))
     assert load_meta(tmp_path / "b")["dtype"] == "uint32"
-    assert (tmp_path / "b" / "train.bin").stat().st_size == 2 * (
-        tmp_path / "a" / "train.bin"
+    assert (tmp_path / "b" / "train_000000.bin").stat().st_size == 2 * (
+        tmp_path / "a" / "train_000000.bin"
     ).stat().st_size
     for split in ("train", "val"):
         a, b = open_split(tmp_path / "a", split), open_split(tmp_path / "b", split)
@@ -362,7 +364,7 @@ def test_interrupted_run_keeps_previous_shards(
     write_shards(make_cfg(tmp_path, source=src))
     out = tmp_path / "tokens"
     before, train = hashes(out), open_split(out, "train").copy()
-    real_write, calls = shards_mod._ShardWriter.write, []
+    real_write, calls = staging_mod.ShardWriter.write, []
 
     def failing_write(self: Any, ids: np.ndarray) -> None:
         calls.append(1)
@@ -371,7 +373,7 @@ def test_interrupted_run_keeps_previous_shards(
         real_write(self, ids)
 
     monkeypatch.setattr(shards_mod, "BATCH_CHARS", 1000)  # many writes
-    monkeypatch.setattr(shards_mod._ShardWriter, "write", failing_write)
+    monkeypatch.setattr(staging_mod.ShardWriter, "write", failing_write)
     with pytest.raises(type(error)):
         write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     assert hashes(out) == before  # tokenizer, shards and meta untouched, no temporary left
@@ -383,14 +385,14 @@ def test_crash_between_renames_leaves_no_accepted_shard(
 ) -> None:
     src = str(write_text(tmp_path / "s.txt", EXCERPT))
     write_shards(make_cfg(tmp_path, source=src))
-    real_commit = files_mod.StagedFile.commit
+    real_install = staging_mod._install
 
-    def commit(self: Any) -> None:
-        if self.path.name == "val.bin":
+    def install(src: Path, dst: Path) -> None:
+        if dst.name == "val_000000.bin":
             raise OSError("power cut")
-        real_commit(self)
+        real_install(src, dst)
 
-    monkeypatch.setattr(files_mod.StagedFile, "commit", commit)
+    monkeypatch.setattr(staging_mod, "_install", install)
     with pytest.raises(UserError, match="power cut"):
         write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     for split in ("train", "val"):
@@ -411,7 +413,7 @@ def test_full_disk_is_one_line_and_keeps_previous_shards(
     def full(self: Any, ids: np.ndarray) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards_mod._ShardWriter, "write", full)
+    monkeypatch.setattr(staging_mod.ShardWriter, "write", full)
     with pytest.raises(UserError, match="No space left on device"):
         write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     assert hashes(out) == before
@@ -421,12 +423,19 @@ def test_open_split_checks_size_against_meta(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="meta.json: data.out_dir: .*minillm tokenize CONFIG"):
         open_split(tmp_path / "nothing", "train")
     write_shards(make_cfg(tmp_path, source=str(write_text(tmp_path / "s.txt", EXCERPT))))
-    shard = tmp_path / "tokens" / "train.bin"
-    shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(UserError, match="train.bin: data.out_dir: .* bytes, but meta.json"):
+    shard = tmp_path / "tokens" / "train_000000.bin"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-2])
+    with pytest.raises(UserError, match="train_000000.bin: data.out_dir: .* bytes, but meta.json"):
+        open_split(tmp_path / "tokens", "train")
+    shard.write_bytes(whole[:-2] + bytes([whole[-2] ^ 1, whole[-1]]))  # same size, one bit off
+    with pytest.raises(UserError, match="train_000000.bin: data.out_dir: sha256 differs"):
+        open_split(tmp_path / "tokens", "train")
+    shard.unlink()
+    with pytest.raises(UserError, match="train_000000.bin: data.out_dir: missing; run `minillm"):
         open_split(tmp_path / "tokens", "train")
     (tmp_path / "tokens" / "meta.json").write_text('{"version": 99}')
-    with pytest.raises(UserError, match="not a meta.json of version 1"):
+    with pytest.raises(UserError, match="not a meta.json of version 2"):
         load_meta(tmp_path / "tokens")
 
 
@@ -523,6 +532,7 @@ def test_progress_ends_at_its_total(
             super().close()
 
     monkeypatch.setattr(shards_mod, "Progress", Recording)
+    monkeypatch.setattr(tokenizer_train_mod, "Progress", Recording)
     monkeypatch.setattr(shards_mod, "BATCH_CHARS", 5000)
     if fmt == "txt":
         src = str(write_text(tmp_path / "s.txt", EXCERPT))

@@ -136,7 +136,7 @@ def one_line_error(args: list[str]) -> str:
 
 def test_eval_errors_are_one_line(run_dir: Path, tmp_path: Path) -> None:
     ckpt = ["eval", "--ckpt", str(run_dir)]
-    assert "val.bin: no validation shard" in one_line_error(ckpt)  # never tokenized
+    assert "meta.json: no validation shard" in one_line_error(ckpt)  # never tokenized
     assert "no such file" in one_line_error([*ckpt, "--data", str(tmp_path / "nope.txt")])
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     assert "not UTF-8" in one_line_error([*ckpt, "--data", str(tmp_path / "latin1.txt")])

@@ -3,7 +3,7 @@
 Offers `tiny_tokenizer()` (a 300-token byte-level BPE trained once per session on a few KB of
 Shakespeare plus some non-ASCII text), `make_run(root, ...)`, which writes a run directory the way
 the trainer does (`save_checkpoint` with `state={"config": config_to_dict(cfg), ...}`) and returns
-it with its config and model, and `write_shards` (train.bin, val.bin, meta.json by the real
+it with its config and model, and `write_shards` (numbered shards and meta.json by the real
 data pipeline).
 """
 

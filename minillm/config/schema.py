@@ -131,7 +131,20 @@ class DataConfig(_Section):
     seed: int = _f(1337, help="Seed of the train/validation split of documents.")
     vocab_size: int = _f(4096, help="Vocabulary of the byte-level BPE tokenizer to train.")
     tokenizer: str = _f("", help="Path of tokenizer.json; empty = <out_dir>/tokenizer.json.")
-    out_dir: str = _f("data/tokens", help="Folder for train.bin, val.bin and meta.json.")
+    out_dir: str = _f(
+        "data/tokens",
+        help="Folder for the shards (train_000000.bin, ..., val_000000.bin, ...) and meta.json.",
+    )
+    tokenizer_sample_bytes: int = _f(
+        256_000_000,
+        help="Train the BPE on about this many bytes of the train split, a deterministic sample "
+        "spread evenly over it, instead of all of it (a smaller corpus is used whole); 0 = all.",
+    )
+    shard_tokens: int = _f(
+        100_000_000,
+        help="Most tokens per shard file; a corpus smaller than this gives one shard per split. "
+        "An interrupted tokenize resumes after its last checkpoint when run again.",
+    )
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -149,6 +162,10 @@ class DataConfig(_Section):
             self._fail("text_field", "must not be empty")
         if not self.out_dir:
             self._fail("out_dir", "must not be empty")
+        if self.tokenizer_sample_bytes < 0:
+            self._fail("tokenizer_sample_bytes", f"must be >= 0, got {self.tokenizer_sample_bytes}")
+        if self.shard_tokens < 1:
+            self._fail("shard_tokens", f"must be at least 1, got {self.shard_tokens}")
 
     @property
     def tokenizer_path(self) -> Path:

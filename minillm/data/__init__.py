@@ -1,7 +1,10 @@
 """The data stage: corpus -> text pieces -> BPE tokenizer -> token shards -> batches.
 
 Modules: `corpus` (loading files or a hub dataset through `datasets`), `text` (splitting text into
-pieces), `tokenizer` (the byte-level BPE and its special tokens), `chat` (the chat template),
-`shards` (the writer that `minillm tokenize` runs, with `chat_shards` for conversations), `meta`
-(meta.json and opening a split), `batches` (what the trainer and evaluation read).
+pieces), `tokenizer` (the byte-level BPE and its special tokens), `tokenizer_train` (training
+it on a corpus or a sample of it), `chat` (the chat template),
+`shards` (the writer that `minillm tokenize` runs, with `chat_shards` for conversations,
+`staging` for numbered shard files, checkpoints and resume, `summary` for its table), `meta`
+(meta.json and opening a split, checked by sha256), `sharded` (several shards read as one array),
+`batches` (what the trainer and evaluation read).
 """

@@ -1,25 +1,33 @@
 """Token shards on disk: the format, `meta.json`, and opening a split for reading.
 
-Offers `load_meta`, `open_split`, `open_mask`, `shard_dtype`, `data_record`, `stale_data_keys`,
-`META_VERSION`, `MASK_SUFFIX`, `SPLITS` and `TOKEN_DTYPES`. The writer is `minillm.data.shards`.
+Offers `load_meta`, `open_split`, `open_mask`, `shard_dtype`, `shard_name`, `data_record`,
+`stale_data_keys`, `META_VERSION`, `MASK_SUFFIX`, `SPLITS` and `TOKEN_DTYPES`. The writer is
+`minillm.data.shards`.
 
-A shard is the split's documents' token ids, each document followed by the EOT id, as raw
-little-endian uint16 (uint32 when the vocabulary exceeds 65,536). `meta.json` holds:
+A split is the token ids of its documents, each document followed by the EOT id, as raw
+little-endian uint16 (uint32 when the vocabulary exceeds 65,536), cut into numbered shards
+`<split>_000000.bin`, `<split>_000001.bin`, ... of `data.shard_tokens` tokens (the last one
+shorter; a document may span two shards). `meta.json` (version 2) holds:
 
-    {"version", "dtype", "vocab_size", "eot_id",
-     "train": {"tokens", "bytes", "documents", "sha256", "targets", "target_bytes"}, "val": {...},
-     "chat", "loss_on", "tokenizer_sha256", "source_fingerprint",
+    {"version", "dtype", "vocab_size", "eot_id", "shard_tokens",
+     "train": {"tokens", "bytes", "documents", "targets", "target_bytes",
+               "shards": [{"file", "tokens", "file_bytes", "sha256"[, "mask_sha256"]}, ...]},
+     "val": {...}, "chat", "loss_on", "tokenizer_sha256", "source_fingerprint",
      "data": {"source", "format", "text_field", "val_fraction", "seed", "loss_on"}}
 
 `bytes` counts the UTF-8 bytes of a split's document texts (not the separators; of a conversation,
-its contents), for bits-per-byte. With chat data (`"chat": true`) and `"loss_on": "assistant"`,
-`<split>.mask` holds one byte per token, 1 where the token is a training target (an assistant
-content's token or its `<|end|>`), and `targets` / `target_bytes` count those tokens and the
-assistant bytes. Shards without a mask (older ones too, which lack these keys) make every token a
-target. Everything a run writes (tokenizer.json when it trains one, both shards, meta.json) goes to
-temporary names first and is fsynced; only when all of it is whole are the names swapped in,
-meta.json last. A failed or interrupted run therefore leaves the previous shards and tokenizer as
-they were, and `open_split` refuses a shard whose size disagrees with meta.json.
+its contents), for bits-per-byte; a shard's `file_bytes` is its size on disk. With chat data
+(`"chat": true`) and `"loss_on": "assistant"`, each shard has a `.mask` twin (`train_000000.mask`)
+holding one byte per token, 1 where the token is a training target (an assistant content's token
+or its `<|end|>`), and `targets` / `target_bytes` count those tokens and the assistant bytes.
+Shards without a mask make every token a target. Opening a split checks every shard's size and
+sha256 against meta.json: a missing or damaged shard is one error line. Version 1 (one
+`<split>.bin` per split, from before shards were numbered) is still read.
+
+`minillm tokenize` writes shards into `<out_dir>/.partial/` as it goes, checkpointing there, and
+moves them into place only when the pass is complete; meta.json is written last. A failed or
+interrupted run therefore leaves the previous shards and tokenizer as they were, and running it
+again resumes from the checkpoint (minillm.data.staging).
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ from typing import Any
 import numpy as np
 
 from minillm.config import DataConfig
+from minillm.data.sharded import ShardedArray
 from minillm.errors import ConfigError
 
-META_VERSION = 1  # the chat keys are optional additions: older readers ignore them
+META_VERSION = 2  # numbered shards with a sha256 each
+OLD_VERSIONS = (1,)  # one <split>.bin per split: still read
 MASK_SUFFIX = ".mask"
 SPLITS = ("train", "val")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -44,6 +54,11 @@ _RERUN = "run `minillm tokenize CONFIG` again"
 def shard_dtype(vocab_size: int) -> str:
     """The shard dtype: uint16 while every id fits (vocab_size <= 65536), else uint32."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def shard_name(split: str, index: int, suffix: str = ".bin") -> str:
+    """The file name of shard `index` of a split: train_000000.bin, its mask train_000000.mask."""
+    return f"{split}_{index:06d}{suffix}"
 
 
 def data_record(data: DataConfig) -> dict[str, Any]:
@@ -85,15 +100,27 @@ def load_meta(out_dir: str | Path) -> dict[str, Any]:
     def nat(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
+    def shards_ok(entry: dict[str, Any]) -> bool:
+        shards = entry.get("shards")
+        return isinstance(shards, list) and all(
+            isinstance(sh, dict)
+            and isinstance(sh.get("file"), str)
+            and "/" not in sh["file"]
+            and nat(sh.get("tokens"))
+            and isinstance(sh.get("sha256"), str)
+            for sh in shards
+        )
+
     ok = (
         isinstance(meta, dict)
-        and meta.get("version") == META_VERSION
+        and meta.get("version") in (META_VERSION, *OLD_VERSIONS)
         and meta.get("dtype") in TOKEN_DTYPES
         and nat(meta.get("vocab_size"))
         and nat(meta.get("eot_id"))
         and all(
             isinstance(meta.get(s), dict)
             and all(nat(meta[s].get(k)) for k in ("tokens", "bytes", "documents"))
+            and (meta.get("version") != META_VERSION or shards_ok(meta[s]))
             for s in SPLITS
         )
     )
@@ -104,45 +131,77 @@ def load_meta(out_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
-def open_split(out_dir: str | Path, split: str) -> np.ndarray:
-    """The token ids of "train" or "val" as a read-only memmap, checked against meta.json."""
+def _shard_files(meta: dict[str, Any], split: str, suffix: str) -> list[tuple[str, int, str]]:
+    """(file name, tokens, sha256 or "" when not recorded) of each shard (or mask) of a split."""
+    if meta["version"] == 1:
+        return [(f"{split}{suffix}", meta[split]["tokens"], "")]
+    key = "sha256" if suffix == ".bin" else "mask_sha256"
+    return [
+        (sh["file"].removesuffix(".bin") + suffix, sh["tokens"], sh.get(key, ""))
+        for sh in meta[split]["shards"]
+    ]
+
+
+def _open_files(
+    out_dir: Path, files: list[tuple[str, int, str]], dtype: np.dtype, total: int
+) -> np.ndarray | ShardedArray:
+    """Memmap each file after checking its size and sha256; one file is returned as it is."""
+    from minillm.runtime.files import sha256_file
+
+    if sum(tokens for _, tokens, _ in files) != total:
+        raise ConfigError(
+            "data.out_dir",
+            f"the shards do not add up to the split's tokens; {_RERUN}",
+            str(out_dir / "meta.json"),
+        )
+    parts = []
+    for name, tokens, sha in files:
+        path = out_dir / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise ConfigError("data.out_dir", f"missing; {_RERUN}", str(path)) from None
+        if size != tokens * dtype.itemsize:
+            raise ConfigError(
+                "data.out_dir",
+                f"{size} bytes, but meta.json says {tokens} tokens of {dtype.itemsize} bytes "
+                f"(an interrupted run?); {_RERUN}",
+                str(path),
+            )
+        if sha and sha256_file(path) != sha:
+            raise ConfigError(
+                "data.out_dir",
+                f"sha256 differs from meta.json's (the file was changed or damaged); {_RERUN}",
+                str(path),
+            )
+        # numpy cannot map an empty file
+        parts.append(
+            np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
+            if tokens
+            else np.zeros(0, dtype=dtype)
+        )
+    if len(parts) == 1:
+        return parts[0]  # a small corpus: the plain memmap, as before shards were numbered
+    return ShardedArray(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def open_split(out_dir: str | Path, split: str) -> np.ndarray | ShardedArray:
+    """The token ids of "train" or "val" (a read-only memmap, or a ShardedArray over several
+    shards), every shard checked against meta.json's size and sha256."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     meta = load_meta(out_dir)
-    dtype, tokens = TOKEN_DTYPES[meta["dtype"]], meta[split]["tokens"]
-    path = Path(out_dir) / f"{split}.bin"
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise ConfigError("data.out_dir", f"missing; {_RERUN}", str(path)) from None
-    if size != tokens * dtype.itemsize:
-        raise ConfigError(
-            "data.out_dir",
-            f"{size} bytes, but meta.json says {tokens} tokens of {dtype.itemsize} bytes "
-            f"(an interrupted run?); {_RERUN}",
-            str(path),
-        )
-    if tokens == 0:  # numpy cannot map an empty file
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
+    dtype = TOKEN_DTYPES[meta["dtype"]]
+    files = _shard_files(meta, split, ".bin")
+    return _open_files(Path(out_dir), files, dtype, meta[split]["tokens"])
 
 
-def open_mask(out_dir: str | Path, split: str, meta: dict[str, Any]) -> np.ndarray | None:
-    """The split's target mask (bool per token) as a memmap, or None: every token a target."""
+def open_mask(
+    out_dir: str | Path, split: str, meta: dict[str, Any]
+) -> np.ndarray | ShardedArray | None:
+    """The split's target mask (bool per token), beside its shards, or None: every token a
+    target."""
     if meta.get("loss_on") != "assistant":
         return None
-    path = Path(out_dir) / f"{split}{MASK_SUFFIX}"
-    tokens = meta[split]["tokens"]
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise ConfigError("data.out_dir", f"missing; {_RERUN}", str(path)) from None
-    if size != tokens:
-        raise ConfigError(
-            "data.out_dir",
-            f"{size} bytes, but meta.json says {tokens} tokens (an interrupted run?); {_RERUN}",
-            str(path),
-        )
-    if tokens == 0:
-        return np.zeros(0, dtype=bool)
-    return np.memmap(path, dtype=np.bool_, mode="r", shape=(tokens,))
+    files = _shard_files(meta, split, MASK_SUFFIX)
+    return _open_files(Path(out_dir), files, np.dtype(np.bool_), meta[split]["tokens"])

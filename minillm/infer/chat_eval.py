@@ -108,5 +108,5 @@ def chat_eval_data(
     # The assistant bytes are known per split: scaled by the share of its targets evaluated.
     n_bytes = val.get("target_bytes", val["bytes"]) * n / max(val.get("targets", n), 1)
     if not n:
-        raise UserError(f"{out_dir / 'val.bin'}: no target tokens to score")
-    return batches, float(n_bytes), f"{out_dir / 'val.bin'} (each conversation on its own)"
+        raise UserError(f"{out_dir}: the val shards have no target tokens to score")
+    return batches, float(n_bytes), f"{out_dir} (val shards, each conversation on its own)"

@@ -187,10 +187,10 @@ def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, s
     from minillm.data.tokenizer import eot_id, tokenizer_sha256
 
     out_dir = Path(ckpt.config.data.out_dir)
-    if not (out_dir / "val.bin").is_file():
+    if not (out_dir / "meta.json").is_file():
         raise UserError(
-            f"{out_dir / 'val.bin'}: no validation shard (the run's data.out_dir, relative to the "
-            "folder you trained in); run from there, or pass --data FILE"
+            f"{out_dir / 'meta.json'}: no validation shard (the run's data.out_dir, relative to "
+            "the folder you trained in); run from there, or pass --data FILE"
         )
     meta = load_meta(out_dir)
     tok = ckpt.tokenizer
@@ -205,7 +205,7 @@ def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, s
         )
     tokens = open_split(out_dir, "val")
     n_bytes = float(meta["val"]["bytes"])
-    note = f"{out_dir / 'val.bin'}"
+    note = f"{out_dir} (val shards)"
     if max_tokens is not None and len(tokens) > max_tokens + 1:
         share = max_tokens / (len(tokens) - 1)
         n_bytes *= share
