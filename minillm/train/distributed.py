@@ -51,7 +51,9 @@ def init_distributed(device: torch.device) -> DistInfo:
     )
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get("MINILLM_DIST_TIMEOUT", 1800)))
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # NCCL for CUDA tensors, gloo for the few CPU ones (the step's target count, objects):
+        # NCCL alone refuses a CPU tensor.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
     return info
