@@ -85,3 +85,20 @@ def load_script(name: str, monkeypatch: Any) -> Any:
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def run_trainer(cfg: Config, stop_at: int | None = None, **kw: Any) -> Any:
+    """A quiet Trainer run to max_steps (or `stop_at`), closed; returns the Trainer."""
+    from minillm.train.trainer import Trainer
+
+    trainer = Trainer(cfg, verbose=False, **kw)
+    try:
+        trainer.fit(stop_at=stop_at)
+    finally:
+        trainer.close()
+    return trainer
+
+
+def weights(trainer: Any) -> dict[str, Any]:
+    """A copy of the trainer's model weights."""
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}

@@ -222,13 +222,7 @@ def test_chat_windows_start_at_a_conversation_and_eval_scores_each_alone(chat_di
 
 
 def test_trainer_on_chat_resumes_bitwise_with_doc_mask(chat_dir: Path, tmp_path: Path) -> None:
-    def run(cfg: Any, stop_at: int | None = None) -> Trainer:
-        trainer = Trainer(cfg, verbose=False)
-        try:
-            trainer.fit(stop_at=stop_at)
-        finally:
-            trainer.close()
-        return trainer
+    from tests.helpers import run_trainer as run
 
     base = chat_config(chat_dir, train=dict(out_dir=str(tmp_path / "straight")))
     straight = run(base)

@@ -22,7 +22,14 @@ from minillm.runtime.device import enable_tf32
 from minillm.train import batch_size as auto
 from minillm.train.prefetch import Prefetcher
 from minillm.train.trainer import Trainer
-from tests.helpers import load_script, prepared_config, run_config, tiny_config
+from tests.helpers import (
+    load_script,
+    prepared_config,
+    run_config,
+    run_trainer,
+    tiny_config,
+    weights,
+)
 
 cuda = pytest.mark.cuda
 
@@ -35,19 +42,6 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 make_cfg = run_config
-
-
-def run_trainer(cfg, stop_at=None) -> Trainer:
-    trainer = Trainer(cfg, verbose=False)
-    try:
-        trainer.fit(stop_at=stop_at)
-    finally:
-        trainer.close()
-    return trainer
-
-
-def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------- checkpointing

@@ -14,7 +14,7 @@ from minillm.config import config_from_dict, config_to_dict
 from minillm.errors import UserError
 from minillm.train.schedule import lr_at
 from minillm.train.trainer import Trainer, TrainingDiverged
-from tests.helpers import prepared_config, run_config
+from tests.helpers import prepared_config, run_config, run_trainer, weights
 
 
 def test_lr_schedule_exact_table() -> None:
@@ -34,19 +34,6 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 make_cfg = run_config
-
-
-def run_trainer(cfg, stop_at=None, **kw) -> Trainer:
-    trainer = Trainer(cfg, verbose=False, **kw)
-    try:
-        trainer.fit(stop_at=stop_at)
-    finally:
-        trainer.close()
-    return trainer
-
-
-def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 def test_resume_is_bitwise_exact(data_dir: Path, tmp_path: Path) -> None:
