@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,16 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # machine must not become the user's MFU reference: tests keep theirs apart (one per session,
 # shared with the CLI subprocesses through the environment).
 os.environ.setdefault("MINILLM_CACHE_DIR", tempfile.mkdtemp(prefix="minillm-test-cache-"))
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized corpus shared by the tests of a module (they only read it)."""
+    from tests.helpers import prepared_config
+
+    base = tmp_path_factory.mktemp("corpus")
+    prepared_config(base)
+    return base
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from minillm.train.prefetch import Prefetcher
 from minillm.train.trainer import Trainer
 from tests.helpers import (
     load_script,
-    prepared_config,
     run_config,
     run_trainer,
     tiny_config,
@@ -32,13 +31,6 @@ from tests.helpers import (
 )
 
 cuda = pytest.mark.cuda
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("corpus")
-    prepared_config(base)
-    return base
 
 
 make_cfg = run_config

@@ -20,7 +20,7 @@ from minillm.model.param_groups import optimizer_split
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.schedule import lr_at
 from minillm.train.trainer import Trainer
-from tests.helpers import prepared_config, tiny_config
+from tests.helpers import tiny_config
 
 CPU = torch.device("cpu")
 
@@ -135,13 +135,6 @@ def test_info_says_which_optimizer_trains_what(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- through the Trainer
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("corpus")
-    prepared_config(base)
-    return base
 
 
 def run(cfg, stop_at: int | None = None) -> dict[str, torch.Tensor]:

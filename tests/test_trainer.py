@@ -14,7 +14,7 @@ from minillm.config import config_from_dict, config_to_dict
 from minillm.errors import UserError
 from minillm.train.schedule import lr_at
 from minillm.train.trainer import Trainer, TrainingDiverged
-from tests.helpers import prepared_config, run_config, run_trainer, weights
+from tests.helpers import run_config, run_trainer, weights
 
 
 def test_lr_schedule_exact_table() -> None:
@@ -23,14 +23,6 @@ def test_lr_schedule_exact_table() -> None:
     quarter = 0.1 + 0.45 * (1 + math.cos(3 * math.pi / 4))
     want = [0.5, 1.0, 1.0, half, 0.55, quarter, 0.1, 0.1]
     assert got == pytest.approx(want, abs=1e-12)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tokenized corpus shared by the tests of this module (they only read it)."""
-    base = tmp_path_factory.mktemp("corpus")
-    prepared_config(base)
-    return base
 
 
 make_cfg = run_config
