@@ -1,6 +1,7 @@
-"""Benchmark `minillm tokenize`: pipeline MB/s against raw `Tokenizer.encode_batch`, and peak RSS.
+"""Benchmark `minillm tokenize`: pipeline MB/s per worker count against raw `encode_batch_fast`,
+and peak RSS as the corpus grows.
 
-    .venv/bin/python scripts/bench_tokenize.py [--sizes-mb 10,100] [--repeats 3]
+    .venv/bin/python scripts/bench_tokenize.py [--sizes-mb 10,100] [--repeats 3] [--num-proc 1,2]
                                                [--formats jsonl]   (jsonl,txt: both, twice as long)
 
 The corpus is the shipped Grimm stories (64 documents), repeated to each size, written either as
@@ -10,10 +11,12 @@ encoding and writing shards, not BPE training.
 
 - throughput, at the smallest size: the median over `--repeats` interleaved rounds of the
   pipeline (`prepare_data` in a fresh process with an empty datasets cache, so json -> arrow
-  conversion included; imports excluded) against raw `encode_batch` and `encode_batch_fast` on
-  the same documents already in memory, batched by ~1 MB like the pipeline. Ratios are medians of
-  the per-round ratios. MB = 10^6 bytes of UTF-8 text.
-- peak RSS, at every size: `prepare_data` in a fresh process, its ru_maxrss at the end. It
+  conversion included; imports excluded) for each `data.num_proc` in `--num-proc`, against raw
+  `encode_batch` and `encode_batch_fast` (the tokenizer's own threads on every core) on the same
+  documents already in memory, batched by ~1 MB like the pipeline. Ratios are medians of the
+  per-round ratios. MB = 10^6 bytes of UTF-8 text.
+- peak RSS, at every size and worker count: `prepare_data` in a fresh process, the peak RSS of
+  the main process (ru_maxrss) and the largest RSS of a worker (sampled every 0.2 s). The main one
   includes a warm-up of ~40 MB (allocator arenas of the encoding threads) that is reached after
   ~15 MB of input and stays flat after that.
 
@@ -26,10 +29,12 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,12 +46,7 @@ from minillm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokeniz
 
 STORIES = ROOT / "data" / "grimm_stories.jsonl"
 VOCAB = 4096
-WHAT = (
-    "pipeline, whole prepare_data call",
-    "pipeline, its encode pass (read, encode, write)",
-    "raw encode_batch",
-    "raw encode_batch_fast",
-)
+RAW = ("raw encode_batch", "raw encode_batch_fast")
 
 
 def make_corpus(folder: Path, size_mb: int, fmt: str) -> tuple[Path, list[str]]:
@@ -72,7 +72,7 @@ def make_corpus(folder: Path, size_mb: int, fmt: str) -> tuple[Path, list[str]]:
     return path, docs
 
 
-def bench_config(source: Path, out_dir: Path, tokenizer: Path) -> Config:
+def bench_config(source: Path, out_dir: Path, tokenizer: Path, num_proc: int) -> Config:
     return config_from_dict(
         {
             "model": {"d_model": 64, "n_layer": 1, "n_head": 1},
@@ -81,20 +81,44 @@ def bench_config(source: Path, out_dir: Path, tokenizer: Path) -> Config:
                 "vocab_size": VOCAB,
                 "out_dir": str(out_dir),
                 "tokenizer": str(tokenizer),
+                "num_proc": num_proc,
             },
         }
     )
 
 
-def child(source: str, out_dir: str, tokenizer: str) -> None:
+def child(source: str, out_dir: str, tokenizer: str, num_proc: str) -> None:
     """One pipeline run in this (fresh) process; prints its MB/s and peak RSS as JSON."""
     import datasets  # noqa: F401 - imported before the clock starts: an import is no throughput
 
     from minillm.data.shards import write_shards as prepare_data
 
+    worker_peak = [0.0]  # the largest VmRSS seen in a child process (a worker), in MB
+    watching = threading.Event()
+
+    def watch_workers() -> None:
+        me = os.getpid()
+        while not watching.wait(0.2):
+            try:
+                kids = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+            except OSError:
+                return  # not Linux: no worker figure
+            for kid in kids:
+                try:
+                    status = Path(f"/proc/{kid}/status").read_text()
+                except OSError:
+                    continue
+                for line in status.splitlines():
+                    if line.startswith("VmRSS:"):
+                        worker_peak[0] = max(worker_peak[0], int(line.split()[1]) / 1024)
+
+    watcher = threading.Thread(target=watch_workers, daemon=True)
+    watcher.start()
     start = time.perf_counter()
-    summary = prepare_data(bench_config(Path(source), Path(out_dir), Path(tokenizer)))
+    cfg = bench_config(Path(source), Path(out_dir), Path(tokenizer), int(num_proc))
+    summary = prepare_data(cfg)
     seconds = time.perf_counter() - start
+    watching.set()
     total = summary["splits"]["total"]
     print(
         json.dumps(
@@ -103,18 +127,23 @@ def child(source: str, out_dir: str, tokenizer: str) -> None:
                 "mb_per_s": total["bytes"] / 1e6 / seconds,
                 "pass_mb_per_s": total["mb_per_s"],
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "worker_rss_mb": worker_peak[0],
             }
         )
     )
 
 
-def run_child(source: Path, out_dir: Path, tokenizer: Path) -> dict:
-    """`child` in a fresh interpreter with its own (empty) datasets cache."""
-    env = dict(os.environ, HF_DATASETS_CACHE=str(out_dir.with_name(out_dir.name + "_hf")))
+def run_child(source: Path, out_dir: Path, tokenizer: Path, num_proc: int) -> dict:
+    """`child` in a fresh interpreter with its own (empty) datasets cache; the shards and the
+    cache are deleted afterwards (a 1 GB corpus makes GBs of both)."""
+    cache = out_dir.with_name(out_dir.name + "_hf")
+    env = dict(os.environ, HF_DATASETS_CACHE=str(cache))
     cmd = [sys.executable, __file__, "--child", str(source), str(out_dir), str(tokenizer)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    done = subprocess.run([*cmd, str(num_proc)], env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"child failed:\n{done.stderr[-3000:]}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -141,10 +170,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", default="10,100", help="corpus sizes for peak RSS")
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
+    parser.add_argument("--num-proc", default="1,2", help="data.num_proc values to compare")
     parser.add_argument("--formats", default="jsonl", help="jsonl and/or txt, e.g. jsonl,txt")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     formats = args.formats.split(",")
+    procs = [int(n) for n in args.num_proc.split(",")]
 
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     print(f"cpus {os.cpu_count()}, load average {' '.join(load) or 'unknown'}")
@@ -163,41 +194,54 @@ def main() -> None:
         for fmt in formats:
             source, docs = make_corpus(tmp, sizes[0], fmt)
             # Interleaved rounds, so that each ratio compares runs made under the same load.
-            runs: dict[str, list[float]] = {what: [] for what in WHAT}
+            runs: dict[str, list[float]] = {}
             for i in range(args.repeats):
-                child_run = run_child(source, tmp / f"out_{fmt}_{i}", tokenizer)
-                runs[WHAT[0]].append(child_run["mb_per_s"])
-                runs[WHAT[1]].append(child_run["pass_mb_per_s"])
-                runs[WHAT[2]].append(raw_mb_per_s(tok, docs, fast=False))
-                runs[WHAT[3]].append(raw_mb_per_s(tok, docs, fast=True))
+                for n in procs:
+                    child_run = run_child(source, tmp / f"out_{fmt}_{i}_{n}", tokenizer, n)
+                    runs.setdefault(f"pipeline, num_proc {n}, whole call", []).append(
+                        child_run["mb_per_s"]
+                    )
+                    runs.setdefault(f"pipeline, num_proc {n}, encode pass", []).append(
+                        child_run["pass_mb_per_s"]
+                    )
+                runs.setdefault(RAW[0], []).append(raw_mb_per_s(tok, docs, fast=False))
+                runs.setdefault(RAW[1], []).append(raw_mb_per_s(tok, docs, fast=True))
             print(
                 f"\nthroughput, {fmt}, {sizes[0]} MB, median of {args.repeats} interleaved rounds"
             )
             print("| what | MB/s | / raw encode_batch | / raw encode_batch_fast |")
             print("|---|---:|---:|---:|")
             for what, mb_s in runs.items():
-                to_raw = [x / r for x, r in zip(mb_s, runs[WHAT[2]])]
-                to_fast = [x / r for x, r in zip(mb_s, runs[WHAT[3]])]
+                to_raw = [x / r for x, r in zip(mb_s, runs[RAW[0]])]
+                to_fast = [x / r for x, r in zip(mb_s, runs[RAW[1]])]
                 print(
                     f"| {what} | {statistics.median(mb_s):.2f} | "
                     f"{statistics.median(to_raw):.2f}x | {statistics.median(to_fast):.2f}x |"
                 )
-            rounds = ", ".join(f"{x:.2f}" for x in runs[WHAT[0]])
-            print(f"(pipeline, whole call, each round: {rounds} MB/s)")
+            del docs
             for size in sizes:
-                source = make_corpus(tmp, size, fmt)[0] if size != sizes[0] else source
-                rows.append((fmt, run_child(source, tmp / f"rss_{fmt}_{size}", tokenizer)))
+                if size != sizes[0]:
+                    shutil.rmtree(source) if source.is_dir() else source.unlink()
+                    source = make_corpus(tmp, size, fmt)[0]
+                for n in procs:
+                    run = run_child(source, tmp / f"rss_{fmt}_{size}_{n}", tokenizer, n)
+                    rows.append((fmt, n, run))
+                    print(f"  {fmt} {size} MB num_proc {n}: {run}", flush=True)
 
         print("\npeak RSS of prepare_data, each in a fresh process")
-        print("| format | input MB | peak RSS MB | MB/s |")
-        print("|---|---:|---:|---:|")
-        for fmt, r in rows:
-            print(f"| {fmt} | {r['mb']:.1f} | {r['peak_rss_mb']:.0f} | {r['mb_per_s']:.2f} |")
+        print("| format | input MB | num_proc | MB/s | peak RSS MB, main | peak RSS MB, a worker |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for fmt, n, r in rows:
+            worker = f"{r['worker_rss_mb']:.0f}" if n > 1 else "-"
+            print(
+                f"| {fmt} | {r['mb']:.1f} | {n} | {r['mb_per_s']:.2f} | "
+                f"{r['peak_rss_mb']:.0f} | {worker} |"
+            )
         print(f"load average now {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         child(*sys.argv[2:])
     else:
         main()

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +175,92 @@ def test_chat_masks_are_sharded_beside_their_tokens(tmp_path: Path) -> None:
         b = np.asarray(open_mask(tmp_path / "many", split, many))
         assert a.dtype == b.dtype == np.bool_ and np.array_equal(a, b) and a.any()
     assert many["train"]["targets"] == one["train"]["targets"]
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def test_every_worker_count_writes_the_same_shards(tmp_path: Path) -> None:
+    """1 (the main process), 2 and 4 worker processes: the same files, byte for byte; the
+    tokenizer is trained once and reused so that only the encoding differs."""
+    write_shards(cfg_with(tmp_path, "w1", num_proc=1, shard_tokens=1500))
+    for n in (2, 4):
+        (tmp_path / f"w{n}").mkdir()
+        shutil.copy(tmp_path / "w1" / "tokenizer.json", tmp_path / f"w{n}" / "tokenizer.json")
+        write_shards(cfg_with(tmp_path, f"w{n}", num_proc=n, shard_tokens=1500))
+        assert files(tmp_path / f"w{n}") == files(tmp_path / "w1")
+    assert len(load_meta(tmp_path / "w1")["train"]["shards"]) > 3
+
+
+def test_every_worker_count_writes_the_same_chat_shards_and_masks(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "chat.jsonl", chat_rows(80))
+    keys = {"source": str(src), "text_field": "messages", "shard_tokens": 700}
+    write_shards(cfg_with(tmp_path, "w1", num_proc=1, **keys))
+    (tmp_path / "w3").mkdir()
+    shutil.copy(tmp_path / "w1" / "tokenizer.json", tmp_path / "w3" / "tokenizer.json")
+    write_shards(cfg_with(tmp_path, "w3", num_proc=3, **keys))
+    assert files(tmp_path / "w3") == files(tmp_path / "w1")
+    assert (tmp_path / "w1" / "train_000001.mask").is_file()
+
+
+def test_workers_start_only_for_a_corpus_of_more_than_one_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minillm.data import encode_pool
+
+    started: list[int] = []
+    real = encode_pool.ProcessPoolExecutor
+
+    def spy(n: int, **kw: Any) -> Any:
+        started.append(n)
+        return real(n, **kw)
+
+    monkeypatch.setattr(encode_pool, "ProcessPoolExecutor", spy)
+    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 10**9)  # every split: one batch
+    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 10**9)
+    write_shards(cfg_with(tmp_path, "one", num_proc=2))
+    assert started == []
+    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    write_shards(
+        cfg_with(tmp_path, "many", num_proc=2, tokenizer=str(tmp_path / "one" / "tokenizer.json"))
+    )
+    assert started == [2]
+
+
+def test_workers_exit_when_the_main_process_is_killed(tmp_path: Path) -> None:
+    """kill -9 runs no cleanup: the workers notice their parent is gone and exit by themselves."""
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from tokenizers import Tokenizer
+from minillm.data.encode_pool import EncodePool, encode_text
+from minillm.data.tokenizer import train_tokenizer
+tok = train_tokenizer([open({str(ROOT / "data" / "grimm_stories.jsonl")!r}).read()], 300)
+pool = EncodePool(tok, 2, lambda encoded, tag: None)
+for _ in range(4):
+    pool.submit(encode_text, ["a b"], [True], 0, "<u2", tag=None)
+pool.drain()
+print(*[p.pid for p in pool.workers._processes.values()], flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    workers = [int(pid) for pid in proc.stdout.readline().split()]
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
+        time.sleep(0.2)
+    alive = [p for p in workers if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+    assert not alive, f"workers still running after their parent's kill -9: {alive}"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"
 
 
 # ----------------------------------------------------------------------------- batches

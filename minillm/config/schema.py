@@ -145,6 +145,11 @@ class DataConfig(_Section):
         help="Most tokens per shard file; a corpus smaller than this gives one shard per split. "
         "An interrupted tokenize resumes after its last checkpoint when run again.",
     )
+    num_proc: int = _f(
+        0,
+        help="Worker processes that encode the text in `minillm tokenize`; 0 = one per CPU, 1 = "
+        "none (encode in the main process). The shards are the same for every value.",
+    )
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -166,6 +171,8 @@ class DataConfig(_Section):
             self._fail("tokenizer_sample_bytes", f"must be >= 0, got {self.tokenizer_sample_bytes}")
         if self.shard_tokens < 1:
             self._fail("shard_tokens", f"must be at least 1, got {self.shard_tokens}")
+        if self.num_proc < 0:
+            self._fail("num_proc", f"must be >= 0 (0 = one per CPU), got {self.num_proc}")
 
     @property
     def tokenizer_path(self) -> Path:

@@ -3,7 +3,8 @@
 Modules: `corpus` (loading files or a hub dataset through `datasets`), `text` (splitting text into
 pieces), `tokenizer` (the byte-level BPE and its special tokens), `tokenizer_train` (training
 it on a corpus or a sample of it), `chat` (the chat template),
-`shards` (the writer that `minillm tokenize` runs, with `chat_shards` for conversations,
+`shards` (the writer that `minillm tokenize` runs, with `encode_pool` for encoding on a thread or
+in worker processes, `chat_shards` for conversations,
 `staging` for numbered shard files, checkpoints and resume, `summary` for its table), `meta`
 (meta.json and opening a split, checked by sha256), `sharded` (several shards read as one array),
 `batches` (what the trainer and evaluation read).

@@ -4,10 +4,11 @@ Offers `write_shards(cfg, retrain) -> summary` (minillm.data.summary prints it);
 files is described in minillm.data.
 
 Steps: open the corpus (minillm.data.corpus); reuse the tokenizer, or train one on the train split
-with a progress bar over the text it reads; then one pass over the documents that encodes each
-split's pieces in ~1 MB batches (`encode_batch_fast`: the ids of `encode_batch`, no offsets,
-multithreaded in Rust) on a worker thread while this thread reads ahead and writes the previous
-batch. Ids go straight to a temporary file, so memory does not grow with the corpus.
+with a progress bar over the text it reads; then one pass over the documents that cuts each
+split's text into pieces and queues them in ~1 MB batches, encoded on a thread or in
+`data.num_proc` worker processes (minillm.data.encode_pool) while this thread reads ahead, and
+written in order as they come back. Ids go straight to the shard files, so memory does not grow
+with the corpus, and the shards are the same for every `num_proc`.
 
 Shards, resume and crash safety: ids go to numbered shards of `data.shard_tokens` tokens (with
 chat data and the loss on the assistant, a `.mask` twin each: one byte per token, 1 = a training
@@ -22,19 +23,16 @@ during the renames no meta.json exists, so no reader can pair old counts with ne
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from minillm.config import Config
 from minillm.data import staging as staging_mod
-from minillm.data.chat_shards import ChatEncoder, resolve_loss_on
+from minillm.data.chat_shards import ChatBatches, resolve_loss_on
 from minillm.data.corpus import Corpus, Document, open_corpus
+from minillm.data.encode_pool import Encoded, EncodePool, default_num_proc, encode_text
 from minillm.data.meta import (
     MASK_SUFFIX,
     SPLITS,
@@ -68,7 +66,7 @@ from minillm.runtime.progress import Progress
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from tokenizers import Encoding, Tokenizer
+    from tokenizers import Tokenizer
 
 BATCH_CHARS = 1 << 20  # text per encode_batch call: enough pieces for every core, ~30 MB of ids
 
@@ -76,31 +74,22 @@ BATCH_CHARS = 1 << 20  # text per encode_batch call: enough pieces for every cor
 # ----------------------------------------------------------------------------- writing
 
 
-class _SplitEncoder:
-    """Collects one split's pieces and encodes them in parallel batches into its shard.
+class _TextBatches:
+    """Collects one split's text pieces into batches of ~BATCH_CHARS for `encode_text`, run by
+    `pool` (on a thread or in workers: minillm.data.encode_pool).
 
-    A batch is encoded on `pool`'s thread (Rust releases the GIL and fans out over every core)
-    while this thread reads the next one and writes the previous one's ids, so reading and
-    writing hide behind encoding. Progress advances when a batch is written, not when it is read.
+    A batch's tag for the pool's writer is (split, progress units, bytes): bytes when the bar
+    counts bytes (pieces counted in characters, settled at each document's exact bytes), else
+    documents.
     """
 
-    def __init__(
-        self,
-        tok: Tokenizer,
-        eot: int,
-        writer: ShardWriter,
-        pool: Executor,
-        progress: Progress,
-        by_bytes: bool,
-    ) -> None:
-        self.tok, self.eot, self.writer, self.pool = tok, eot, writer, pool
-        self.progress, self.by_bytes = progress, by_bytes
+    def __init__(self, split: str, pool: EncodePool, eot: int, dtype: str, by_bytes: bool):
+        self.split, self.pool, self.eot, self.dtype = split, pool, eot, dtype
+        self.by_bytes = by_bytes
         self.pieces: list[str] = []
         self.ends: list[bool] = []  # whether a piece is the last of its document
         self.chars = 0
         self.units = self.nbytes = 0  # progress units and bytes of the batch being collected
-        self.pending: tuple[Future[list[Encoding]], list[bool], int, int] | None = None
-        self.seconds = 0.0  # spent encoding this split's batches
 
     def add_document(self, doc: Document) -> int:
         """Queue the document's pieces; returns its UTF-8 bytes."""
@@ -125,38 +114,12 @@ class _SplitEncoder:
         if self.chars >= BATCH_CHARS:
             self.flush()
 
-    def flush(self) -> None:
-        """Start encoding the collected pieces, then write the batch before them."""
-        started = None
+    def flush(self, last: bool = False) -> None:
         if self.pieces:
-            future = self.pool.submit(self._encode_batch, self.pieces)
-            started = (future, self.ends, self.units, self.nbytes)
+            tag = (self.split, self.units, self.nbytes)
+            args = (self.pieces, self.ends, self.eot, self.dtype)
+            self.pool.submit(encode_text, *args, tag=tag, last=last)
             self.pieces, self.ends, self.chars, self.units, self.nbytes = [], [], 0, 0, 0
-        self._write_pending()
-        self.pending = started
-
-    def finish(self) -> None:
-        self.flush()
-        self._write_pending()
-
-    def _encode_batch(self, pieces: list[str]) -> list[Encoding]:
-        start = time.perf_counter()
-        encodings = self.tok.encode_batch_fast(pieces, add_special_tokens=False)
-        self.seconds += time.perf_counter() - start  # only the pool's one thread adds here
-        return encodings
-
-    def _write_pending(self) -> None:
-        if self.pending is None:
-            return
-        future, ends, units, nbytes = self.pending
-        self.pending = None
-        eot = (self.eot,)
-        ids = itertools.chain.from_iterable(
-            itertools.chain(enc.ids, eot) if end else enc.ids
-            for enc, end in zip(future.result(), ends)
-        )
-        self.writer.write(np.fromiter(ids, dtype=self.writer.dtype))  # no list of all ids
-        self.progress.update(self.progress.done + units, self.progress.nbytes + nbytes)
 
 
 def _encode(
@@ -164,6 +127,7 @@ def _encode(
     tok: Tokenizer,
     writers: dict[str, ShardWriter],
     masks: dict[str, ShardWriter] | None,
+    num_proc: int,
     console: Console,
     resume: dict[str, Any] | None,
     checkpoint: Callable[[dict[str, Any]], None],
@@ -171,56 +135,63 @@ def _encode(
     """One pass over the corpus into both splits' shards; per split: documents, bytes, encoding
     seconds, and (chat data) target tokens and the bytes they spell. `masks`: loss on the
     assistant. `resume`: a checkpoint's state, whose documents are skipped; `checkpoint` is
-    called every CHECKPOINT_BYTES of text, with every encoder drained (all ids before written)."""
+    called every CHECKPOINT_BYTES of text, with every batch before it written."""
     tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a text is text, not a boundary
-    eot = eot_id(tok)
+    eot, dtype = eot_id(tok), writers["train"].dtype.str
     stats = {s: {"documents": 0, "bytes": 0, "seconds": 0.0} for s in SPLITS}
     skip = 0
     if resume is not None:
         stats, skip = resume["stats"], resume["documents"]
-    by_bytes = corpus.unit == "bytes"
+    chat = bool(getattr(corpus, "chat", False))
+    if chat:
+        for s in SPLITS:
+            stats[s].setdefault("targets", 0)
+            stats[s].setdefault("target_bytes", 0)
     progress = Progress("encode", corpus.total, console, start=resume["done"] if resume else 0)
+
+    def write(encoded: Encoded, tag: tuple[str, int, int]) -> None:
+        split, units, nbytes = tag
+        writers[split].write(encoded.ids)
+        st = stats[split]
+        st["seconds"] += encoded.seconds
+        if chat:
+            if masks is not None and encoded.mask is not None:
+                masks[split].write(encoded.mask)
+                st["targets"] += int(encoded.mask.sum())
+            else:
+                st["targets"] += len(encoded.ids)
+            st["target_bytes"] += encoded.target_bytes
+        progress.update(progress.done + units, progress.nbytes + nbytes)
+
+    pool = EncodePool(tok, num_proc, write)
     try:
-        # On an error the pool waits for the batch in flight (a second or so), then is gone.
-        with ThreadPoolExecutor(1, thread_name_prefix="encode") as pool:
-            encoders: dict[str, _SplitEncoder | ChatEncoder] = {
-                s: ChatEncoder(tok, eot, writers[s], masks[s] if masks else None, progress)
-                if getattr(corpus, "chat", False)
-                else _SplitEncoder(tok, eot, writers[s], pool, progress, by_bytes)
-                for s in SPLITS
-            }
-            for s, enc in encoders.items():
-                enc.seconds = stats[s]["seconds"]
-                if isinstance(enc, ChatEncoder):
-                    enc.targets = stats[s].get("targets", 0)
-                    enc.target_bytes = stats[s].get("target_bytes", 0)
-            since = 0  # text since the last checkpoint
-            for i, doc in enumerate(corpus.documents()):
-                if i < skip:  # done before the interruption: read (cheap), not encoded
-                    continue
-                nbytes = encoders[doc.split].add_document(doc)
-                stats[doc.split]["bytes"] += nbytes
-                stats[doc.split]["documents"] += 1
-                since += nbytes
-                if since >= staging_mod.CHECKPOINT_BYTES:
-                    _drain(encoders, stats)
-                    checkpoint({"documents": i + 1, "stats": stats, "done": progress.done})
-                    since = 0
-            _drain(encoders, stats)
+        batches: dict[str, _TextBatches | ChatBatches] = {
+            s: ChatBatches(tok, s, pool, eot, dtype, masks is not None)
+            if chat
+            else _TextBatches(s, pool, eot, dtype, corpus.unit == "bytes")
+            for s in SPLITS
+        }
+        since = 0  # text since the last checkpoint
+        for i, doc in enumerate(corpus.documents()):
+            if i < skip:  # done before the interruption: read (cheap), not encoded
+                continue
+            nbytes = batches[doc.split].add_document(doc)
+            stats[doc.split]["bytes"] += nbytes
+            stats[doc.split]["documents"] += 1
+            since += nbytes
+            if since >= staging_mod.CHECKPOINT_BYTES:
+                for b in batches.values():
+                    b.flush()
+                pool.drain()
+                checkpoint({"documents": i + 1, "stats": stats, "done": progress.done})
+                since = 0
+        for b in batches.values():
+            b.flush(last=True)
+        pool.drain()
     finally:
+        pool.close()  # on an error: cancels what is queued, waits for what runs (a second)
         progress.close()
     return stats
-
-
-def _drain(
-    encoders: dict[str, _SplitEncoder | ChatEncoder], stats: dict[str, dict[str, Any]]
-) -> None:
-    """Encode and write everything queued; copy the encoders' counters into `stats`."""
-    for s, enc in encoders.items():
-        enc.finish()
-        stats[s]["seconds"] = enc.seconds
-        if isinstance(enc, ChatEncoder):
-            stats[s]["targets"], stats[s]["target_bytes"] = enc.targets, enc.target_bytes
 
 
 def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
@@ -321,7 +292,8 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
         else:
             saved = True
         pass_start = time.perf_counter()
-        stats = _encode(corpus, tok, writers, masks, console, resume, checkpoint)
+        num_proc = data.num_proc or default_num_proc()
+        stats = _encode(corpus, tok, writers, masks, num_proc, console, resume, checkpoint)
         for w in every.values():
             w.finish()
         pass_seconds = time.perf_counter() - pass_start

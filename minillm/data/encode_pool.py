@@ -1,0 +1,172 @@
+"""Encoding batches of text or conversations into token ids, in this process or in workers.
+
+Offers `EncodePool` (where the batches run), `Encoded` (a batch's result), and the two batch
+functions `encode_text` and `encode_chats`. minillm.data.shards drives them.
+
+`data.num_proc` decides where a batch is encoded. With 1, on one thread of this process, through
+`encode_batch_fast`, whose Rust threads may use every core: the reading and writing in the main
+thread hide behind it. With N > 1, in N worker processes (spawned, each with its own copy of the
+tokenizer and the tokenizer's own threads off), so that the Python side of encoding (building id
+arrays, a chat conversation's template) runs on every core too, not only the Rust side. The
+workers start with the second batch, so a corpus of one batch never pays for them.
+
+Every batch gives the same ids wherever it runs (a piece of text encodes to the same ids in any
+batch), and the caller writes results in the order it submitted them: the shards are identical
+for every `num_proc`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minillm.data.chat import assistant_bytes, chat_ids, content_bytes, encode_conversation
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+def default_num_proc() -> int:
+    """The CPUs this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+@dataclass
+class Encoded:
+    """One batch's ids; for chat data the target mask (None: every token is a target) and the
+    bytes the targets spell; the seconds its encoding took (in a worker: that worker's)."""
+
+    ids: np.ndarray
+    mask: np.ndarray | None = None
+    target_bytes: int = 0
+    seconds: float = 0.0
+
+
+def encode_text(
+    tok: Tokenizer, pieces: list[str], ends: list[bool], eot: int, dtype: str
+) -> Encoded:
+    """The ids of `pieces`, with the EOT id after each piece that ends a document."""
+    start = time.perf_counter()
+    encodings = tok.encode_batch_fast(pieces, add_special_tokens=False)
+    tail = (eot,)
+    ids = itertools.chain.from_iterable(
+        itertools.chain(enc.ids, tail) if end else enc.ids for enc, end in zip(encodings, ends)
+    )
+    array = np.fromiter(ids, dtype=np.dtype(dtype))  # no list of all ids
+    return Encoded(array, seconds=time.perf_counter() - start)
+
+
+def encode_chats(
+    tok: Tokenizer, conversations: list[list[dict[str, str]]], eot: int, dtype: str, masked: bool
+) -> Encoded:
+    """Conversations through the chat template, each followed by EOT (never a target). With
+    `masked` (loss on the assistant) the mask marks the targets; without, there is none."""
+    start = time.perf_counter()
+    special = chat_ids(tok, "data.tokenizer")
+    ids: list[int] = []
+    target: list[bool] = []
+    target_bytes = 0
+    for messages in conversations:
+        conv_ids, conv_target = encode_conversation(tok, messages, special)
+        ids += [*conv_ids, eot]
+        target += [*conv_target, False]
+        target_bytes += assistant_bytes(messages) if masked else content_bytes(messages)
+    mask = np.asarray(target, dtype=np.uint8) if masked else None
+    array = np.asarray(ids, dtype=np.dtype(dtype))
+    return Encoded(array, mask, target_bytes, time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- workers
+
+_TOKENIZER: Tokenizer | None = None  # a worker's own copy
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose main process is gone (kill -9 skips every cleanup) exits too, instead of
+    waiting forever for work: checked every second."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _start_worker(tokenizer_json: str, parent: int) -> None:
+    # Ctrl-C reaches the whole process group: the main process handles it and stops the pool;
+    # a worker that raised KeyboardInterrupt too would only print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core a worker: N workers, N cores
+    from tokenizers import Tokenizer
+
+    global _TOKENIZER
+    _TOKENIZER = Tokenizer.from_str(tokenizer_json)
+    _TOKENIZER.encode_special_tokens = True  # as in the main process
+
+
+def _in_worker(fn: Callable[..., Encoded], *args: Any) -> Encoded:
+    assert _TOKENIZER is not None
+    return fn(_TOKENIZER, *args)
+
+
+class EncodePool:
+    """Runs batch functions (`fn(tok, *args) -> Encoded`) on a thread, or in `num_proc` workers,
+    and hands their results to `write(encoded, tag)` in the order they were submitted.
+
+    At most one batch waits on the thread (it encodes while the caller reads the next), or two
+    per worker; `submit` writes the oldest results beyond that, `drain` all of them.
+    `submit(..., last=True)` marks a batch after which no other comes: it runs on the thread when
+    no worker has started, so a corpus of one batch starts none. `close()` stops everything;
+    batches still queued are cancelled.
+    """
+
+    def __init__(self, tok: Tokenizer, num_proc: int, write: Callable[[Encoded, Any], None]):
+        self.tok, self.num_proc, self.write = tok, num_proc, write
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="encode")
+        self.workers: Executor | None = None
+        self.pending: deque[tuple[Future[Encoded], Any]] = deque()
+
+    def submit(self, fn: Callable[..., Encoded], *args: Any, tag: Any, last: bool = False) -> None:
+        if self.num_proc > 1 and (self.workers is not None or not last):
+            if self.workers is None:
+                # spawn, not fork: this process may hold threads (its encode thread, torch's),
+                # and a forked copy of a thread pool can deadlock.
+                self.workers = ProcessPoolExecutor(
+                    self.num_proc,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_start_worker,
+                    initargs=(self.tok.to_str(), os.getpid()),
+                )
+            future = self.workers.submit(_in_worker, fn, *args)
+        else:
+            future = self.thread.submit(fn, self.tok, *args)
+        self.pending.append((future, tag))
+        limit = 2 * self.num_proc if self.workers is not None else 1
+        while len(self.pending) > limit:
+            self._write_oldest()
+
+    def drain(self) -> None:
+        while self.pending:
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        future, tag = self.pending.popleft()
+        self.write(future.result(), tag)
+
+    def close(self) -> None:
+        self.pending.clear()
+        self.thread.shutdown(wait=True, cancel_futures=True)
+        if self.workers is not None:
+            self.workers.shutdown(wait=True, cancel_futures=True)
