@@ -142,6 +142,42 @@ def test_a_missing_or_damaged_middle_shard_is_one_error_line(tmp_path: Path) -> 
         open_split(out, "train")
 
 
+def test_a_shard_is_hashed_once_per_version_of_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a corpus again reads no shard whose size, inode and time are those it had when it
+    was last hashed; a changed shard is hashed (and refused) again; a fresh one is not trusted."""
+    import os
+
+    from minillm.runtime import files as files_mod
+
+    monkeypatch.setenv("MINILLM_CACHE_DIR", str(tmp_path / "cache"))
+    write_shards(cfg_with(tmp_path, shard_tokens=1000))
+    out = tmp_path / "tokens"
+    hashed: list[str] = []
+    real = files_mod.sha256_file
+    monkeypatch.setattr(files_mod, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    n = len(load_meta(out)["train"]["shards"])
+    open_split(out, "train")
+    assert len(hashed) == n  # just written: too fresh to remember (a write could keep its time)
+    old = time.time() - 10
+    for shard in out.glob("train_*.bin"):
+        os.utime(shard, (old, old))
+    hashed.clear()
+    open_split(out, "train")
+    open_split(out, "train")
+    assert len(hashed) == n  # settled: hashed by the first open only
+    shard = out / "train_000002.bin"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 1
+    shard.write_bytes(bytes(data))
+    os.utime(shard, (old - 5, old - 5))  # another time, as any write gives
+    hashed.clear()
+    with pytest.raises(UserError, match=r"train_000002.bin: data.out_dir: sha256 differs"):
+        open_split(out, "train")
+    assert hashed == ["train_000002.bin"]
+
+
 def test_version_1_shards_still_load(tmp_path: Path) -> None:
     """Shards of meta.json version 1 (train.bin, val.bin) from before the numbering."""
     write_shards(cfg_with(tmp_path))

@@ -42,6 +42,7 @@ import numpy as np
 from minillm.config import DataConfig
 from minillm.data.sharded import ShardedArray
 from minillm.errors import ConfigError
+from minillm.runtime.files import HashCache
 
 META_VERSION = 2  # numbered shards with a sha256 each
 OLD_VERSIONS = (1,)  # one <split>.bin per split: still read
@@ -145,9 +146,12 @@ def _shard_files(meta: dict[str, Any], split: str, suffix: str) -> list[tuple[st
 def _open_files(
     out_dir: Path, files: list[tuple[str, int, str]], dtype: np.dtype, total: int
 ) -> np.ndarray | ShardedArray:
-    """Memmap each file after checking its size and sha256; one file is returned as it is."""
-    from minillm.runtime.files import sha256_file
+    """Memmap each file after checking its size and sha256; one file is returned as it is.
 
+    A shard's sha256 is computed once per version of the file (minillm.runtime.files.HashCache),
+    so opening a corpus of many GB again, as every DDP rank does at every start, costs a stat
+    per shard rather than a read of every byte.
+    """
     if sum(tokens for _, tokens, _ in files) != total:
         raise ConfigError(
             "data.out_dir",
@@ -155,34 +159,36 @@ def _open_files(
             str(out_dir / "meta.json"),
         )
     parts = []
-    for name, tokens, sha in files:
-        path = out_dir / name
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise ConfigError("data.out_dir", f"missing; {_RERUN}", str(path)) from None
-        if size != tokens * dtype.itemsize:
-            raise ConfigError(
-                "data.out_dir",
-                f"{size} bytes, but meta.json says {tokens} tokens of {dtype.itemsize} bytes "
-                f"(an interrupted run?); {_RERUN}",
-                str(path),
-            )
-        if sha and sha256_file(path) != sha:
-            raise ConfigError(
-                "data.out_dir",
-                f"sha256 differs from meta.json's (the file was changed or damaged); {_RERUN}",
-                str(path),
-            )
-        # numpy cannot map an empty file
-        parts.append(
-            np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
-            if tokens
-            else np.zeros(0, dtype=dtype)
-        )
+    with HashCache() as hashes:
+        for name, tokens, sha in files:
+            parts.append(_open_file(out_dir / name, tokens, sha, dtype, hashes))
     if len(parts) == 1:
         return parts[0]  # a small corpus: the plain memmap, as before shards were numbered
     return ShardedArray(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _open_file(path: Path, tokens: int, sha: str, dtype: np.dtype, hashes: HashCache) -> np.ndarray:
+    """One shard, memmapped after its size and (when recorded) sha256 are checked."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise ConfigError("data.out_dir", f"missing; {_RERUN}", str(path)) from None
+    if size != tokens * dtype.itemsize:
+        raise ConfigError(
+            "data.out_dir",
+            f"{size} bytes, but meta.json says {tokens} tokens of {dtype.itemsize} bytes "
+            f"(an interrupted run?); {_RERUN}",
+            str(path),
+        )
+    if sha and hashes.sha256(path) != sha:
+        raise ConfigError(
+            "data.out_dir",
+            f"sha256 differs from meta.json's (the file was changed or damaged); {_RERUN}",
+            str(path),
+        )
+    if not tokens:  # numpy cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(tokens,))
 
 
 def open_split(out_dir: str | Path, split: str) -> np.ndarray | ShardedArray:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -148,6 +149,65 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    """minillm's per-user cache: $MINILLM_CACHE_DIR, else $XDG_CACHE_HOME/minillm or
+    ~/.cache/minillm."""
+    root = os.environ.get("MINILLM_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minillm"
+    return Path(root)
+
+
+class HashCache:
+    """sha256 of files, each computed once per version of the file.
+
+    A digest is kept in `cache_dir()/file_hashes.json` under the file's real path with its size,
+    inode and modification time, and reused while those are unchanged: a 20 GB corpus whose
+    shards every DDP rank checks on every start is read once, not at every start. Only files
+    last modified at least SETTLED_S ago are remembered: the clock that stamps writes ticks in
+    steps (milliseconds, or seconds on some file systems), and a write within the same step as
+    the hashed version would keep its time. A cache that cannot be read or written is ignored.
+    Use as a context manager; the cache is saved on exit.
+    """
+
+    SETTLED_S = 2.0
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self.path = cache_dir() / "file_hashes.json"
+        self.entries: dict[str, list[Any]] = {}
+        self.changed = False
+
+    def __enter__(self) -> HashCache:
+        try:
+            entries = json.loads(self.path.read_text(encoding="utf-8"))
+            self.entries = entries if isinstance(entries, dict) else {}
+        except (OSError, ValueError):
+            pass
+        return self
+
+    def sha256(self, path: str | Path) -> str:
+        st = os.stat(path)
+        key, stamp = os.path.realpath(path), [st.st_size, st.st_ino, st.st_mtime_ns]
+        hit = self.entries.get(key)
+        if isinstance(hit, list) and len(hit) == 4 and hit[:3] == stamp:
+            return str(hit[3])
+        digest = sha256_file(path)
+        if time.time_ns() - st.st_mtime_ns >= self.SETTLED_S * 1e9:
+            self.entries.pop(key, None)
+            self.entries[key] = [*stamp, digest]  # newest last: trimmed from the front
+            self.changed = True
+        return digest
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.changed:
+            return
+        keep = dict(list(self.entries.items())[-self.MAX_ENTRIES :])
+        with contextlib.suppress(OSError):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.path, keep)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from minillm.runtime.device import PRECISION_DTYPES
-from minillm.runtime.files import atomic_write_json
+from minillm.runtime.files import atomic_write_json, cache_dir
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from NVIDIA's datasheets, in FLOP/s. Matched by
 # substring of torch.cuda.get_device_name(), first match wins, so variants come before the family.
@@ -125,10 +124,7 @@ PROBE_SECONDS = 3.0
 def peak_cache_file() -> Path:
     """Where probed peaks are kept: $MINILLM_CACHE_DIR, else $XDG_CACHE_HOME/minillm or
     ~/.cache/minillm, file peak_flops.json (delete it to probe again)."""
-    root = os.environ.get("MINILLM_CACHE_DIR")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minillm"
-    return Path(root) / "peak_flops.json"
+    return cache_dir() / "peak_flops.json"
 
 
 def _machine_key(device: torch.device, dtype: torch.dtype) -> str:
