@@ -263,6 +263,58 @@ def test_workers_start_only_for_a_corpus_of_more_than_one_batch(
     assert started == [2]
 
 
+def _die_at_document_18(tok: Any, pieces: list[str], *args: Any) -> Any:
+    """encode_text, but the worker process dies on the batch holding document 18's opening."""
+    import os
+
+    from minillm.data.encode_pool import encode_text
+
+    if any(json.loads(GRIMM[18])["text"][:60] in p for p in pieces):
+        os._exit(3)
+    return encode_text(tok, pieces, *args)
+
+
+def test_a_dead_worker_is_one_error_line_and_the_pass_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_shards(cfg_with(tmp_path, "straight", num_proc=2, shard_tokens=1500))
+    cfg = cfg_with(tmp_path, "died", num_proc=2, shard_tokens=1500)
+    with monkeypatch.context() as m:
+        m.setattr(shards_mod, "encode_text", _die_at_document_18)
+        with pytest.raises(UserError, match="an encoding worker process died"):
+            write_shards(cfg)
+    assert json.loads((tmp_path / "died" / ".partial" / "state.json").read_text())["documents"]
+    assert write_shards(cfg)["resumed_documents"] > 0
+    assert files(tmp_path / "died") == files(tmp_path / "straight")
+
+
+def test_workers_run_from_a_script_without_a_main_guard(tmp_path: Path) -> None:
+    """spawn runs the main script again in each worker unless told otherwise: a user's script
+    that calls prepare_data at the top level must not start over (or fail) in the workers."""
+    script = tmp_path / "prepare.py"
+    script.write_text(
+        f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+print("started", flush=True)
+from minillm.config import config_from_dict
+from minillm.data import shards
+shards.BATCH_CHARS = 4000
+data = {{"source": {str(corpus(tmp_path))!r}, "vocab_size": 300, "num_proc": 2,
+        "out_dir": {str(tmp_path / "out")!r}}}
+model = {{"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 64}}
+shards.write_shards(config_from_dict({{"model": model, "data": data, "train": {{"seq_len": 32}}}}))
+""",
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("started") == 1  # the workers did not run the script
+    assert load_meta(tmp_path / "out")["train"]["tokens"] > 0
+
+
 def test_workers_exit_when_the_main_process_is_killed(tmp_path: Path) -> None:
     """kill -9 runs no cleanup: the workers notice their parent is gone and exit by themselves."""
     script = f"""

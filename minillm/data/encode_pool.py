@@ -17,14 +17,17 @@ for every `num_proc`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+import types
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -116,6 +119,20 @@ def _start_worker(tokenizer_json: str, parent: int) -> None:
     _TOKENIZER.encode_special_tokens = True  # as in the main process
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A `__main__` without a file or spec while workers start. Otherwise spawn runs the main
+    script again in every worker: a user's script without `if __name__ == "__main__":` would
+    start its work over there (and fail), and `minillm` would import all of its CLI. The
+    workers need only this module, which they import by name."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _in_worker(fn: Callable[..., Encoded], *args: Any) -> Encoded:
     assert _TOKENIZER is not None
     return fn(_TOKENIZER, *args)
@@ -149,7 +166,8 @@ class EncodePool:
                     initializer=_start_worker,
                     initargs=(self.tok.to_str(), os.getpid()),
                 )
-            future = self.workers.submit(_in_worker, fn, *args)
+            with _main_module_hidden():  # a submit may start a worker
+                future = self.workers.submit(_in_worker, fn, *args)
         else:
             future = self.thread.submit(fn, self.tok, *args)
         self.pending.append((future, tag))

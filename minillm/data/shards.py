@@ -1,4 +1,4 @@
-"""Writing token shards: the pass behind `minillm tokenize` (minillm.data.prepare_data).
+"""Writing token shards: the pass behind `minillm tokenize` (`write_shards`).
 
 Offers `write_shards(cfg, retrain) -> summary` (minillm.data.summary prints it); the format of the
 files is described in minillm.data.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,7 +206,7 @@ def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
 
 
 def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
-    """What `minillm.data.prepare_data` does (see there and the module docstring).
+    """What `minillm tokenize` does (see the module docstring).
 
     A failure leaves no folder behind that it created (an empty data.out_dir), except the
     staging folder of an interrupted pass that a rerun resumes.
@@ -308,12 +309,17 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
             w.discard()
         if isinstance(e, UserError) or not saved:
             staging.remove()  # bad data (a rerun must change it anyway), or nothing to resume
-        elif not isinstance(e, OSError):
+        elif not isinstance(e, (OSError, BrokenProcessPool)):
             warn(f"{out_dir}: tokenize interrupted; run it again to resume from its checkpoint")
         if isinstance(e, OSError):  # a full disk, a quota, an I/O error: say so in one line
             raise UserError(
                 f"{out_dir}: writing the tokenizer and shards failed ({e.strerror or e}); "
                 "free some space and run `minillm tokenize` again (it resumes)"
+            ) from None
+        if isinstance(e, BrokenProcessPool):  # the OOM killer, or a kill of one worker
+            raise UserError(
+                f"{out_dir}: an encoding worker process died (killed, or out of memory?); run "
+                "`minillm tokenize` again to resume (a lower data.num_proc needs less memory)"
             ) from None
         raise
     splits = {
