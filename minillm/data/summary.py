@@ -46,6 +46,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     console = Console(highlight=False)
     console.print(table)
     console.print(
-        f"MB/s: per split, encoding only; total, the whole pass (read, encode, write). "
+        f"MB/s: per split, encoding only (one worker's pace when data.num_proc > 1); total, "
+        f"the whole pass (read, encode, write). "
         f"Tokenizer {tok['path']} {how}; {summary['seconds']:.1f}s in all."
     )
