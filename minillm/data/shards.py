@@ -226,11 +226,10 @@ def _drain(
 def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
     if not stats["train"]["bytes"] + stats["val"]["bytes"]:
         raise ConfigError("data.source", "no text: the corpus is empty", corpus.label)
+    key = "data.val_documents" if corpus.val_documents else "data.val_fraction"
     for s in SPLITS:
         if not stats[s]["documents"]:
-            raise ConfigError(
-                "data.val_fraction", f"the {s} split has no text (empty documents are skipped)"
-            )
+            raise ConfigError(key, f"the {s} split has no text (empty documents are skipped)")
 
 
 def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:

@@ -149,6 +149,10 @@ def _table_tokens(
         source=str(path),
         format="auto",
         text_field=text_field or ckpt.config.data.text_field,
+        streaming=False,  # every row of the file, whatever prefix and split the run used
+        max_documents=0,
+        max_bytes=0,
+        val_documents=0,
     )
     try:
         corpus = open_corpus(data)
