@@ -14,14 +14,22 @@ Documents. A plain-text file is one document (a book stays whole; `datasets`' "t
 make every line a document). It is read in ~1 MB blocks of strict UTF-8, so memory does not grow
 with the file. json/jsonl, parquet and csv are loaded with `datasets.load_dataset(...,
 split="train")`, which converts them once to memory-mapped arrow, and read in batches of rows;
-each row's `data.text_field` is one document and empty rows are skipped. A column of chat
-messages (`[{"role": ..., "content": ...}, ...]`) makes every row one conversation
-(`Document.messages`, checked by minillm.data.chat, which also holds the template).
+with `data.streaming` they (and hub datasets) are read as an `IterableDataset` instead, nothing
+converted, the same rows in the same order. Each row's `data.text_field` is one document and empty
+rows are skipped. A column of chat messages (`[{"role": ..., "content": ...}, ...]`) makes every
+row one conversation (`Document.messages`, checked by minillm.data.chat, which also holds the
+template).
+
+Prefix. `data.max_documents` keeps the first rows (files) as read, empty ones included;
+`data.max_bytes` stops before the first document that starts once the text kept totals that much
+(the last one is taken whole; a text file is cut at a safe cut just after the limit).
 
 Split. `data.val_fraction` of the documents (at least one, at most all but one) go to validation,
-chosen by `data.seed`. A corpus of a single document (one .txt file) is split at its tail instead,
-like nanoGPT's Shakespeare: validation is the last `val_fraction` of its bytes, starting at the
-first safe cut (minillm.data.text.is_cut, preferring a line start) from there.
+chosen by `data.seed`; with `data.val_documents` (needed by a stream, whose length is unknown) the
+first that many go instead, counted like max_documents. A corpus of a single document (one .txt
+file) is split at its tail instead, like nanoGPT's Shakespeare: validation is the last
+`val_fraction` of its bytes, starting at the first safe cut (minillm.data.text.is_cut, preferring
+a line start) from there.
 
 Long documents are cut into pieces for encoding only at safe cuts: see minillm.data.text.
 """
