@@ -284,3 +284,29 @@ def test_progress_of_an_unknown_total_counts_without_percent_or_eta(
     progress.close()
     out = capsys.readouterr().out
     assert out.startswith("encode: 1234  5.0 MB") and "%" not in out and "eta" not in out
+
+
+def test_a_hub_dataset_is_streamed_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No network in tests: `datasets.load_dataset` stands in for the hub."""
+    import datasets
+
+    calls: list[dict[str, Any]] = []
+
+    def load_dataset(name: str, **kw: Any) -> Any:
+        calls.append({"name": name, **kw})
+        if name == "someone/offline":
+            raise ConnectionError("no network")
+        return datasets.IterableDataset.from_generator(lambda: iter({"text": t} for t in GRIMM))
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.chdir(tmp_path)  # "someone/grimm" must not be a local folder
+    cfg = cfg_for(tmp_path, Path("someone/grimm"), "tok", streaming=True, val_documents=2)
+    write_shards(cfg)
+    assert calls[0] == {"name": "someone/grimm", "split": "train", "streaming": True}
+    meta = load_meta(tmp_path / "tok")
+    assert (meta["train"]["documents"], meta["val"]["documents"]) == (len(GRIMM) - 2, 2)
+    offline = cfg_for(tmp_path, Path("someone/offline"), "tok2", streaming=True, val_documents=2)
+    with pytest.raises(ConfigError, match="hub is unreachable"):
+        open_corpus(offline.data)

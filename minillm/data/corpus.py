@@ -359,9 +359,12 @@ class TableCorpus(Corpus):
             except StopIteration:
                 return
             except Exception as e:  # datasets/pyarrow raise many types for unparsable files
-                what = "the hub dataset" if self.format == "hub" else f"as {self.format}"
-                reason = _first_line(_reason(e))
-                raise _fail(self.label, "data.source", f"cannot read {what}: {reason}") from None
+                if self.format == "hub" and isinstance(e, ConnectionError):
+                    message = "a hub dataset, and the Hugging Face hub is unreachable to read it"
+                else:
+                    what = "the hub dataset" if self.format == "hub" else f"as {self.format}"
+                    message = f"cannot read {what}: {_first_line(_reason(e))}"
+                raise _fail(self.label, "data.source", message) from None
             yield batch
 
     def _columns(self) -> Iterator[list[Any]]:
