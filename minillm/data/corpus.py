@@ -1,14 +1,7 @@
 """Documents from `data.source`, streamed as text and tagged with their split.
 
-Offers `open_corpus(data_cfg) -> Corpus`, `Corpus`, `TextCorpus`, `TableCorpus`, `Document` and
-`val_mask`.
-
-Sources. `data.source` is a file, a glob (`data/*.txt`, `**` recurses), a folder (searched
-recursively, hidden files skipped) or a Hugging Face hub dataset name. A hub name is tried only
-when the source does not look like a path: it does not exist, has no glob characters and no file
-extension, is `name` or `owner/name` (no leading `/`, `.` or `~`, no deeper folders), and `owner`
-is not a local folder. With `data.format: auto` the format comes from the extension: .txt, .text,
-.md are text; .json, .jsonl are json; .parquet; .csv. A folder keeps only those files.
+Offers `Corpus`, `TextCorpus`, `TableCorpus`, `Document` and `val_mask`; minillm.data.sources
+opens one from `data.source` (`open_corpus`).
 
 Documents. A plain-text file is one document (a book stays whole; `datasets`' "text" builder would
 make every line a document). It is read in ~1 MB blocks of strict UTF-8, so memory does not grow
@@ -37,12 +30,10 @@ Long documents are cut into pieces for encoding only at safe cuts: see minillm.d
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import itertools
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,23 +47,13 @@ from minillm.data.text import read_text_blocks, split_pieces
 from minillm.errors import ConfigError
 
 ROWS_PER_BATCH = 512  # rows fetched from arrow at a time
-EXTENSIONS = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def _fail(file: str | Path | None, key: str, message: str) -> ConfigError:
     return ConfigError(key, message, str(file) if file is not None else None)
 
 
-def _reason(e: BaseException) -> BaseException:
+def error_reason(e: BaseException) -> BaseException:
     """The parser's own error under a library's wrapper: the end of the `raise ... from` chain
     (or, with none, the error being handled when this one was raised)."""
     if e.__cause__ is None and e.__context__ is not None:
@@ -82,7 +63,7 @@ def _reason(e: BaseException) -> BaseException:
     return e
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -363,7 +344,7 @@ class TableCorpus(Corpus):
                     message = "a hub dataset, and the Hugging Face hub is unreachable to read it"
                 else:
                     what = "the hub dataset" if self.format == "hub" else f"as {self.format}"
-                    message = f"cannot read {what}: {_first_line(_reason(e))}"
+                    message = f"cannot read {what}: {first_line(error_reason(e))}"
                 raise _fail(self.label, "data.source", message) from None
             yield batch
 
@@ -449,138 +430,3 @@ class TableCorpus(Corpus):
                 yield Document(split, messages=value)
             elif value:
                 yield Document(split, text=value)
-
-
-# ----------------------------------------------------------------------------- sources
-
-
-def _looks_like_hub(source: str) -> bool:
-    if not _HUB_NAME.match(source) or Path(source).suffix:
-        return False
-    owner = source.split("/")[0]
-    return "/" not in source or not Path(owner).is_dir()
-
-
-def _resolve_files(source: str, fmt: str) -> list[Path] | None:
-    """The files a source names, sorted; None when it is a hub dataset name."""
-    if any(c in source for c in "*?["):
-        files = sorted(
-            Path(m)
-            for m in glob.glob(os.path.expanduser(source), recursive=True)
-            if os.path.isfile(m)
-        )
-        if not files:
-            raise _fail(source, "data.source", "no files match this pattern")
-    else:
-        path = Path(source).expanduser()
-        if path.is_dir():
-            files = sorted(
-                f
-                for f in path.rglob("*")
-                if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
-            )
-            if fmt == "auto":
-                files = [f for f in files if f.suffix.lower() in EXTENSIONS]
-            if not files:
-                kinds = ", ".join(EXTENSIONS)
-                raise _fail(source, "data.source", f"no data files in this folder ({kinds})")
-        elif path.exists():
-            files = [path]
-        elif _looks_like_hub(source):
-            return None
-        else:
-            raise _fail(source, "data.source", "no such file or folder")
-    for f in files:
-        try:
-            open(f, "rb").close()
-        except OSError as e:
-            raise _fail(f, "data.source", f"cannot read: {e.strerror or e}") from None
-    return files
-
-
-def _format_of(files: list[Path], fmt: str, source: str) -> str:
-    if fmt != "auto":
-        return fmt
-    kinds = set()
-    for f in files:
-        kind = EXTENSIONS.get(f.suffix.lower())
-        if kind is None:
-            what = f"'{f.suffix}' files" if f.suffix else "files without an extension"
-            raise _fail(
-                f,
-                "data.format",
-                f"cannot tell the format of {what}; set text, json, parquet or csv",
-            )
-        kinds.add(kind)
-    if len(kinds) > 1:
-        raise _fail(
-            source, "data.format", f"mixed formats ({', '.join(sorted(kinds))}); use one kind"
-        )
-    return kinds.pop()
-
-
-def _quiet_datasets() -> None:
-    import datasets
-    import huggingface_hub
-
-    datasets.disable_progress_bars()
-    # CRITICAL, not ERROR: the loaders log "Failed to load JSON from file ..." before raising,
-    # and the error line below already carries their reason.
-    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
-    huggingface_hub.utils.logging.set_verbosity_error()  # no "Retrying in 1s" lines offline
-
-
-def _load_files(fmt: str, files: list[Path], source: str, streaming: bool) -> Any:
-    """A `datasets.Dataset` (converted to the arrow cache), or with `streaming` an
-    `IterableDataset` (nothing converted; a file that fails to parse fails when read)."""
-    import datasets
-
-    _quiet_datasets()
-    data_files = [str(f) for f in files]
-    try:
-        return datasets.load_dataset(fmt, data_files=data_files, split="train", streaming=streaming)
-    except Exception as e:  # datasets/pyarrow raise many types for unparsable files
-        where = files[0] if len(files) == 1 else source
-        e = _reason(e)
-        raise _fail(where, "data.source", f"cannot read as {fmt}: {_first_line(e)}") from None
-
-
-def _load_hub(name: str, streaming: bool) -> Any:
-    import datasets
-
-    _quiet_datasets()
-    try:
-        return datasets.load_dataset(name, split="train", streaming=streaming)
-    except ConnectionError:
-        raise _fail(
-            name,
-            "data.source",
-            "not a local file or folder, and the Hugging Face hub is unreachable to look it up",
-        ) from None
-    except Exception as e:
-        raise _fail(
-            name, "data.source", f"not a local file or folder, nor a hub dataset: {_first_line(e)}"
-        ) from None
-
-
-def open_corpus(data: DataConfig) -> Corpus:
-    """Resolve `data.source` and open it; every problem is a UserError naming the file and key."""
-    files = _resolve_files(data.source, data.format)
-    fmt = "hub" if files is None else _format_of(files, data.format, data.source)
-    if fmt == "text":
-        assert files is not None
-        return TextCorpus(files, data)
-    if data.streaming and not data.val_documents:
-        raise _fail(
-            data.source,
-            "data.val_documents",
-            "must be > 0 with data.streaming: a stream's length is unknown until read, so "
-            "data.val_fraction's random split cannot be drawn; set the documents that go to "
-            "validation (the first ones)",
-        )
-    if files is None:
-        ds = _load_hub(data.source, data.streaming)
-        return TableCorpus(ds, [], "hub", data, data.source)
-    label = str(files[0]) if len(files) == 1 else data.source
-    ds = _load_files(fmt, files, data.source, data.streaming)
-    return TableCorpus(ds, files, fmt, data, label)

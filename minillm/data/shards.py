@@ -3,7 +3,7 @@
 Offers `write_shards(cfg, retrain) -> summary` (minillm.data.summary prints it); the format of the
 files is described in minillm.data.
 
-Steps: open the corpus (minillm.data.corpus); reuse the tokenizer, or train one on the train split
+Steps: open the corpus (minillm.data.sources); reuse the tokenizer, or train one on the train split
 with a progress bar over the text it reads; then one pass over the documents that encodes each
 split's pieces in ~1 MB batches (`encode_batch_fast`: the ids of `encode_batch`, no offsets,
 multithreaded in Rust) on a worker thread while this thread reads ahead and writes the previous
@@ -34,12 +34,13 @@ import numpy as np
 from minillm.config import Config
 from minillm.data import staging as staging_mod
 from minillm.data.chat_shards import ChatEncoder, resolve_loss_on
-from minillm.data.corpus import Corpus, Document, open_corpus
+from minillm.data.corpus import Corpus, Document
 from minillm.data.meta import (
     MASK_SUFFIX,
     SPLITS,
     shard_dtype,
 )
+from minillm.data.sources import open_corpus
 from minillm.data.staging import (
     ShardWriter,
     Staging,
