@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from minillm.data import shards as shards_mod
 from minillm.data import staging as staging_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.corpus import TableCorpus
-from minillm.data.meta import load_meta
+from minillm.data.meta import load_meta, stale_data_keys
 from minillm.data.shards import write_shards
 from minillm.data.sources import open_corpus
 from minillm.errors import ConfigError
@@ -114,6 +115,9 @@ def test_max_documents_takes_the_first_rows_and_val_documents_the_first_of_those
     assert decoded_docs(tmp_path / "tok", "val") == texts[:2]
     assert decoded_docs(tmp_path / "tok", "train") == texts[3:10]
     assert meta["train"]["bytes"] == sum(len(t.encode()) for t in texts[3:10])
+    # `minillm train` warns when the prefix changed since, not when only the reading did.
+    assert stale_data_keys(meta, replace(cfg.data, streaming=not streaming)) == []
+    assert stale_data_keys(meta, replace(cfg.data, max_documents=11)) == ["data.max_documents"]
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -285,6 +289,10 @@ def test_progress_of_an_unknown_total_counts_without_percent_or_eta(
     progress.close()
     out = capsys.readouterr().out
     assert out.startswith("encode: 1234  5.0 MB") and "%" not in out and "eta" not in out
+    bar = Progress("encode", None, Console(force_terminal=True, width=100))  # a live bar
+    bar.update(1234, 5_000_000)
+    bar.close()
+    assert "1234/?" in capsys.readouterr().out
 
 
 def test_a_hub_dataset_is_streamed_when_asked(
