@@ -241,6 +241,7 @@ def test_resume_of_a_stream_equals_an_uninterrupted_run(
             write_shards(cfg)
     state = json.loads((tmp_path / "resumed" / ".partial" / "state.json").read_text())
     assert 0 < state["documents"] < len(GRIMM)
+    assert state["inputs"]["data.val_documents"] == 3  # a changed one is refused (below)
     summary = write_shards(cfg)
     assert summary["resumed_documents"] == state["documents"]
     assert files(tmp_path / "resumed") == files(tmp_path / "straight")
@@ -319,3 +320,22 @@ def test_a_hub_dataset_is_streamed_when_asked(
     offline = cfg_for(tmp_path, Path("someone/offline"), "tok2", streaming=True, val_documents=2)
     with pytest.raises(ConfigError, match="hub is unreachable"):
         open_corpus(offline.data)
+
+
+def test_a_checkpoint_from_before_the_prefix_keys_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its state.json has no data.max_documents, max_bytes, val_documents: they were 0."""
+    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
+    cfg = cfg_for(tmp_path, rows_file(tmp_path, "jsonl", GRIMM), "tok")
+    with monkeypatch.context() as m:
+        interrupt_after(m, 12, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(cfg)
+    state_path = tmp_path / "tok" / ".partial" / "state.json"
+    state = json.loads(state_path.read_text())
+    for key in ("data.max_documents", "data.max_bytes", "data.val_documents"):
+        del state["inputs"][key]
+    state_path.write_text(json.dumps(state))
+    assert write_shards(cfg)["resumed_documents"] == state["documents"] > 0
