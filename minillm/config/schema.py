@@ -150,6 +150,27 @@ class DataConfig(_Section):
         help="Worker processes that encode the text in `minillm tokenize`; 0 = one per CPU, 1 = "
         "none (encode in the main process). The shards are the same for every value.",
     )
+    streaming: bool = _f(
+        False,
+        help="Read json/jsonl/parquet/csv files and hub datasets as a stream, with nothing "
+        "converted into the datasets cache; needs val_documents. Plain text is always streamed.",
+    )
+    max_documents: int = _f(
+        0,
+        help="Use only the first this many documents of the source (rows or files as read, "
+        "empty ones included); 0 = all.",
+    )
+    max_bytes: int = _f(
+        0,
+        help="Use only the first documents whose text totals at least this many bytes (the last "
+        "one whole; a text file cut at a safe cut just after it); 0 = all.",
+    )
+    val_documents: int = _f(
+        0,
+        help="When > 0, the first this many documents go to validation instead of a random "
+        "val_fraction of them (a single text file keeps its val_fraction tail). Needed by "
+        "streaming.",
+    )
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -173,6 +194,9 @@ class DataConfig(_Section):
             self._fail("shard_tokens", f"must be at least 1, got {self.shard_tokens}")
         if self.num_proc < 0:
             self._fail("num_proc", f"must be >= 0 (0 = one per CPU), got {self.num_proc}")
+        for key in ("max_documents", "max_bytes", "val_documents"):
+            if getattr(self, key) < 0:
+                self._fail(key, f"must be >= 0, got {getattr(self, key)}")
 
     @property
     def tokenizer_path(self) -> Path:

@@ -13,7 +13,8 @@ shorter; a document may span two shards). `meta.json` (version 2) holds:
      "train": {"tokens", "bytes", "documents", "targets", "target_bytes",
                "shards": [{"file", "tokens", "file_bytes", "sha256"[, "mask_sha256"]}, ...]},
      "val": {...}, "chat", "loss_on", "tokenizer_sha256", "source_fingerprint",
-     "data": {"source", "format", "text_field", "val_fraction", "seed", "loss_on"}}
+     "data": {"source", "format", "text_field", "val_fraction", "seed", "loss_on",
+              "max_documents", "max_bytes", "val_documents"}}
 
 `bytes` counts the UTF-8 bytes of a split's document texts (not the separators; of a conversation,
 its contents), for bits-per-byte; a shard's `file_bytes` is its size on disk. With chat data
@@ -73,6 +74,10 @@ def data_record(data: DataConfig) -> dict[str, Any]:
         "val_fraction": data.val_fraction,
         "seed": data.seed,
         "loss_on": data.loss_on,
+        # Not data.streaming: how the rows are read does not change the shards.
+        "max_documents": data.max_documents,
+        "max_bytes": data.max_bytes,
+        "val_documents": data.val_documents,
     }
 
 

@@ -3,7 +3,7 @@
 Offers `write_shards(cfg, retrain) -> summary` (minillm.data.summary prints it); the format of the
 files is described in minillm.data.
 
-Steps: open the corpus (minillm.data.corpus); reuse the tokenizer, or train one on the train split
+Steps: open the corpus (minillm.data.sources); reuse the tokenizer, or train one on the train split
 with a progress bar over the text it reads; then one pass over the documents that cuts each
 split's text into pieces and queues them in ~1 MB batches, encoded on a thread or in
 `data.num_proc` worker processes (minillm.data.encode_pool) while this thread reads ahead, and
@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 from minillm.config import Config
 from minillm.data import staging as staging_mod
 from minillm.data.chat_shards import ChatBatches, resolve_loss_on
-from minillm.data.corpus import Corpus, Document, open_corpus
+from minillm.data.corpus import Corpus, Document
 from minillm.data.encode_pool import Encoded, EncodePool, default_num_proc, encode_text
 from minillm.data.meta import (
     MASK_SUFFIX,
     SPLITS,
     shard_dtype,
 )
+from minillm.data.sources import open_corpus
 from minillm.data.staging import (
     ShardWriter,
     Staging,
@@ -198,11 +199,10 @@ def _encode(
 def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
     if not stats["train"]["bytes"] + stats["val"]["bytes"]:
         raise ConfigError("data.source", "no text: the corpus is empty", corpus.label)
+    key = "data.val_documents" if corpus.val_documents else "data.val_fraction"
     for s in SPLITS:
         if not stats[s]["documents"]:
-            raise ConfigError(
-                "data.val_fraction", f"the {s} split has no text (empty documents are skipped)"
-            )
+            raise ConfigError(key, f"the {s} split has no text (empty documents are skipped)")
 
 
 def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:

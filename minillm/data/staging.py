@@ -38,6 +38,8 @@ from minillm.runtime.files import atomic_copy, atomic_write_json, atomic_write_t
 
 CHECKPOINT_BYTES = 64 << 20  # text between checkpoints: ~15 s of encoding at 4 MB/s
 STATE_VERSION = 1
+# Inputs added since STATE_VERSION 1: a checkpoint without them was made with these values.
+_ADDED_INPUTS = {"data.max_documents": 0, "data.max_bytes": 0, "data.val_documents": 0}
 
 
 class ShardWriter:
@@ -155,7 +157,7 @@ class Staging:
         that changed (data.source last: its fingerprint also follows the split settings)."""
         was = state.get("inputs", {})
         for key in sorted(inputs, key=lambda k: k == "data.source"):
-            if was.get(key) != inputs[key]:
+            if was.get(key, _ADDED_INPUTS.get(key)) != inputs[key]:
                 raise ConfigError(
                     key,
                     f"changed since the interrupted `minillm tokenize` whose checkpoint is in "

@@ -23,11 +23,14 @@ if TYPE_CHECKING:
 
 def _sample_rate(corpus: Corpus, data: DataConfig, train_bytes: int | None) -> float:
     """The share of the train text the tokenizer trains on: data.tokenizer_sample_bytes over
-    the train split's bytes (for rows, estimated from the files' sizes), at most 1."""
+    the train split's bytes (for rows, estimated from the files' sizes, at most data.max_bytes:
+    the same estimate whether the rows are streamed or not), at most 1."""
     if data.tokenizer_sample_bytes <= 0 or not corpus.files:  # a hub dataset: its size unknown
         return 1.0
     if train_bytes is None:  # rows: their text is not counted before a pass; the files are
-        train_bytes = int(sum(f.stat().st_size for f in corpus.files) * (1 - data.val_fraction))
+        size = sum(f.stat().st_size for f in corpus.files)
+        size = min(size, data.max_bytes or size)
+        train_bytes = int(size * (1 - data.val_fraction)) if not data.val_documents else size
     return min(1.0, data.tokenizer_sample_bytes / max(train_bytes, 1))
 
 
@@ -37,11 +40,14 @@ def train_on_corpus(corpus: Corpus, data: DataConfig, console: Console) -> Token
     With a sample rate r < 1 (data.tokenizer_sample_bytes) it trains on a share r of the text
     pieces, spread evenly over the whole split (a piece is taken whenever the credit of r per
     character read covers it): deterministic, and not biased to the corpus's first documents.
+    A hub dataset's size is unknown before a pass, so it trains on the split's first
+    data.tokenizer_sample_bytes instead (the documents that start before that much text).
     """
     by_bytes = corpus.unit == "bytes"
     docs = [d for d in corpus.documents() if d.split == "train"] if by_bytes else None
-    total = sum(d.nbytes for d in docs) if docs is not None else int((~corpus.mask).sum())
+    total = sum(d.nbytes for d in docs) if docs is not None else corpus.train_total()
     rate = _sample_rate(corpus, data, total if by_bytes else None)
+    prefix = data.tokenizer_sample_bytes if not corpus.files else 0  # 0: no limit
     progress = Progress("train tokenizer", total, console)
     seen, credit = 0, 0.0
 
@@ -50,6 +56,8 @@ def train_on_corpus(corpus: Corpus, data: DataConfig, console: Console) -> Token
         for doc in docs if docs is not None else corpus.documents():
             if doc.split != "train":
                 continue
+            if prefix and seen >= prefix:
+                break
             nbytes, done = doc.nbytes, progress.done
             # A conversation's contents are trained on one by one, as they are encoded.
             chat = doc.messages is not None
@@ -72,7 +80,7 @@ def train_on_corpus(corpus: Corpus, data: DataConfig, console: Console) -> Token
             raise ConfigError(
                 "data.source",
                 "no text in the train split: the corpus is empty, or all of its text went to "
-                "validation (data.val_fraction)",
+                "validation (data.val_fraction, data.val_documents)",
                 corpus.label,
             ) from None
         raise  # the corpus's own error (say, a row too short to split), as it was

@@ -120,7 +120,7 @@ def _data_tokens(
 ) -> tuple[np.ndarray, float]:
     """Token ids and UTF-8 bytes of `--data`: a dataset file (by its extension) as `minillm
     tokenize` reads it, else a text file as one document."""
-    from minillm.data.corpus import EXTENSIONS
+    from minillm.data.sources import EXTENSIONS
 
     fmt = EXTENSIONS.get(path.suffix.lower(), "text")
     if fmt == "text":
@@ -138,7 +138,8 @@ def _table_tokens(
     shards, so that the loss is the one the run's val/loss measures on such data."""
     import dataclasses
 
-    from minillm.data.corpus import TableCorpus, open_corpus
+    from minillm.data.corpus import TableCorpus
+    from minillm.data.sources import open_corpus
     from minillm.data.tokenizer import eot_id
     from minillm.errors import ConfigError
 
@@ -149,6 +150,10 @@ def _table_tokens(
         source=str(path),
         format="auto",
         text_field=text_field or ckpt.config.data.text_field,
+        streaming=False,  # every row of the file, whatever prefix and split the run used
+        max_documents=0,
+        max_bytes=0,
+        val_documents=0,
     )
     try:
         corpus = open_corpus(data)

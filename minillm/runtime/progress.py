@@ -20,14 +20,15 @@ class Progress:
     PLAIN_EVERY_S seconds (or when `update(..., line=True)` asks for one).
 
     `done` counts the units of `total` (bytes, documents, batches, steps); `nbytes`, when given,
-    the bytes behind them, so that the rate is MB/s whatever the bar counts. `stderr=True` keeps
-    stdout clean (for `--json`).
+    the bytes behind them, so that the rate is MB/s whatever the bar counts. `total=None`: unknown
+    (a stream): the count and the rate, with no percentage or ETA. `stderr=True` keeps stdout
+    clean (for `--json`).
     """
 
     def __init__(
         self,
         description: str,
-        total: int,
+        total: int | None,
         console: Console | None = None,
         *,
         start: int = 0,
@@ -35,21 +36,31 @@ class Progress:
         stderr: bool = False,
     ) -> None:
         self.console = console or Console(stderr=stderr, highlight=False)
-        self.description, self.total = description, max(total, 1)
+        self.description = description
+        self.total = None if total is None else max(total, 1)
         self.done, self.start_done, self.nbytes, self.info = start, start, 0, ""
-        self.enabled, self.file = enabled and total > 0, sys.stderr if stderr else sys.stdout
+        self.enabled = enabled and (total is None or total > 0)
+        self.file = sys.stderr if stderr else sys.stdout
         self.start = self.last_line = time.perf_counter()
         self.bar = None
         if self.enabled and self.console.is_terminal:
-            from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TaskProgressColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
             from rich.progress import Progress as RichProgress
 
+            known = self.total is not None  # else a pulsing bar, the count and the time so far
             self.bar = RichProgress(
                 TextColumn("{task.description}"),
                 BarColumn(),
-                TaskProgressColumn(),
+                TaskProgressColumn() if known else MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
+                TimeRemainingColumn() if known else TimeElapsedColumn(),
                 console=self.console,
             )
             self.task = self.bar.add_task(description, total=self.total, info="", completed=start)
@@ -62,6 +73,8 @@ class Progress:
     def eta(self) -> float:
         """Seconds left at the pace so far."""
         done = self.done - self.start_done
+        if self.total is None:
+            return float("inf")
         elapsed = time.perf_counter() - self.start
         return elapsed / done * (self.total - self.done) if done > 0 else float("inf")
 
@@ -84,13 +97,13 @@ class Progress:
             self.last_line = now
             size = f"  {self.nbytes / 1e6:.1f} MB" if self.nbytes else ""
             info = f"  {self.info}" if self.info else ""
-            eta = self.eta()
-            print(
-                f"{self.description}: {done}/{self.total} ({100 * done / self.total:.0f}%)"
-                f"{size}{info}  eta {format_duration(eta)}",
-                file=self.file,
-                flush=True,
-            )
+            if self.total is None:
+                count = f"{done}"
+                eta = f"  {format_duration(time.perf_counter() - self.start)} so far"
+            else:
+                count = f"{done}/{self.total} ({100 * done / self.total:.0f}%)"
+                eta = f"  eta {format_duration(self.eta())}"
+            print(f"{self.description}: {count}{size}{info}{eta}", file=self.file, flush=True)
 
     def advance(self, n: int = 1) -> None:
         self.update(self.done + n)
