@@ -29,10 +29,11 @@ from minillm.data import staging as staging_mod
 from minillm.data import text as text_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import eval_batches, train_batch
-from minillm.data.corpus import TableCorpus, val_mask
+from minillm.data.corpus import val_mask
 from minillm.data.meta import load_meta, open_split, shard_dtype
 from minillm.data.shards import write_shards
 from minillm.data.sources import _looks_like_hub, open_corpus
+from minillm.data.table import TableCorpus
 from minillm.data.text import is_cut, read_text_blocks, split_pieces
 from minillm.data.tokenizer import load_tokenizer, train_tokenizer
 from minillm.errors import ConfigError, UserError

@@ -21,10 +21,10 @@ from minillm.config import Config, config_from_dict
 from minillm.data import shards as shards_mod
 from minillm.data import staging as staging_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
-from minillm.data.corpus import TableCorpus
 from minillm.data.meta import load_meta, stale_data_keys
 from minillm.data.shards import write_shards
 from minillm.data.sources import open_corpus
+from minillm.data.table import TableCorpus
 from minillm.errors import ConfigError
 from minillm.runtime.progress import Progress
 from tests.test_chat import chat_rows, write_jsonl

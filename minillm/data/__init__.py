@@ -1,7 +1,8 @@
 """The data stage: corpus -> text pieces -> BPE tokenizer -> token shards -> batches.
 
 Modules: `sources` (resolving `data.source` to files or a hub dataset, loaded or streamed through
-`datasets`), `corpus` (their documents, a prefix of them, and the split), `text` (splitting text
+`datasets`), `corpus` (their documents, a prefix of them, and the split; `table` for rows),
+`text` (splitting text
 into pieces), `tokenizer` (the byte-level BPE and its special tokens), `tokenizer_train` (training
 it on a corpus or a sample of it), `chat` (the chat template),
 `shards` (the writer that `minillm tokenize` runs, with `encode_pool` for encoding on a thread or

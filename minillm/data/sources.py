@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from minillm.config import DataConfig
-from minillm.data.corpus import Corpus, TableCorpus, TextCorpus, error_reason, first_line
+from minillm.data.corpus import Corpus, TextCorpus, error_reason, first_line
+from minillm.data.table import TableCorpus
 from minillm.errors import ConfigError
 
 

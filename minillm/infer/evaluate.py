@@ -138,8 +138,8 @@ def _table_tokens(
     shards, so that the loss is the one the run's val/loss measures on such data."""
     import dataclasses
 
-    from minillm.data.corpus import TableCorpus
     from minillm.data.sources import open_corpus
+    from minillm.data.table import TableCorpus
     from minillm.data.tokenizer import eot_id
     from minillm.errors import ConfigError
 

@@ -1,0 +1,218 @@
+"""Rows of json/jsonl, parquet, csv files or a hub dataset as documents: `TableCorpus`.
+
+Loaded through `datasets` (minillm.data.sources): a `Dataset` converted once to the arrow cache
+and read from its files, or, with `data.streaming`, an `IterableDataset` read as a stream. Each
+row's `data.text_field` is one document (empty rows are skipped), or with a column of chat
+messages one conversation. What a corpus is, its prefix and split: minillm.data.corpus.
+
+A stream cannot be indexed, so an interrupted `minillm tokenize` resumes it from a cursor: the
+`datasets` state of the stream where a batch of rows starts (`IterableDataset.state_dict`), with
+the rows, documents and bytes before it. A hub dataset is then not read again from its start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from minillm.config import DataConfig
+from minillm.data.chat import check_messages, content_bytes
+from minillm.data.corpus import (
+    Corpus,
+    Document,
+    corpus_error,
+    error_reason,
+    first_line,
+    tail_cut,
+    val_mask,
+)
+
+ROWS_PER_BATCH = 512  # rows fetched from arrow at a time
+
+
+def _is_chat_type(kind: Any) -> bool | None:
+    """Whether an arrow type is a text column (False), a column of chat messages (True), or
+    neither (None)."""
+    import pyarrow as pa
+
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return False
+    if (
+        (pa.types.is_list(kind) or pa.types.is_large_list(kind))
+        and pa.types.is_struct(kind.value_type)
+        and {"role", "content"} <= {f.name for f in kind.value_type}
+    ):
+        return True
+    return None
+
+
+def _is_chat_value(value: Any) -> bool | None:
+    """_is_chat_type for a row's value (a stream whose column types are known only once read)."""
+    if value is None or isinstance(value, str):
+        return False
+    if isinstance(value, list) and all(
+        isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value
+    ):
+        return True
+    return None
+
+
+class TableCorpus(Corpus):
+    """Rows of a `datasets.Dataset` (json, parquet, csv files or a hub dataset), one per row, or
+    of a `datasets.IterableDataset` (data.streaming): the same rows, read as a stream."""
+
+    unit = "documents"
+
+    def __init__(self, ds: Any, files: list[Path], fmt: str, data: DataConfig, label: str) -> None:
+        import datasets
+
+        self.label, self.files, self.format = label, files, fmt
+        self.streaming = isinstance(ds, datasets.IterableDataset)
+        self.field = field = data.text_field
+        self.max_documents, self.max_bytes = data.max_documents, data.max_bytes
+        self.val_documents, self.val_fraction = data.val_documents, data.val_fraction
+        self.ds = ds
+        columns, kind, value = ds.column_names, None, None
+        if self.streaming and ds.features is not None:
+            kind = ds.features.arrow_schema.field(field).type if field in columns else None
+        elif self.streaming:  # json: the columns are known once a row is read
+            first = next(self._batches(), None)
+            columns = list(first) if first is not None else []
+            value = first[field][0] if first is not None and field in first else None
+        else:
+            kind = ds.data.schema.field(field).type if field in columns else None
+        if field not in (columns or []) and (columns or not self.streaming):
+            found = ", ".join(columns or []) or "none"
+            message = f"no column {field!r} (columns found: {found})"
+            raise corpus_error(label, "data.text_field", message)
+        chat = _is_chat_type(kind) if kind is not None else _is_chat_value(value)
+        if chat is None:
+            held = kind if kind is not None else type(value).__name__
+            raise corpus_error(
+                label,
+                "data.text_field",
+                f"column {field!r} holds {held}, not text or a list of {{role, content}} messages",
+            )
+        self.chat = chat
+        self.ds = ds.select_columns([field]) if columns else ds
+        self.mask = None
+        if self.streaming:
+            self.n_rows = self.n_documents = 0  # unknown until read
+            self.total = self.max_documents or None
+        else:
+            self.n_rows = len(ds)  # of the whole table
+            n = min(self.n_rows, self.max_documents or self.n_rows)
+            if n and self.max_bytes:  # where the text reaches max_bytes: a pass over the rows
+                n = sum(1 for _ in self._rows())
+            self.n_documents = n
+            if not n:
+                raise corpus_error(label, "data.source", "no rows: the corpus is empty")
+            self.total = n if n > 1 else 2  # one row: two halves
+            if not self.val_documents:
+                self.mask = val_mask(n, data.val_fraction, data.seed)
+        dataset = "" if self.streaming else getattr(ds, "_fingerprint", "")
+        extra = {"hub": label, "dataset": dataset} if not files else {}
+        self.fingerprint = self._fingerprint(data, extra)
+
+    def _batches(self) -> Iterator[dict[str, list[Any]]]:
+        """A stream's rows in batches; a file that fails to parse is one error line."""
+        batches = iter(self.ds.iter(batch_size=ROWS_PER_BATCH))
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:  # datasets/pyarrow raise many types for unparsable files
+                if self.format == "hub" and isinstance(e, ConnectionError):
+                    message = "a hub dataset, and the Hugging Face hub is unreachable to read it"
+                else:
+                    what = "the hub dataset" if self.format == "hub" else f"as {self.format}"
+                    message = f"cannot read {what}: {first_line(error_reason(e))}"
+                raise corpus_error(self.label, "data.source", message) from None
+            yield batch
+
+    def _columns(self) -> Iterator[list[Any]]:
+        """The text column in batches of rows, read from the arrow cache files.
+
+        datasets memory-maps those files, and every page touched stays in the process's RSS
+        (as page cache) until the end, so RSS would grow with the corpus. Reading the same
+        record batches through a plain file keeps it flat. A dataset that is not simply its
+        cache files (in memory, or re-indexed) is iterated through datasets instead, and so is
+        a stream.
+        """
+        import pyarrow as pa
+
+        if self.streaming:
+            for batch in self._batches():
+                if self.field not in batch:  # a later file without the column
+                    found = ", ".join(batch) or "none"
+                    message = f"no column {self.field!r} (columns found: {found})"
+                    raise corpus_error(self.label, "data.text_field", message)
+                yield batch[self.field]
+            return
+        files = [f["filename"] for f in self.ds.cache_files]
+        if not files or getattr(self.ds, "_indices", None) is not None:
+            for batch in self.ds.iter(batch_size=ROWS_PER_BATCH):
+                yield batch[self.field]
+            return
+        rows = 0
+        for name in files:
+            with pa.OSFile(name) as f:
+                for batch in pa.ipc.open_stream(f):
+                    rows += batch.num_rows
+                    yield batch.column(self.field).to_pylist()
+        if rows != self.n_rows:  # a datasets change we do not know: fail loudly, not wrong
+            raise RuntimeError(f"read {rows} rows from {files}, expected {self.n_rows}")
+
+    def texts(self) -> Iterator[str]:
+        """Every row's text in order, chat rows rendered, before any split (`minillm eval`)."""
+        for column in self._columns():
+            for value in column:
+                yield value or ""
+
+    def _rows(self) -> Iterator[tuple[int, str | list[dict[str, str]]]]:
+        """(index, text or checked conversation) of the rows kept: the first max_documents, and
+        those that start before the text totals max_bytes."""
+        nbytes = 0
+        with contextlib.closing(self._columns()) as columns:
+            for i, value in enumerate(itertools.chain.from_iterable(columns)):
+                if self.max_documents and i >= self.max_documents:
+                    return
+                if self.max_bytes and nbytes >= self.max_bytes:
+                    return
+                if self.chat:
+                    value = check_messages(value, self.label, i + 1, self.field)
+                    nbytes += content_bytes(value) if self.max_bytes else 0
+                else:
+                    value = value or ""
+                    nbytes += len(value.encode("utf-8")) if self.max_bytes else 0
+                yield i, value
+
+    def documents(self) -> Iterator[Document]:
+        if self.n_documents == 1 and self.mask is not None:
+            if self.chat:
+                raise corpus_error(
+                    self.label,
+                    "data.val_fraction",
+                    "one conversation cannot be split into train and validation; add rows",
+                )
+            text = str(next(self._rows())[1])
+            cut = tail_cut([text], len(text.encode("utf-8")), self.val_fraction)
+            if cut is None:
+                raise corpus_error(
+                    self.label,
+                    "data.val_fraction",
+                    "one row, too short to split off a validation tail; add text or rows",
+                )
+            yield Document("train", text=text[: cut[1]])
+            yield Document("val", text=text[cut[1] :])
+            return
+        for i, value in self._rows():
+            split = "val" if self._is_val(i) else "train"
+            if isinstance(value, list):
+                yield Document(split, messages=value)
+            elif value:
+                yield Document(split, text=value)
