@@ -255,6 +255,43 @@ def test_resume_of_a_stream_equals_an_uninterrupted_run(
     assert err.value.key == "data.max_documents"
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_resumed_stream_starts_reading_at_its_cursor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The rows before the checkpoint's cursor are not read again (a hub dataset is not
+    downloaded again from its start), and the shards are those of an uninterrupted run."""
+    from minillm.data import table as table_mod
+
+    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
+    monkeypatch.setattr(table_mod, "ROWS_PER_BATCH", 4)  # many batches, many cursors
+    texts = GRIMM + [""] + GRIMM[:5]  # an empty row: counted as read, no document
+    src = rows_file(tmp_path, fmt, texts)
+    keys = {"streaming": True, "val_documents": 3, "shard_tokens": 1500}
+    write_shards(cfg_for(tmp_path, src, "straight", **keys))
+    cfg = cfg_for(tmp_path, src, "resumed", **keys)
+    with monkeypatch.context() as m:
+        interrupt_after(m, 25, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(cfg)
+    state = json.loads((tmp_path / "resumed" / ".partial" / "state.json").read_text())
+    cursor = state["cursor"]
+    assert 0 < cursor["row"] and cursor["documents"] <= state["documents"]
+    read: list[int] = []
+    real = table_mod.TableCorpus._batches
+
+    def counting(self: Any) -> Any:
+        for batch in real(self):
+            read.append(len(batch[self.field]))
+            yield batch
+
+    monkeypatch.setattr(table_mod.TableCorpus, "_batches", counting)
+    assert write_shards(cfg)["resumed_documents"] == state["documents"]
+    assert sum(read) == len(texts) - cursor["row"]  # from the cursor on, nothing before it
+    assert files(tmp_path / "resumed") == files(tmp_path / "straight")
+
+
 def test_a_hub_dataset_trains_the_tokenizer_on_its_first_sample_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

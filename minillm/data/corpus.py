@@ -158,6 +158,16 @@ class Corpus:
     def documents(self) -> Iterator[Document]:
         raise NotImplementedError
 
+    def cursor(self) -> dict[str, Any] | None:
+        """Where a pass resumed after this point may start reading (a stream's position, at or
+        before the documents yielded so far), or None: from the beginning."""
+        return None
+
+    def seek(self, cursor: dict[str, Any] | None) -> int:
+        """Make the next `documents()` start at `cursor` (an earlier pass's `cursor()`); returns
+        the number of documents before it (0: from the beginning)."""
+        return 0
+
     def train_total(self) -> int | None:
         """The documents of the train split, None when unknown (a stream)."""
         if self.mask is not None:

@@ -141,9 +141,10 @@ def _encode(
     tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a text is text, not a boundary
     eot, dtype = eot_id(tok), writers["train"].dtype.str
     stats = {s: {"documents": 0, "bytes": 0, "seconds": 0.0} for s in SPLITS}
-    skip = 0
+    skip = start = 0
     if resume is not None:
         stats, skip = resume["stats"], resume["documents"]
+        start = corpus.seek(resume.get("cursor"))  # a stream: not read again from its start
     chat = bool(getattr(corpus, "chat", False))
     if chat:
         for s in SPLITS:
@@ -174,7 +175,7 @@ def _encode(
             for s in SPLITS
         }
         since = 0  # text since the last checkpoint
-        for i, doc in enumerate(corpus.documents()):
+        for i, doc in enumerate(corpus.documents(), start=start):
             if i < skip:  # done before the interruption: read (cheap), not encoded
                 continue
             nbytes = batches[doc.split].add_document(doc)
@@ -185,7 +186,8 @@ def _encode(
                 for b in batches.values():
                     b.flush()
                 pool.drain()
-                checkpoint({"documents": i + 1, "stats": stats, "done": progress.done})
+                done = {"documents": i + 1, "stats": stats, "done": progress.done}
+                checkpoint({**done, "cursor": corpus.cursor()})
                 since = 0
         for b in batches.values():
             b.flush(last=True)

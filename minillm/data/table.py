@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from minillm.data.corpus import (
     tail_cut,
     val_mask,
 )
+from minillm.errors import warn
 
 ROWS_PER_BATCH = 512  # rows fetched from arrow at a time
 
@@ -70,6 +72,10 @@ class TableCorpus(Corpus):
         import datasets
 
         self.label, self.files, self.format = label, files, fmt
+        self._start = {"row": 0, "documents": 0, "nbytes": 0}  # where documents() begins
+        self._pos = dict(self._start)  # rows, documents and bytes read by documents() so far
+        self._mark: dict[str, Any] | None = None  # the stream's cursor where its batch began
+        self._start_cursor: dict[str, Any] | None = None  # seek's: where the stream begins
         self.streaming = isinstance(ds, datasets.IterableDataset)
         self.field = field = data.text_field
         self.max_documents, self.max_bytes = data.max_documents, data.max_bytes
@@ -120,7 +126,14 @@ class TableCorpus(Corpus):
     def _batches(self) -> Iterator[dict[str, list[Any]]]:
         """A stream's rows in batches; a file that fails to parse is one error line."""
         batches = iter(self.ds.iter(batch_size=ROWS_PER_BATCH))
+        # Before the first batch, the dataset's state is still that of its previous pass (the
+        # tokenizer's): the cursor is where this pass began.
+        self._mark = self._start_cursor
+        first = True
         while True:
+            if not first:
+                self._mark = self._cursor_here()
+            first = False
             try:
                 batch = next(batches)
             except StopIteration:
@@ -133,6 +146,36 @@ class TableCorpus(Corpus):
                     message = f"cannot read {what}: {first_line(error_reason(e))}"
                 raise corpus_error(self.label, "data.source", message) from None
             yield batch
+
+    def _cursor_here(self) -> dict[str, Any] | None:
+        """The stream's state before its next batch, with what was read before it; None when
+        `datasets` has none or it is not JSON (state.json holds it)."""
+        state = self.ds.state_dict()
+        try:
+            json.dumps(state)
+        except (TypeError, ValueError):
+            return None
+        return {**self._pos, "state": state} if state is not None else None
+
+    def cursor(self) -> dict[str, Any] | None:
+        return self._mark if self.streaming else None
+
+    def seek(self, cursor: dict[str, Any] | None) -> int:
+        """Resume a stream where a batch began (`IterableDataset.load_state_dict`): the rows
+        before it are not read again, a hub dataset's not downloaded again."""
+        if not self.streaming or not cursor:
+            return 0
+        try:
+            self.ds.load_state_dict(cursor["state"])
+            start = {k: int(cursor[k]) for k in ("row", "documents", "nbytes")}
+        except Exception as e:  # another datasets version's state, say: read from the start
+            warn(
+                f"{self.label}: cannot resume the stream where it stopped ({first_line(e)}); "
+                "reading it again from the start"
+            )
+            return 0
+        self._start, self._start_cursor = start, {**start, "state": cursor["state"]}
+        return start["documents"]
 
     def _columns(self) -> Iterator[list[Any]]:
         """The text column in batches of rows, read from the arrow cache files.
@@ -176,9 +219,10 @@ class TableCorpus(Corpus):
     def _rows(self) -> Iterator[tuple[int, str | list[dict[str, str]]]]:
         """(index, text or checked conversation) of the rows kept: the first max_documents, and
         those that start before the text totals max_bytes."""
-        nbytes = 0
+        nbytes = self._start["nbytes"]
         with contextlib.closing(self._columns()) as columns:
-            for i, value in enumerate(itertools.chain.from_iterable(columns)):
+            rows = itertools.chain.from_iterable(columns)
+            for i, value in enumerate(rows, start=self._start["row"]):
                 if self.max_documents and i >= self.max_documents:
                     return
                 if self.max_bytes and nbytes >= self.max_bytes:
@@ -189,6 +233,7 @@ class TableCorpus(Corpus):
                 else:
                     value = value or ""
                     nbytes += len(value.encode("utf-8")) if self.max_bytes else 0
+                self._pos["row"], self._pos["nbytes"] = i + 1, nbytes
                 yield i, value
 
     def documents(self) -> Iterator[Document]:
@@ -210,9 +255,12 @@ class TableCorpus(Corpus):
             yield Document("train", text=text[: cut[1]])
             yield Document("val", text=text[cut[1] :])
             return
+        self._pos = dict(self._start)
         for i, value in self._rows():
             split = "val" if self._is_val(i) else "train"
-            if isinstance(value, list):
-                yield Document(split, messages=value)
-            elif value:
-                yield Document(split, text=value)
+            if isinstance(value, list) or value:
+                self._pos["documents"] += 1  # before the yield: a cursor taken after it counts it
+                if isinstance(value, list):
+                    yield Document(split, messages=value)
+                else:
+                    yield Document(split, text=value)
