@@ -164,45 +164,52 @@ class HashCache:
     """sha256 of files, each computed once per version of the file.
 
     A digest is kept in `cache_dir()/file_hashes.json` under the file's real path with its size,
-    inode and modification time, and reused while those are unchanged: a 20 GB corpus whose
-    shards every DDP rank checks on every start is read once, not at every start. Only files
-    last modified at least SETTLED_S ago are remembered: the clock that stamps writes ticks in
-    steps (milliseconds, or seconds on some file systems), and a write within the same step as
-    the hashed version would keep its time. A cache that cannot be read or written is ignored.
-    Use as a context manager; the cache is saved on exit.
+    device, inode, modification and change times, and reused while those are unchanged: a 20 GB
+    corpus whose shards every DDP rank checks on every start is read once, not at every start.
+    Any write to a file, and any setting of its times (`touch -r`, `rsync -t`), moves its change
+    time, which nothing a user runs can set back; damage that no write made (a failing disk)
+    is caught only the first time. Only files last changed at least SETTLED_S ago are
+    remembered: the clock that stamps writes ticks in steps (milliseconds, or seconds on some
+    file systems), and a write within the same step would keep the times. A cache that cannot
+    be found, read or written is ignored. Use as a context manager; the cache is saved on exit.
     """
 
     SETTLED_S = 2.0
     MAX_ENTRIES = 4096
 
     def __init__(self) -> None:
-        self.path = cache_dir() / "file_hashes.json"
+        try:
+            self.path: Path | None = cache_dir() / "file_hashes.json"
+        except (RuntimeError, KeyError):  # no $HOME and no passwd entry: no cache
+            self.path = None
         self.entries: dict[str, list[Any]] = {}
         self.changed = False
 
     def __enter__(self) -> HashCache:
         try:
+            assert self.path is not None
             entries = json.loads(self.path.read_text(encoding="utf-8"))
             self.entries = entries if isinstance(entries, dict) else {}
-        except (OSError, ValueError):
+        except (OSError, ValueError, AssertionError):
             pass
         return self
 
     def sha256(self, path: str | Path) -> str:
         st = os.stat(path)
-        key, stamp = os.path.realpath(path), [st.st_size, st.st_ino, st.st_mtime_ns]
+        stamp = [st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+        key = os.path.realpath(path)
         hit = self.entries.get(key)
-        if isinstance(hit, list) and len(hit) == 4 and hit[:3] == stamp:
-            return str(hit[3])
+        if isinstance(hit, list) and hit[:-1] == stamp:
+            return str(hit[-1])
         digest = sha256_file(path)
-        if time.time_ns() - st.st_mtime_ns >= self.SETTLED_S * 1e9:
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= self.SETTLED_S * 1e9:
             self.entries.pop(key, None)
             self.entries[key] = [*stamp, digest]  # newest last: trimmed from the front
             self.changed = True
         return digest
 
     def __exit__(self, *exc: object) -> None:
-        if not self.changed:
+        if not self.changed or self.path is None:
             return
         keep = dict(list(self.entries.items())[-self.MAX_ENTRIES :])
         with contextlib.suppress(OSError):
