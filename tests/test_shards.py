@@ -595,3 +595,23 @@ def test_training_on_many_shards_equals_training_on_one(tmp_path: Path) -> None:
     assert len(load_meta(tmp_path / "many")["train"]["shards"]) > 20
     for name, value in weights[0].items():
         assert torch.equal(value, weights[1][name]), name
+
+
+def test_the_default_worker_count_keeps_to_the_container_cpu_quota(tmp_path: Path) -> None:
+    import os
+
+    from minillm.data.encode_pool import default_num_proc
+
+    cpus = len(os.sched_getaffinity(0))
+    assert default_num_proc(tmp_path / "none") == cpus  # no cgroup files: the affinity
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert default_num_proc(tmp_path) == cpus  # no quota
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert default_num_proc(tmp_path) == 1  # half a CPU: one worker
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert default_num_proc(v1) == 1
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert default_num_proc(v1) == cpus

@@ -147,8 +147,9 @@ class DataConfig(_Section):
     )
     num_proc: int = _f(
         0,
-        help="Worker processes that encode the text in `minillm tokenize`; 0 = one per CPU, 1 = "
-        "none (encode in the main process). The shards are the same for every value.",
+        help="Worker processes that encode the text in `minillm tokenize`; 0 = one per CPU (at "
+        "most the container's CPU quota), 1 = none (encode in the main process). The shards "
+        "are the same for every value.",
     )
     streaming: bool = _f(
         False,

@@ -8,7 +8,8 @@ functions `encode_text` and `encode_chats`. minillm.data.shards drives them.
 thread hide behind it. With N > 1, in N worker processes (spawned, each with its own copy of the
 tokenizer and the tokenizer's own threads off), so that the Python side of encoding (building id
 arrays, a chat conversation's template) runs on every core too, not only the Rust side. The
-workers start with the second batch, so a corpus of one batch never pays for them.
+workers start with the first batch that is not the last, so a corpus of one batch never pays
+for them.
 
 Every batch gives the same ids wherever it runs (a piece of text encodes to the same ids in any
 batch), and the caller writes results in the order it submitted them: the shards are identical
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import multiprocessing
 import os
 import signal
@@ -30,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,12 +43,30 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 
-def default_num_proc() -> int:
-    """The CPUs this process may run on (its affinity, not the machine's count)."""
+def default_num_proc(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may use: its affinity, at most its container's CPU quota (a pod
+    limited to 4 CPUs on a 128-core node sees 128 in its affinity; 128 workers would not fit)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """CPUs allowed by the cgroup's CPU quota (v2 cpu.max, v1 cfs quota/period); None: none."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass

@@ -295,7 +295,13 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
         else:
             saved = True
         pass_start = time.perf_counter()
-        num_proc = data.num_proc or default_num_proc()
+        cpus = default_num_proc()
+        num_proc = data.num_proc or cpus
+        if num_proc > cpus:
+            warn(
+                f"data.num_proc: {num_proc} worker processes for the {cpus} CPUs this process may "
+                f"use; more workers than CPUs only cost memory (~80 MB each)"
+            )
         stats = _encode(corpus, tok, writers, masks, num_proc, console, resume, checkpoint)
         for w in every.values():
             w.finish()
