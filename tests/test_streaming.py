@@ -359,6 +359,63 @@ def test_a_hub_dataset_is_streamed_when_asked(
         open_corpus(offline.data)
 
 
+def test_a_hub_dataset_is_known_by_its_revision_streamed_or_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same revision: one fingerprint in both modes; another revision (the dataset changed
+    upstream): another fingerprint, which a resume refuses."""
+    import datasets
+
+    from minillm.data import sources as sources_mod
+
+    def load_dataset(name: str, streaming: bool = False, **kw: Any) -> Any:
+        if streaming:
+            return datasets.IterableDataset.from_generator(lambda: iter({"text": t} for t in GRIMM))
+        return datasets.Dataset.from_dict({"text": GRIMM})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.chdir(tmp_path)
+    revision = ["rev1"]
+    monkeypatch.setattr(sources_mod, "_hub_revision", lambda name: revision[0])
+    data = cfg_for(tmp_path, Path("someone/grimm"), "tok", val_documents=2).data
+    streamed = open_corpus(replace(data, streaming=True)).fingerprint
+    assert open_corpus(data).fingerprint == streamed
+    revision[0] = "rev2"
+    assert open_corpus(replace(data, streaming=True)).fingerprint != streamed
+
+
+def test_a_stream_position_from_another_datasets_version_reads_from_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from minillm.data import table as table_mod
+
+    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
+    monkeypatch.setattr(table_mod, "ROWS_PER_BATCH", 4)
+    src = rows_file(tmp_path, "jsonl", GRIMM)
+    keys = {"streaming": True, "val_documents": 3, "shard_tokens": 1500}
+    real, writes = staging_mod.ShardWriter.write, [0]
+
+    def counting(self: Any, ids: Any) -> None:
+        writes[0] += 1
+        real(self, ids)
+
+    with monkeypatch.context() as m:
+        m.setattr(staging_mod.ShardWriter, "write", counting)
+        write_shards(cfg_for(tmp_path, src, "straight", **keys))
+    cfg = cfg_for(tmp_path, src, "resumed", **keys)
+    with monkeypatch.context() as m:
+        interrupt_after(m, writes[0] * 3 // 4, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(cfg)
+    state = json.loads((tmp_path / "resumed" / ".partial" / "state.json").read_text())
+    assert state["cursor"]["row"] > 0
+    monkeypatch.setattr(table_mod, "_datasets_version", lambda: "0.0.1")
+    assert write_shards(cfg)["resumed_documents"] == state["documents"]
+    assert "saved by datasets" in capsys.readouterr().err
+    assert files(tmp_path / "resumed") == files(tmp_path / "straight")
+
+
 def test_a_checkpoint_from_before_the_prefix_keys_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -62,13 +62,23 @@ def _is_chat_value(value: Any) -> bool | None:
     return None
 
 
+def _datasets_version() -> str:
+    import datasets
+
+    return str(datasets.__version__)
+
+
 class TableCorpus(Corpus):
     """Rows of a `datasets.Dataset` (json, parquet, csv files or a hub dataset), one per row, or
     of a `datasets.IterableDataset` (data.streaming): the same rows, read as a stream."""
 
     unit = "documents"
 
-    def __init__(self, ds: Any, files: list[Path], fmt: str, data: DataConfig, label: str) -> None:
+    def __init__(
+        self, ds: Any, files: list[Path], fmt: str, data: DataConfig, label: str, revision: str = ""
+    ) -> None:
+        """revision: a hub dataset's commit sha ("" unknown), part of its fingerprint: a resume
+        refuses a dataset changed upstream since the interruption."""
         import datasets
 
         self.label, self.files, self.format = label, files, fmt
@@ -119,8 +129,11 @@ class TableCorpus(Corpus):
             self.total = n if n > 1 else 2  # one row: two halves
             if not self.val_documents:
                 self.mask = val_mask(n, data.val_fraction, data.seed)
-        dataset = "" if self.streaming else getattr(ds, "_fingerprint", "")
-        extra = {"hub": label, "dataset": dataset} if not files else {}
+        # A hub dataset is known by its revision (the same streamed or loaded); without one, a
+        # loaded copy by what `datasets` hashed of it.
+        known = self.streaming or revision
+        dataset = "" if known else getattr(ds, "_fingerprint", "")
+        extra = {"hub": label, "revision": revision, "dataset": dataset} if not files else {}
         self.fingerprint = self._fingerprint(data, extra)
 
     def _batches(self) -> Iterator[dict[str, list[Any]]]:
@@ -155,7 +168,9 @@ class TableCorpus(Corpus):
             json.dumps(state)
         except (TypeError, ValueError):
             return None
-        return {**self._pos, "state": state} if state is not None else None
+        if state is None:
+            return None
+        return {**self._pos, "state": state, "datasets": _datasets_version()}
 
     def cursor(self) -> dict[str, Any] | None:
         return self._mark if self.streaming else None
@@ -164,6 +179,13 @@ class TableCorpus(Corpus):
         """Resume a stream where a batch began (`IterableDataset.load_state_dict`): the rows
         before it are not read again, a hub dataset's not downloaded again."""
         if not self.streaming or not cursor:
+            return 0
+        if cursor.get("datasets") != _datasets_version():  # its state may mean other positions
+            warn(
+                f"{self.label}: the stream's position was saved by datasets "
+                f"{cursor.get('datasets')}, this is {_datasets_version()}; reading it again "
+                "from the start"
+            )
             return 0
         try:
             self.ds.load_state_dict(cursor["state"])
