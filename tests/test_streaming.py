@@ -160,6 +160,36 @@ def test_val_documents_of_every_document_is_the_empty_train_split(tmp_path: Path
     assert not (tmp_path / "tok" / "meta.json").exists()
 
 
+def test_too_many_val_documents_of_a_counted_corpus_fail_before_any_pass(tmp_path: Path) -> None:
+    """A loaded table or a folder of files is counted up front: no tokenizer training first."""
+    src = rows_file(tmp_path, "jsonl", GRIMM[:6])
+    with pytest.raises(ConfigError, match=r"val_documents: 6, but the corpus has 5 documents kept"):
+        open_corpus(cfg_for(tmp_path, src, "tok", val_documents=6, max_documents=5).data)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for k, text in enumerate(GRIMM[:3]):
+        (folder / f"{k}.txt").write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"val_documents: 3, but the corpus has 3 documents:"):
+        open_corpus(cfg_for(tmp_path, folder, "tok", val_documents=3).data)
+
+
+def test_empty_files_are_never_the_validation_split(tmp_path: Path) -> None:
+    """The random pick is drawn among files with text; one file with text is split at its tail."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    texts = GRIMM[:4]
+    for k in range(12):
+        (folder / f"{k:02d}.txt").write_text(texts[k] if k < 4 else "", encoding="utf-8")
+    for seed in range(6):
+        corpus = open_corpus(cfg_for(tmp_path, folder, "tok", seed=seed).data)
+        splits = [d.split for d in corpus.documents()]
+        assert len(splits) == 4 and "val" in splits and "train" in splits
+    for k in range(1, 4):
+        (folder / f"{k:02d}.txt").write_text("", encoding="utf-8")
+    train, val = open_corpus(cfg_for(tmp_path, folder, "tok").data).documents()
+    assert (train.split, val.split) == ("train", "val") and train.path == val.path
+
+
 def test_streaming_without_val_documents_is_one_error_line(tmp_path: Path) -> None:
     src = rows_file(tmp_path, "jsonl", GRIMM[:4])
     config = tmp_path / "stream.yaml"

@@ -137,6 +137,19 @@ def _cut_after(path: Path, limit: int) -> int | None:
     return next((byte for byte, _ in _cuts(read_text_blocks(path), limit) if byte >= limit), None)
 
 
+def check_val_documents(data: DataConfig, n: int, label: str) -> None:
+    """Refuse, before any pass, a data.val_documents that leaves no document to train on."""
+    if data.val_documents >= n:
+        kept = [f"data.{k}" for k in ("max_documents", "max_bytes") if getattr(data, k)]
+        which = f" kept by {' and '.join(kept)}" if kept else ""
+        raise corpus_error(
+            label,
+            "data.val_documents",
+            f"{data.val_documents}, but the corpus has {n} documents{which}: none would be "
+            "left to train on",
+        )
+
+
 class Corpus:
     """The documents of a source, each tagged with its split, and what identifies them.
 
@@ -215,18 +228,25 @@ class TextCorpus(Corpus):
         self.val_documents = data.val_documents
         self.cut: tuple[int, int] | None = None
         self.mask = None
-        if len(self.files) == 1:
-            size = self.sizes[0]
-            self.cut = tail_cut(read_text_blocks(files[0], 0, size), size, data.val_fraction)
+        # Empty files are no documents: one file with text is split at its tail, and the random
+        # validation pick is drawn among the files with text.
+        texts = [k for k, size in enumerate(self.sizes) if size]
+        if len(texts) == 1:
+            self.single = texts[0]
+            path, size = self.files[self.single], self.sizes[self.single]
+            self.cut = tail_cut(read_text_blocks(path, 0, size), size, data.val_fraction)
             if self.cut is None:
                 raise corpus_error(
-                    files[0],
+                    path,
                     "data.val_fraction",
                     "a single document too short, or without a line break or space, to split "
                     "off a validation tail; add text or more documents",
                 )
-        elif not data.val_documents:
-            self.mask = val_mask(len(self.files), data.val_fraction, data.seed)
+        elif data.val_documents:
+            check_val_documents(data, len(self.files), self.label)
+        else:
+            self.mask = np.zeros(len(self.files), dtype=bool)
+            self.mask[texts] = val_mask(len(texts), data.val_fraction, data.seed)
 
     def _take_bytes(self, limit: int) -> None:
         """Keep the files until their text totals `limit` bytes, the last one cut after it."""
@@ -244,7 +264,7 @@ class TextCorpus(Corpus):
 
     def documents(self) -> Iterator[Document]:
         if self.cut is not None:
-            path, size, cut = self.files[0], self.sizes[0], self.cut[0]
+            path, size, cut = self.files[self.single], self.sizes[self.single], self.cut[0]
             yield Document("train", path=path, start=0, end=cut)
             yield Document("val", path=path, start=cut, end=size)
             return

@@ -198,13 +198,17 @@ def _encode(
     return stats
 
 
-def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus) -> None:
+def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus, data: Any) -> None:
     if not stats["train"]["bytes"] + stats["val"]["bytes"]:
         raise ConfigError("data.source", "no text: the corpus is empty", corpus.label)
     key = "data.val_documents" if corpus.val_documents else "data.val_fraction"
+    kept = [f"data.{k}" for k in ("max_documents", "max_bytes") if getattr(data, k)]
+    n = sum(stats[s]["documents"] for s in SPLITS)
+    which = f"; {' and '.join(kept)} kept {n} documents with text" if kept else ""
     for s in SPLITS:
         if not stats[s]["documents"]:
-            raise ConfigError(key, f"the {s} split has no text (empty documents are skipped)")
+            message = f"the {s} split has no text (empty documents are skipped{which})"
+            raise ConfigError(key, message, corpus.label)
 
 
 def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
@@ -306,7 +310,7 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
         for w in every.values():
             w.finish()
         pass_seconds = time.perf_counter() - pass_start
-        _check_splits(stats, corpus)
+        _check_splits(stats, corpus, data)
         meta = make_meta(
             data, corpus.fingerprint, (vocab, eot_id(tok), dtype), stats, writers, masks
         )

@@ -24,6 +24,7 @@ from minillm.data.chat import check_messages, content_bytes
 from minillm.data.corpus import (
     Corpus,
     Document,
+    check_val_documents,
     corpus_error,
     error_reason,
     first_line,
@@ -127,7 +128,9 @@ class TableCorpus(Corpus):
             if not n:
                 raise corpus_error(label, "data.source", "no rows: the corpus is empty")
             self.total = n if n > 1 else 2  # one row: two halves
-            if not self.val_documents:
+            if self.val_documents and n > 1:
+                check_val_documents(data, n, label)
+            elif not self.val_documents:
                 self.mask = val_mask(n, data.val_fraction, data.seed)
         # A hub dataset is known by its revision (the same streamed or loaded); without one, a
         # loaded copy by what `datasets` hashed of it.
