@@ -346,12 +346,15 @@ pool.drain()
 print(*[p.pid for p in pool.workers._processes.values()], flush=True)
 time.sleep(60)
 """
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     workers = [int(pid) for pid in proc.stdout.readline().split()]
     assert len(workers) == 2
     proc.kill()
-    proc.wait()
+    _, err = proc.communicate(timeout=30)  # until the workers and the tracker close its stderr
+    assert "leaked" not in err and "Warning" not in err, err
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in workers):
         time.sleep(0.2)

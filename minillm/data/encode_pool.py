@@ -140,6 +140,15 @@ def _start_worker(tokenizer_json: str, parent: int) -> None:
     _TOKENIZER.encode_special_tokens = True  # as in the main process
 
 
+def _quiet_resource_tracker() -> None:
+    """After a kill -9 of this process, multiprocessing's resource tracker (a process of its own,
+    started with this one's -W options) cleans up the pool's semaphores, and says so with a
+    UserWarning on the user's terminal: nothing was leaked that it did not clean up."""
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)
+
+
 @contextlib.contextmanager
 def _main_module_hidden() -> Iterator[None]:
     """A `__main__` without a file or spec while workers start. Otherwise spawn runs the main
@@ -179,6 +188,7 @@ class EncodePool:
     def submit(self, fn: Callable[..., Encoded], *args: Any, tag: Any, last: bool = False) -> None:
         if self.num_proc > 1 and (self.workers is not None or not last):
             if self.workers is None:
+                _quiet_resource_tracker()
                 # spawn, not fork: this process may hold threads (its encode thread, torch's),
                 # and a forked copy of a thread pool can deadlock.
                 self.workers = ProcessPoolExecutor(
