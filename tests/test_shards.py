@@ -419,6 +419,10 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     assert 0 < state["documents"] < len(GRIMM) and not (out / "meta.json").exists()
     summary = write_shards(cfg)
     assert summary["resumed_documents"] == state["documents"]  # those were not encoded again
+    total = summary["splits"]["total"]
+    done = sum(st["bytes"] for st in state["stats"].values())
+    assert 0 < done < total["bytes"]  # the pace counts the bytes this pass encoded, only:
+    assert total["mb_per_s"] * total["seconds"] * 1e6 == pytest.approx(total["bytes"] - done)
     assert files(out) == files(tmp_path / "straight")  # tokenizer, every shard and meta.json
     assert not (out / ".partial").exists()
 

@@ -306,6 +306,7 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
                 f"data.num_proc: {num_proc} worker processes for the {cpus} CPUs this process may "
                 f"use; more workers than CPUs only cost memory (~80 MB each)"
             )
+        before = sum(st["bytes"] for st in resume["stats"].values()) if resume else 0
         stats = _encode(corpus, tok, writers, masks, num_proc, console, resume, checkpoint)
         for w in every.values():
             w.finish()
@@ -347,6 +348,9 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
         pass_seconds,
     )
     splits["total"]["shards"] = sum(splits[s]["shards"] for s in SPLITS)
+    # This pass's pace: the bytes it encoded, not those a resumed-from run did.
+    encoded = splits["total"]["bytes"] - before
+    splits["total"]["mb_per_s"] = encoded / 1e6 / max(pass_seconds, 1e-9)
     return {
         "out_dir": str(out_dir),
         "dtype": dtype,
