@@ -29,7 +29,7 @@ from minillm.errors import ConfigError
 from minillm.runtime.progress import Progress
 from tests.test_chat import chat_rows, write_jsonl
 from tests.test_data import decoded_docs
-from tests.test_shards import files, interrupt_after
+from tests.test_shards import count_writes, files, interrupt_after
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIMM = [
@@ -247,29 +247,31 @@ def test_a_stream_of_unknown_columns_decides_from_its_first_row(tmp_path: Path) 
         TableCorpus(texts, [], "hub", data, "someone/texts")
 
 
+def interrupted_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, src: Path, at: float = 0.75
+) -> tuple[Config, dict[str, Any]]:
+    """`src` tokenized as a stream (3 validation documents, small batches and checkpoints) into
+    straight/, and again into resumed/, interrupted after a share `at` of its shard writes: that
+    run's config and checkpoint."""
+    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
+    keys = {"streaming": True, "val_documents": 3, "shard_tokens": 1500}
+    writes = count_writes(monkeypatch, cfg_for(tmp_path, src, "straight", **keys))
+    cfg = cfg_for(tmp_path, src, "resumed", **keys)
+    with monkeypatch.context() as m:
+        interrupt_after(m, int(writes * at), KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            write_shards(cfg)
+    return cfg, json.loads((tmp_path / "resumed" / ".partial" / "state.json").read_text())
+
+
 def test_resume_of_a_stream_equals_an_uninterrupted_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
-    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
     src = rows_file(tmp_path, "parquet", GRIMM)
+    at = random.Random(0).uniform(0.5, 0.99)  # after a checkpoint or two
+    cfg, state = interrupted_stream(tmp_path, monkeypatch, src, at)
     keys = {"streaming": True, "val_documents": 3, "shard_tokens": 1500}
-    real, writes = staging_mod.ShardWriter.write, [0]
-
-    def counting(self: Any, ids: Any) -> None:
-        writes[0] += 1
-        real(self, ids)
-
-    with monkeypatch.context() as m:
-        m.setattr(staging_mod.ShardWriter, "write", counting)
-        write_shards(cfg_for(tmp_path, src, "straight", **keys))
-    cfg = cfg_for(tmp_path, src, "resumed", **keys)
-    with monkeypatch.context() as m:
-        at = random.Random(0).randrange(writes[0] // 2, writes[0])  # after a checkpoint or two
-        interrupt_after(m, at, KeyboardInterrupt())
-        with pytest.raises(KeyboardInterrupt):
-            write_shards(cfg)
-    state = json.loads((tmp_path / "resumed" / ".partial" / "state.json").read_text())
     assert 0 < state["documents"] < len(GRIMM)
     assert state["inputs"]["data.val_documents"] == 3  # a changed one is refused (below)
     summary = write_shards(cfg)
@@ -293,19 +295,9 @@ def test_a_resumed_stream_starts_reading_at_its_cursor(
     downloaded again from its start), and the shards are those of an uninterrupted run."""
     from minillm.data import table as table_mod
 
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
-    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
     monkeypatch.setattr(table_mod, "ROWS_PER_BATCH", 4)  # many batches, many cursors
     texts = GRIMM + [""] + GRIMM[:5]  # an empty row: counted as read, no document
-    src = rows_file(tmp_path, fmt, texts)
-    keys = {"streaming": True, "val_documents": 3, "shard_tokens": 1500}
-    write_shards(cfg_for(tmp_path, src, "straight", **keys))
-    cfg = cfg_for(tmp_path, src, "resumed", **keys)
-    with monkeypatch.context() as m:
-        interrupt_after(m, 25, KeyboardInterrupt())
-        with pytest.raises(KeyboardInterrupt):
-            write_shards(cfg)
-    state = json.loads((tmp_path / "resumed" / ".partial" / "state.json").read_text())
+    cfg, state = interrupted_stream(tmp_path, monkeypatch, rows_file(tmp_path, fmt, texts))
     cursor = state["cursor"]
     assert 0 < cursor["row"] and cursor["documents"] <= state["documents"]
     read: list[int] = []
@@ -419,26 +411,8 @@ def test_a_stream_position_from_another_datasets_version_reads_from_the_start(
 ) -> None:
     from minillm.data import table as table_mod
 
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
-    monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
     monkeypatch.setattr(table_mod, "ROWS_PER_BATCH", 4)
-    src = rows_file(tmp_path, "jsonl", GRIMM)
-    keys = {"streaming": True, "val_documents": 3, "shard_tokens": 1500}
-    real, writes = staging_mod.ShardWriter.write, [0]
-
-    def counting(self: Any, ids: Any) -> None:
-        writes[0] += 1
-        real(self, ids)
-
-    with monkeypatch.context() as m:
-        m.setattr(staging_mod.ShardWriter, "write", counting)
-        write_shards(cfg_for(tmp_path, src, "straight", **keys))
-    cfg = cfg_for(tmp_path, src, "resumed", **keys)
-    with monkeypatch.context() as m:
-        interrupt_after(m, writes[0] * 3 // 4, KeyboardInterrupt())
-        with pytest.raises(KeyboardInterrupt):
-            write_shards(cfg)
-    state = json.loads((tmp_path / "resumed" / ".partial" / "state.json").read_text())
+    cfg, state = interrupted_stream(tmp_path, monkeypatch, rows_file(tmp_path, "jsonl", GRIMM))
     assert state["cursor"]["row"] > 0
     monkeypatch.setattr(table_mod, "_datasets_version", lambda: "0.0.1")
     assert write_shards(cfg)["resumed_documents"] == state["documents"]
