@@ -3,6 +3,7 @@ and peak RSS as the corpus grows.
 
     .venv/bin/python scripts/bench_tokenize.py [--sizes-mb 10,100] [--repeats 3] [--num-proc 1,2]
                                                [--formats jsonl]   (jsonl,txt: both, twice as long)
+                                               [--streaming]       (jsonl also read as a stream)
 
 The corpus is the shipped Grimm stories (64 documents), repeated to each size, written either as
 one JSONL file (loaded through `datasets`) or as a folder of .txt files (one document each). A
@@ -72,7 +73,7 @@ def make_corpus(folder: Path, size_mb: int, fmt: str) -> tuple[Path, list[str]]:
     return path, docs
 
 
-def bench_config(source: Path, out_dir: Path, tokenizer: Path, num_proc: int) -> Config:
+def bench_config(source: Path, out_dir: Path, tokenizer: Path, keys: dict) -> Config:
     return config_from_dict(
         {
             "model": {"d_model": 64, "n_layer": 1, "n_head": 1},
@@ -81,13 +82,13 @@ def bench_config(source: Path, out_dir: Path, tokenizer: Path, num_proc: int) ->
                 "vocab_size": VOCAB,
                 "out_dir": str(out_dir),
                 "tokenizer": str(tokenizer),
-                "num_proc": num_proc,
+                **keys,
             },
         }
     )
 
 
-def child(source: str, out_dir: str, tokenizer: str, num_proc: str) -> None:
+def child(source: str, out_dir: str, tokenizer: str, keys: str) -> None:
     """One pipeline run in this (fresh) process; prints its MB/s and peak RSS as JSON."""
     import datasets  # noqa: F401 - imported before the clock starts: an import is no throughput
 
@@ -115,7 +116,7 @@ def child(source: str, out_dir: str, tokenizer: str, num_proc: str) -> None:
     watcher = threading.Thread(target=watch_workers, daemon=True)
     watcher.start()
     start = time.perf_counter()
-    cfg = bench_config(Path(source), Path(out_dir), Path(tokenizer), int(num_proc))
+    cfg = bench_config(Path(source), Path(out_dir), Path(tokenizer), json.loads(keys))
     summary = prepare_data(cfg)
     seconds = time.perf_counter() - start
     watching.set()
@@ -133,13 +134,13 @@ def child(source: str, out_dir: str, tokenizer: str, num_proc: str) -> None:
     )
 
 
-def run_child(source: Path, out_dir: Path, tokenizer: Path, num_proc: int) -> dict:
+def run_child(source: Path, out_dir: Path, tokenizer: Path, keys: dict) -> dict:
     """`child` in a fresh interpreter with its own (empty) datasets cache; the shards and the
     cache are deleted afterwards (a 1 GB corpus makes GBs of both)."""
     cache = out_dir.with_name(out_dir.name + "_hf")
     env = dict(os.environ, HF_DATASETS_CACHE=str(cache))
     cmd = [sys.executable, __file__, "--child", str(source), str(out_dir), str(tokenizer)]
-    done = subprocess.run([*cmd, str(num_proc)], env=env, capture_output=True, text=True)
+    done = subprocess.run([*cmd, json.dumps(keys)], env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"child failed:\n{done.stderr[-3000:]}")
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -172,6 +173,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
     parser.add_argument("--num-proc", default="1,2", help="data.num_proc values to compare")
     parser.add_argument("--formats", default="jsonl", help="jsonl and/or txt, e.g. jsonl,txt")
+    parser.add_argument(
+        "--streaming", action="store_true", help="also each num_proc with data.streaming (jsonl)"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_mb.split(",")]
     formats = args.formats.split(",")
@@ -196,14 +200,19 @@ def main() -> None:
             # Interleaved rounds, so that each ratio compares runs made under the same load.
             runs: dict[str, list[float]] = {}
             for i in range(args.repeats):
+                # A stream needs its validation documents named: the first tenth of them.
+                stream = {"streaming": True, "val_documents": len(docs) // 10}
+                variants = [("", {})] + ([(", streamed", stream)] if args.streaming else [])
                 for n in procs:
-                    child_run = run_child(source, tmp / f"out_{fmt}_{i}_{n}", tokenizer, n)
-                    runs.setdefault(f"pipeline, num_proc {n}, whole call", []).append(
-                        child_run["mb_per_s"]
-                    )
-                    runs.setdefault(f"pipeline, num_proc {n}, encode pass", []).append(
-                        child_run["pass_mb_per_s"]
-                    )
+                    for name, keys in variants if fmt == "jsonl" else variants[:1]:
+                        out = tmp / f"out_{fmt}_{i}_{n}{name and '_s'}"
+                        child_run = run_child(source, out, tokenizer, {"num_proc": n, **keys})
+                        runs.setdefault(f"pipeline, num_proc {n}{name}, whole call", []).append(
+                            child_run["mb_per_s"]
+                        )
+                        runs.setdefault(f"pipeline, num_proc {n}{name}, encode pass", []).append(
+                            child_run["pass_mb_per_s"]
+                        )
                 runs.setdefault(RAW[0], []).append(raw_mb_per_s(tok, docs, fast=False))
                 runs.setdefault(RAW[1], []).append(raw_mb_per_s(tok, docs, fast=True))
             print(
@@ -224,7 +233,8 @@ def main() -> None:
                     shutil.rmtree(source) if source.is_dir() else source.unlink()
                     source = make_corpus(tmp, size, fmt)[0]
                 for n in procs:
-                    run = run_child(source, tmp / f"rss_{fmt}_{size}_{n}", tokenizer, n)
+                    out = tmp / f"rss_{fmt}_{size}_{n}"
+                    run = run_child(source, out, tokenizer, {"num_proc": n})
                     rows.append((fmt, n, run))
                     print(f"  {fmt} {size} MB num_proc {n}: {run}", flush=True)
 
