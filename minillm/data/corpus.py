@@ -137,11 +137,16 @@ def _cut_after(path: Path, limit: int) -> int | None:
     return next((byte for byte, _ in _cuts(read_text_blocks(path), limit) if byte >= limit), None)
 
 
+def prefix_keys(data: DataConfig) -> str:
+    """The prefix keys set (`data.max_documents and data.max_bytes`), for error lines; or ""."""
+    return " and ".join(f"data.{k}" for k in ("max_documents", "max_bytes") if getattr(data, k))
+
+
 def check_val_documents(data: DataConfig, n: int, label: str) -> None:
     """Refuse, before any pass, a data.val_documents that leaves no document to train on."""
     if data.val_documents >= n:
-        kept = [f"data.{k}" for k in ("max_documents", "max_bytes") if getattr(data, k)]
-        which = f" kept by {' and '.join(kept)}" if kept else ""
+        kept = prefix_keys(data)
+        which = f" kept by {kept}" if kept else ""
         raise corpus_error(
             label,
             "data.val_documents",

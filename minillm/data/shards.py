@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from minillm.config import Config
 from minillm.data import staging as staging_mod
 from minillm.data.chat_shards import ChatBatches, resolve_loss_on
-from minillm.data.corpus import Corpus, Document
+from minillm.data.corpus import Corpus, Document, prefix_keys
 from minillm.data.encode_pool import Encoded, EncodePool, default_num_proc, encode_text
 from minillm.data.meta import (
     MASK_SUFFIX,
@@ -202,9 +202,9 @@ def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus, data: Any) -
     if not stats["train"]["bytes"] + stats["val"]["bytes"]:
         raise ConfigError("data.source", "no text: the corpus is empty", corpus.label)
     key = "data.val_documents" if corpus.val_documents else "data.val_fraction"
-    kept = [f"data.{k}" for k in ("max_documents", "max_bytes") if getattr(data, k)]
+    kept = prefix_keys(data)
     n = sum(stats[s]["documents"] for s in SPLITS)
-    which = f"; {' and '.join(kept)} kept {n} documents with text" if kept else ""
+    which = f"; {kept} kept {n} documents with text" if kept else ""
     for s in SPLITS:
         if not stats[s]["documents"]:
             message = f"the {s} split has no text (empty documents are skipped{which})"
