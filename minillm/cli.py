@@ -174,7 +174,7 @@ def tokenize(
     ),
 ) -> None:
     """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
-    from minillm.data.shards import write_shards
+    from minillm.data.shard_writer import write_shards
     from minillm.data.summary import print_summary
 
     cfg = _config(config, set_)
@@ -307,8 +307,8 @@ def eval_(
     ),
 ) -> None:
     from minillm.infer.evaluate import evaluate_checkpoint
-    from minillm.infer.task_files import read_tasks
-    from minillm.infer.tasks import eval_report, evaluate_tasks
+    from minillm.infer.task_format import read_tasks
+    from minillm.infer.task_scoring import eval_report, evaluate_tasks
 
     tasks = _run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
     loaded = _load(ckpt, device, best)
@@ -453,7 +453,7 @@ def export(
 
     It loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained(OUT).
     """
-    from minillm.infer.hf_folder import check_export_target, export_checkpoint
+    from minillm.checkpoint.hf_folder import check_export_target, export_checkpoint
 
     _run(check_export_target, out, force, ckpt)  # before the (slow) load
     loaded = _load(ckpt, "cpu", best)

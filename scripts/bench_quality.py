@@ -31,7 +31,7 @@ import torch
 from minillm.checkpoint.store import load_checkpoint
 from minillm.config import Config, load_config
 from minillm.data.meta import load_meta
-from minillm.data.shards import write_shards
+from minillm.data.shard_writer import write_shards
 from minillm.errors import UserError
 from minillm.infer.evaluate import evaluate_checkpoint
 from minillm.train.trainer import Trainer

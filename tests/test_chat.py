@@ -16,7 +16,7 @@ from minillm.config import ModelConfig, config_from_dict
 from minillm.data.batches import conversation_batches, doc_ids, doc_starts, train_batch
 from minillm.data.chat import chat_ids, check_messages, encode_conversation, encode_prompt
 from minillm.data.meta import load_meta, open_mask, open_split
-from minillm.data.shards import write_shards
+from minillm.data.shard_writer import write_shards
 from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer

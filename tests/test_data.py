@@ -24,14 +24,14 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import Config, config_from_dict
-from minillm.data import shards as shards_mod
-from minillm.data import staging as staging_mod
+from minillm.data import shard_staging as staging_mod
+from minillm.data import shard_writer as shards_mod
 from minillm.data import text as text_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import eval_batches, train_batch
 from minillm.data.corpus import val_mask
 from minillm.data.meta import load_meta, open_split, shard_dtype
-from minillm.data.shards import write_shards
+from minillm.data.shard_writer import write_shards
 from minillm.data.sources import _looks_like_hub, open_corpus
 from minillm.data.table import TableCorpus
 from minillm.data.text import is_cut, read_text_blocks, split_pieces

@@ -11,12 +11,12 @@ import transformers
 from tiny_run import make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
+from minillm.checkpoint.hf_folder import export_checkpoint, import_hf_folder
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.data.tokenizer import EOT, eot_id
 from minillm.errors import CheckpointError, UserError
 from minillm.infer.generate import generate
-from minillm.infer.hf_folder import export_checkpoint, import_hf_folder
 from minillm.model import Transformer
 from minillm.model.hf_names import hf_config_dict
 from minillm.train.setup import load_train_config

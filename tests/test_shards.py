@@ -23,13 +23,13 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import Config, config_from_dict
-from minillm.data import shards as shards_mod
-from minillm.data import staging as staging_mod
+from minillm.data import shard_staging as staging_mod
+from minillm.data import shard_writer as shards_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import eval_batches, train_batch
 from minillm.data.meta import load_meta, open_mask, open_split
-from minillm.data.sharded import ShardedArray
-from minillm.data.shards import write_shards
+from minillm.data.shard_reader import ShardedArray
+from minillm.data.shard_writer import write_shards
 from minillm.errors import ConfigError, UserError
 from tests.test_chat import chat_rows, write_jsonl
 
@@ -313,7 +313,7 @@ import sys
 sys.path.insert(0, {str(ROOT)!r})
 print("started", flush=True)
 from minillm.config import config_from_dict
-from minillm.data import shards
+from minillm.data import shard_writer as shards
 shards.BATCH_CHARS = 4000
 data = {{"source": {str(corpus(tmp_path))!r}, "vocab_size": 300, "num_proc": 2,
         "out_dir": {str(tmp_path / "out")!r}}}
@@ -439,7 +439,7 @@ sys.path.insert(0, {str(ROOT)!r})
 import datasets.config
 datasets.config.HF_DATASETS_CACHE = {str(tmp_path / "hf")!r}
 from minillm.config import config_from_dict
-from minillm.data import shards, staging
+from minillm.data import shard_staging as staging, shard_writer as shards
 shards.BATCH_CHARS, staging.CHECKPOINT_BYTES = 4000, 20_000
 real, n = staging.ShardWriter.write, [0]
 def write(self, ids):

@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import Config, config_from_dict
-from minillm.data import shards as shards_mod
-from minillm.data import staging as staging_mod
+from minillm.data import shard_staging as staging_mod
+from minillm.data import shard_writer as shards_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.meta import load_meta, stale_data_keys
-from minillm.data.shards import write_shards
+from minillm.data.shard_writer import write_shards
 from minillm.data.sources import open_corpus
 from minillm.data.table import TableCorpus
 from minillm.errors import ConfigError

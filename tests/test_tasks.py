@@ -16,8 +16,8 @@ from minillm.cli import app
 from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
 from minillm.infer.generate import generate
-from minillm.infer.task_files import ExactMatch, MultipleChoice, Task, read_task
-from minillm.infer.tasks import (
+from minillm.infer.task_format import ExactMatch, MultipleChoice, Task, read_task
+from minillm.infer.task_scoring import (
     answer_matches,
     chat_prompt_ids,
     choice_ids,
@@ -374,7 +374,7 @@ def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path, row, me
 def test_transformers_on_the_export_gives_the_same_numbers(run, tmp_path: Path) -> None:
     """The contract written out for transformers, as a maintainer would, on the exported folder."""
     transformers = pytest.importorskip("transformers")
-    from minillm.infer.hf_folder import export_checkpoint
+    from minillm.checkpoint.hf_folder import export_checkpoint
 
     run_dir, _ = run
     out = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")

@@ -2,7 +2,7 @@
 
 Offers `load_meta`, `open_split`, `open_mask`, `shard_dtype`, `shard_name`, `data_record`,
 `stale_data_keys`, `META_VERSION`, `MASK_SUFFIX`, `SPLITS` and `TOKEN_DTYPES`. The writer is
-`minillm.data.shards`.
+`minillm.data.shard_writer`.
 
 A split is the token ids of its documents, each document followed by the EOT id, as raw
 little-endian uint16 (uint32 when the vocabulary exceeds 65,536), cut into numbered shards
@@ -28,7 +28,7 @@ sha256 against meta.json: a missing or damaged shard is one error line. Version 
 `minillm tokenize` writes shards into `<out_dir>/.partial/` as it goes, checkpointing there, and
 moves them into place only when the pass is complete; meta.json is written last. A failed or
 interrupted run therefore leaves the previous shards and tokenizer as they were, and running it
-again resumes from the checkpoint (minillm.data.staging).
+again resumes from the checkpoint (minillm.data.shard_staging).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from minillm.config import DataConfig
-from minillm.data.sharded import ShardedArray
+from minillm.data.shard_reader import ShardedArray
 from minillm.errors import ConfigError
 from minillm.runtime.files import HashCache
 

@@ -26,8 +26,8 @@ from minillm.data.chat import chat_ids
 from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.generate import encode_prompts, generate
-from minillm.infer.task_files import Task, read_tasks
-from minillm.infer.tasks import (
+from minillm.infer.task_format import Task, read_tasks
+from minillm.infer.task_scoring import (
     encode_multiple_choice,
     score_exact_match,
     score_multiple_choice,

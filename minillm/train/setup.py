@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from minillm.checkpoint import store as ckpt
+from minillm.checkpoint.hf_folder import hf_model_config, import_hf_folder
 from minillm.config import (
     Config,
     config_from_dict,
@@ -29,7 +30,6 @@ from minillm.config import (
 from minillm.data.meta import stale_data_keys
 from minillm.data.tokenizer import tokenizer_sha256
 from minillm.errors import ConfigError, UserError, warn
-from minillm.infer.hf_folder import hf_model_config, import_hf_folder
 
 
 def _is_minillm(path: str | Path) -> bool:

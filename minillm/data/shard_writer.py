@@ -13,7 +13,7 @@ with the corpus, and the shards are the same for every `num_proc`.
 Shards, resume and crash safety: ids go to numbered shards of `data.shard_tokens` tokens (with
 chat data and the loss on the assistant, a `.mask` twin each: one byte per token, 1 = a training
 target) in the staging folder `<out_dir>/.partial/`, with a newly trained tokenizer.json; every
-CHECKPOINT_BYTES of text a checkpoint records how far the pass got (minillm.data.staging), so
+CHECKPOINT_BYTES of text a checkpoint records how far the pass got (minillm.data.shard_staging), so
 Ctrl-C or kill -9 and a rerun continue from there, and a rerun whose inputs changed is refused.
 Only when the pass is whole are meta.json removed, the old shards removed, the new ones renamed
 into place and the new meta.json written last. Until then the previous files are untouched;
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minillm.config import Config
-from minillm.data import staging as staging_mod
-from minillm.data.chat_shards import ChatBatches, resolve_loss_on
+from minillm.data import shard_staging as staging_mod
+from minillm.data.chat_encode import ChatBatches, resolve_loss_on
 from minillm.data.corpus import Corpus, Document, prefix_keys
 from minillm.data.encode_pool import Encoded, EncodePool, default_num_proc, encode_text
 from minillm.data.meta import (
@@ -39,8 +39,7 @@ from minillm.data.meta import (
     SPLITS,
     shard_dtype,
 )
-from minillm.data.sources import open_corpus
-from minillm.data.staging import (
+from minillm.data.shard_staging import (
     ShardWriter,
     Staging,
     commit,
@@ -48,6 +47,7 @@ from minillm.data.staging import (
     pass_inputs,
     resume_writers,
 )
+from minillm.data.sources import open_corpus
 from minillm.data.summary import split_summary
 from minillm.data.text import split_pieces
 from minillm.data.tokenizer import (

@@ -2,7 +2,7 @@
 
 Offers `ChatBatches` (one split's conversations, batched for the chat template of
 minillm.data.chat, which minillm.data.encode_pool runs) and `resolve_loss_on` (`data.loss_on`, auto
-resolved against the data). minillm.data.shards drives both.
+resolved against the data). minillm.data.shard_writer drives both.
 """
 
 from __future__ import annotations

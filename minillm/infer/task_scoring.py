@@ -3,7 +3,7 @@
 Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
 `multiple_choice_metrics`, `score_multiple_choice`; `chat_prompt_ids`,
 `extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
---task` runs), `eval_report` and `format_tasks`. Task files are read by `minillm.infer.task_files`.
+--task` runs), `eval_report` and `format_tasks`. Task files are read by `minillm.infer.task_format`.
 
 The multiple-choice contract (DESIGN.md "Task files"), so that other tools reproduce the numbers:
 a choice's ids are encode(context) + encode(ending), each encoded alone without special tokens;
@@ -31,7 +31,7 @@ import torch
 
 from minillm.data.chat import chat_ids, encode_prompt
 from minillm.errors import UserError
-from minillm.infer.task_files import MultipleChoice, Task
+from minillm.infer.task_format import MultipleChoice, Task
 from minillm.runtime.progress import Progress
 
 # A choice: its token ids and how many of the last ones are the ending's (the scored tokens).
