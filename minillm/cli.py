@@ -315,6 +315,7 @@ def eval_(
     task: list[Path] | None = typer.Option(
         None,
         "--task",
+        metavar="FILE",
         help="A jsonl task file to score (repeatable); with it, the loss only "
         "over --data. See docs/training.md, Task evaluation.",
     ),
