@@ -186,3 +186,42 @@ def test_tensorboard_tags_in_training_guide_are_written_by_the_code() -> None:
         section, _, name = tag.partition("/")
         written = f'"{tag}' in code or (section == "val" and f'"{name}"' in code)
         assert written, f"training.md documents {tag}, which no module writes"
+
+
+# ----------------------------------------------------------------------------- the contracts
+
+
+def _design_section(title: str) -> str:
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_design_cli_lists_every_command_and_option() -> None:
+    import typer
+
+    from minillm.cli import app
+
+    cli = _design_section("CLI")
+    group = typer.main.get_command(app)
+    missing = []
+    for name, command in group.commands.items():
+        line = next((s for s in cli.splitlines() if s.startswith(f"minillm {name} ")), None)
+        if line is None:
+            missing.append(name)
+            continue
+        usage = " ".join(cli.split(f"minillm {name} ", 1)[1].split("\nminillm ", 1)[0].split())
+        for param in command.params:
+            for opt in param.opts if param.param_type_name == "option" else [param.metavar]:
+                if opt.startswith("--") or param.param_type_name == "argument":
+                    if opt not in usage:
+                        missing.append(f"{name} {opt}")
+    assert not missing, f"docs/design.md's CLI section lacks: {missing}"
+
+
+def test_design_config_lists_every_key() -> None:
+    config = _design_section("Config (one YAML, four sections)")
+    for name, cls in SECTIONS.items():
+        listed = re.search(rf"^{name}:\s*\{{([^}}]*)\}}", config, re.M)
+        assert listed is not None, name
+        keys = [k.strip() for k in listed.group(1).split(",")]
+        assert keys == [f.name for f in dataclasses.fields(cls)], name

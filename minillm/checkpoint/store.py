@@ -5,7 +5,7 @@ Offers `save_checkpoint`, `find_latest`, `resolve_checkpoint`, `verify_checkpoin
 model config against the one stored with the weights), `load_checkpoint` (config + model +
 tokenizer from a checkpoint alone) and `CheckpointError`.
 
-Layout (DESIGN.md):
+Layout (docs/design.md, "Run directory and checkpoints"):
     <run>/checkpoints/step_000500/  model.safetensors, trainer_state.pt, tokenizer.json, state.json
     <run>/checkpoints/LATEST         name of the newest complete checkpoint
     <run>/checkpoints/BEST           name of the checkpoint with the lowest validation loss
