@@ -86,7 +86,10 @@ class _Group(TyperGroup):
 
 class _Command(TyperCommand):
     """A command whose arguments read as their metavars: `CONFIG` in the usage line and the
-    Arguments list, not Typer's `{CONFIG}` and `CONFIG <path>`."""
+    Arguments list, not Typer's `{CONFIG}` and `CONFIG <path>`.
+
+    Both classes are Typer's own, passed by `cls=`; they override only click's public Command
+    methods (`main`, `collect_usage_pieces`, `format_options`) and read public attributes."""
 
     def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
