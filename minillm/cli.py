@@ -12,12 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from typer.core import TyperArgument, TyperCommand, TyperGroup
-
-try:  # typer >= 0.24 carries its own copy of click; its errors are that copy's classes
-    from typer._click import exceptions as click_errors
-except ImportError:  # pragma: no cover
-    from click import exceptions as click_errors
+from typer.core import TyperCommand, TyperGroup
 
 from minillm.errors import UserError
 
@@ -36,9 +31,13 @@ def _print_error(message: str) -> None:
     )
 
 
-def _usage_message(e: Any) -> str:
-    """A parser error as `<option>: <what>` (see `<command> --help`), like the config errors."""
-    command = e.ctx.command_path if e.ctx is not None else "minillm"
+def _usage_message(e: typer.TyperException) -> str:
+    """A parser error as `<option>: <what>` (see `<command> --help`), like the config errors.
+
+    Typer's parser errors are `typer.TyperException`s; the usage errors among them carry the
+    context (`ctx`) and, for a bad or missing value, the parameter (`param`)."""
+    ctx = getattr(e, "ctx", None)
+    command = ctx.command_path if ctx is not None else "minillm"
     param = getattr(e, "param", None)
     if param is None:
         what = e.format_message().rstrip(".")
@@ -46,7 +45,8 @@ def _usage_message(e: Any) -> str:
         longs = [o for o in param.opts if o.startswith("--")]
         name = longs[0] if longs and param.param_type_name == "option" else param.metavar
         name = name or param.name.upper()
-        if isinstance(e, click_errors.MissingParameter):
+        # A missing parameter is the one bad parameter without a message of its own.
+        if isinstance(e, typer.BadParameter) and not e.message:
             what = f"{name}: is required"
         else:
             what = f"{name}: {e.message[:1].lower()}{e.message[1:].rstrip('.')}"
@@ -55,7 +55,11 @@ def _usage_message(e: Any) -> str:
 
 class _Group(TyperGroup):
     """Typer's group, except that a parser error (a bad value, a missing option, an unknown
-    command) is one `error:` line and exit 2 like every other user error, not a boxed usage."""
+    command) is one `error:` line and exit 2 like every other user error, not a boxed usage.
+
+    `main` is click's entry point (also what `typer.testing.CliRunner` calls); run in
+    non-standalone mode, it raises the parser's errors instead of printing them, and they are
+    printed here."""
 
     def main(
         self,
@@ -67,14 +71,10 @@ class _Group(TyperGroup):
     ) -> Any:
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click_errors.NoArgsIsHelpError as e:  # bare `minillm`: the help, as click does
-            print(e.ctx.get_help())
-            code = 2
-        except click_errors.UsageError as e:
-            _print_error(_usage_message(e))
-            code = 2
-        except click_errors.ClickException as e:
-            _print_error(e.format_message())
+        except typer.TyperException as e:
+            # exit code 2 is click's mark of a usage error (UsageError and its subclasses)
+            usage = getattr(e, "exit_code", 1) == 2
+            _print_error(_usage_message(e) if usage else e.format_message())
             code = 2
         except typer.Abort:  # Ctrl-C or end of input at a prompt
             print("interrupted", file=sys.stderr)
@@ -84,30 +84,45 @@ class _Group(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-class _Argument(TyperArgument):
-    """An argument shown by its metavar alone (`CONFIG`), not `{config}` and `<path>`."""
-
-    def _usage_display_name(self) -> str:
-        return self.display_name_raw if self.required else f"[{self.display_name_raw}]"
-
-    def display_type_rich(self, ctx: Any) -> str | None:
-        return None if self.metavar else super().display_type_rich(ctx)
-
-
 class _Command(TyperCommand):
-    """A command whose arguments read as their metavars (see `_Argument`)."""
+    """A command whose arguments read as their metavars: `CONFIG` in the usage line and the
+    Arguments list, not Typer's `{CONFIG}` and `CONFIG <path>`.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for param in self.params:
-            if isinstance(param, TyperArgument):
-                param.__class__ = _Argument
+    Both classes are Typer's own, passed by `cls=`; they override only click's public Command
+    methods (`main`, `collect_usage_pieces`, `format_options`) and read public attributes."""
+
+    def collect_usage_pieces(self, ctx: typer.Context) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                name = param.metavar or param.name.upper()
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+    def format_options(self, ctx: typer.Context, formatter: Any) -> None:
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append((param.metavar or record[0], record[1]))
+            else:
+                options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 app = typer.Typer(
     cls=_Group,
     add_completion=False,
-    no_args_is_help=True,
+    # Bare `minillm` prints the help (see `_root`) and exits 2, as click's no_args_is_help does.
+    no_args_is_help=False,
+    invoke_without_command=True,
     pretty_exceptions_enable=False,
     # Plain click help: metavars a user reads (CONFIG, PATH, KEY=VALUE), not boxes of types.
     rich_markup_mode=None,
@@ -133,12 +148,16 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
     """Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample,
     chat, export, info."""
+    if ctx.invoked_subcommand is None:  # bare `minillm`
+        print(ctx.get_help())
+        raise typer.Exit(2)
 
 
 def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -299,6 +318,7 @@ def eval_(
     task: list[Path] | None = typer.Option(
         None,
         "--task",
+        metavar="FILE",
         help="A jsonl task file to score (repeatable); with it, the loss only "
         "over --data. See docs/training.md, Task evaluation.",
     ),

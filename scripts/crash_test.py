@@ -4,7 +4,7 @@
 
 Trains a tiny model on a slice of the shipped Shakespeare, once straight through (the reference)
 and once with N kills; each restart must resume from a complete checkpoint. Checkpoint writes are
-stretched (MINILLM_TEST_CKPT_PAUSE) so that kills land inside them too. Checked after every kill:
+stretched (scripts/slow_saves.py) so that kills land inside them too. Checked after every kill:
 every checkpoint folder passes its sha256 check and LATEST names one of them. At the end the
 final weights must equal the reference's bit for bit (CPU, fp32). Exits 1 on any failure.
 """
@@ -32,17 +32,15 @@ train: {{out_dir: {out}, batch_size: 8, seq_len: 64, max_steps: {steps}, lr: 3.0
 """
 
 
-def minillm(*args: str) -> list[str]:
+def minillm(*args: str, pause: float = 0.0) -> list[str]:
+    """The command line of `minillm ARGS`; with `pause`, each checkpoint step takes that long."""
+    if pause:
+        return [sys.executable, str(ROOT / "scripts" / "slow_saves.py"), str(pause), *args]
     return [sys.executable, "-m", "minillm", *args]
 
 
-def env(pause: float) -> dict[str, str]:
-    return dict(
-        os.environ,
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-        MINILLM_TEST_CKPT_PAUSE=str(pause),
-    )
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 
 
 def check_run(run: Path) -> str | None:
@@ -72,9 +70,9 @@ def train_with_kills(work: Path, kills: int, seed: int, steps: int, pause: float
     while True:
         before = check_run(run)
         proc = subprocess.Popen(
-            minillm("train", "killed.yaml"),
+            minillm("train", "killed.yaml", pause=pause),
             cwd=work,
-            env=env(pause),
+            env=env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -139,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     text = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:100_000]
     (work / "corpus.txt").write_text(text, encoding="utf-8")
     (work / "straight.yaml").write_text(CONFIG.format(out="straight", steps=args.steps))
-    subprocess.run(minillm("tokenize", "straight.yaml"), cwd=work, env=env(0), check=True,
+    subprocess.run(minillm("tokenize", "straight.yaml"), cwd=work, env=env(), check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
-    subprocess.run(minillm("train", "straight.yaml"), cwd=work, env=env(0), check=True,
+    subprocess.run(minillm("train", "straight.yaml"), cwd=work, env=env(), check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
 
     killed = train_with_kills(work, args.kills, args.seed, args.steps, args.pause)

@@ -8,8 +8,8 @@ byte-level BPE, and the model has to attend to the prompt rather than memorise (
 triples, so held-out prompts are new ones). A third of the
 conversations open with a system message. The seed is fixed: the files are the same every time.
 tiny_chat.jsonl (training, `data.text_field: messages`) and tiny_chat_test.jsonl (held out: the
-conversation without its answer, and the answer, the exact-match task format of DESIGN.md) share
-no prompt.
+conversation without its answer, and the answer: the exact-match task format of docs/design.md,
+"Task files") share no prompt.
 """
 
 from __future__ import annotations

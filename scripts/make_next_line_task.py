@@ -1,9 +1,9 @@
 """Build data/shakespeare_next_line.jsonl: which of four lines comes next in this speech?
 
-A multiple-choice task file (DESIGN.md "Task files") from the shipped Shakespeare, for the demo
-and the tests. Each example is a speech's speaker and first lines (the context) and four endings:
-the speech's true next line and three lines of other speeches; chance is 25%. Only the last 9% of
-data/tinyshakespeare.txt is used, inside the validation split of every shipped config
+A multiple-choice task file (docs/design.md, "Task files") from the shipped Shakespeare, for the
+demo and the tests. Each example is a speech's speaker and first lines (the context) and four
+endings: the speech's true next line and three lines of other speeches; chance is 25%. Only the last
+9% of data/tinyshakespeare.txt is used, inside the validation split of every shipped config
 (data.val_fraction 0.1 holds out the last 10% of the bytes), so a model trained on the rest has
 never seen these lines. The context ends in a lone newline and an ending starts with a word, so
 encoding the two apart gives the ids of encoding them together (as lm-evaluation-harness does).

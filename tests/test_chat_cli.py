@@ -82,7 +82,7 @@ def test_a_long_history_keeps_to_the_context(run) -> None:
 def test_a_checkpoint_without_chat_tokens_is_one_line_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tiny_run, "_tokenizer_json", tiny_run.legacy_tokenizer_json)
+    monkeypatch.setattr(tiny_run, "tokenizer_json", tiny_run.legacy_tokenizer_json)
     run_dir, _, _ = tiny_run.make_run(tmp_path)
     result = runner.invoke(app, ["chat", "--ckpt", str(run_dir), "--message", "hi"])
     assert result.exit_code == 2, result.output

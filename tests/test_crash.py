@@ -42,10 +42,10 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(
         next(p for p in Path(path).iterdir() if p.is_file()).unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         store.save_checkpoint(tmp_path, 3, weights, {"step": 3}, {"config": {}}, keep_last=2)
-    monkeypatch.setattr(store.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     root = tmp_path / "checkpoints"
     names = [p.name for p in store.list_checkpoints(root)]
     assert names == ["step_000002", "step_000003"]

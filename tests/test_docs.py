@@ -1,6 +1,6 @@
 """The docs stay true: every config key documented, docs/config.md regenerated from the code,
-links into the code pointing at lines that still hold what they name, and the numbers, config keys
-and TensorBoard tags that the guides quote matching the code."""
+links into the code pointing at files that hold the symbols they name (never at line numbers),
+and the numbers, config keys and TensorBoard tags that the guides quote matching the code."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ LINK = re.compile(r"\[([^\[\]]*)\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1", re.S | re.M)
 LINES = re.compile(r"L(\d+)(?:-L(\d+))?")
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
+# Docs link to a file and name the symbol in the link text, or to a section, never to line
+# numbers (they drift with every edit). docs/architecture.md still has line links, being rewritten
+# with the model (issue 24): until then its line anchors are read as links to the file alone.
+LINE_LINKS_TOLERATED = {ROOT / "docs" / "architecture.md"}
 
 
 def _links(md: Path) -> list[tuple[str, str]]:
@@ -64,9 +68,10 @@ def _anchors(md: Path) -> set[str]:
 
 
 def _names(text: str) -> list[str]:
-    """What must appear in the linked lines: every backticked name of the text, else the text."""
-    names = re.findall(r"`([^`]+)`", text) or [text.strip()]
-    return [n.removesuffix("()") for n in names]
+    """The symbols a link's text names: its backticked names (`Class.method` counts by either
+    part, `f()` as f), not file names."""
+    names = [n.removesuffix("()") for n in re.findall(r"`([^`]+)`", text)]
+    return [n for n in names if "/" not in n and not n.endswith(".py")]
 
 
 def _link_problem(md: Path, text: str, target: str) -> str | None:
@@ -78,52 +83,43 @@ def _link_problem(md: Path, text: str, target: str) -> str | None:
         return "points outside the repository"
     if not file.is_file():
         return "no such file"
-    if not fragment:
-        return None
-    lines = LINES.fullmatch(fragment)
-    if lines is None:
+    if fragment and LINES.fullmatch(fragment):
+        if md not in LINE_LINKS_TOLERATED:
+            return "links to line numbers: link the file and name the symbol (or a section)"
+    elif fragment:
         if file.suffix == ".md" and fragment in _anchors(file):
             return None
         return f"no heading #{fragment} in {file.relative_to(ROOT)}"
-    first, last = int(lines.group(1)), int(lines.group(2) or lines.group(1))
-    source = file.read_text(encoding="utf-8").splitlines()
-    if not 1 <= first <= last <= len(source):
-        return f"lines {first}-{last} do not exist ({len(source)} lines)"
     if file.suffix == ".py":
-        snippet = "\n".join(source[first - 1 : last])
+        source = file.read_text(encoding="utf-8")
         missing = [
-            n for n in _names(text) if n not in snippet and n.rsplit(".", 1)[-1] not in snippet
+            n for n in _names(text) if n not in source and n.rsplit(".", 1)[-1] not in source
         ]
         if missing:
-            return f"{', '.join(missing)} not in lines {first}-{last}"
+            return f"{', '.join(missing)} not in {file.relative_to(ROOT)}"
     return None
 
 
-def test_links_from_docs_point_at_files_lines_and_names_that_exist() -> None:
-    problems, line_links = [], 0
+def test_links_from_docs_point_at_files_sections_and_names_that_exist() -> None:
+    problems, code_links = [], 0
     for md in DOCS:
         for text, target in _links(md):
             problem = _link_problem(md, text, target)
             if problem:
                 problems.append(f"{md.relative_to(ROOT)}: [{text}]({target}): {problem}")
-            line_links += bool(LINES.fullmatch(target.partition("#")[2]))
+            code_links += target.partition("#")[0].endswith(".py")
     assert not problems, "broken links:\n" + "\n".join(problems)
-    assert line_links >= 20, f"only {line_links} links to code lines: is the link pattern broken?"
+    assert code_links >= 20, f"only {code_links} links into the code: is the link pattern broken?"
 
 
 def test_link_checker_catches_drift() -> None:
-    model = ROOT / "minillm" / "model" / "transformer.py"
-    text = model.read_text(encoding="utf-8").splitlines()
-    line = next(i for i, s in enumerate(text, 1) if s.startswith("class RMSNorm"))
-    md = ROOT / "docs" / "architecture.md"
-    assert (
-        _link_problem(md, "`RMSNorm`", f"../minillm/model/transformer.py#L{line}-L{line + 2}")
-        is None
-    )
-    assert _link_problem(md, "`KVCache`", f"../minillm/model/transformer.py#L{line}-L{line + 2}")
-    assert _link_problem(md, "x", f"../minillm/model/transformer.py#L{len(text) + 1}")
+    md = ROOT / "docs" / "training.md"
+    assert _link_problem(md, "`lr_at`", "../minillm/train/schedule.py") is None
+    assert _link_problem(md, "`no_such_function`", "../minillm/train/schedule.py")
+    assert _link_problem(md, "`lr_at`", "../minillm/train/schedule.py#L19-L59")  # line numbers
     assert _link_problem(md, "x", "../minillm/nope.py")
-    assert _link_problem(md, "x", "training.md#no-such-heading")
+    assert _link_problem(md, "x", "config.md#no-such-heading")
+    assert _link_problem(md, "x", "training.md#checkpoints-and-resume") is None
     assert _link_problem(md, "x", "https://example.com/anything") is None
 
 
@@ -190,3 +186,42 @@ def test_tensorboard_tags_in_training_guide_are_written_by_the_code() -> None:
         section, _, name = tag.partition("/")
         written = f'"{tag}' in code or (section == "val" and f'"{name}"' in code)
         assert written, f"training.md documents {tag}, which no module writes"
+
+
+# ----------------------------------------------------------------------------- the contracts
+
+
+def _design_section(title: str) -> str:
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_design_cli_lists_every_command_and_option() -> None:
+    import typer
+
+    from minillm.cli import app
+
+    cli = _design_section("CLI")
+    group = typer.main.get_command(app)
+    missing = []
+    for name, command in group.commands.items():
+        line = next((s for s in cli.splitlines() if s.startswith(f"minillm {name} ")), None)
+        if line is None:
+            missing.append(name)
+            continue
+        usage = " ".join(cli.split(f"minillm {name} ", 1)[1].split("\nminillm ", 1)[0].split())
+        for param in command.params:
+            for opt in param.opts if param.param_type_name == "option" else [param.metavar]:
+                if opt.startswith("--") or param.param_type_name == "argument":
+                    if opt not in usage:
+                        missing.append(f"{name} {opt}")
+    assert not missing, f"docs/design.md's CLI section lacks: {missing}"
+
+
+def test_design_config_lists_every_key() -> None:
+    config = _design_section("Config (one YAML, four sections)")
+    for name, cls in SECTIONS.items():
+        listed = re.search(rf"^{name}:\s*\{{([^}}]*)\}}", config, re.M)
+        assert listed is not None, name
+        keys = [k.strip() for k in listed.group(1).split(",")]
+        assert keys == [f.name for f in dataclasses.fields(cls)], name

@@ -304,8 +304,10 @@ def test_ctrl_c_is_acknowledged_and_a_second_one_loses_no_checkpoint_silently(
 
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(root), MINILLM_TEST_CKPT_PAUSE="1")
-    argv = [sys.executable, "-m", "minillm", "train", str(run.parent / "cfg.yaml"),
+    env = dict(os.environ, PYTHONPATH=str(root))
+    # Each step of a checkpoint save stretched by 1 s, so that the second Ctrl-C lands inside it.
+    argv = [sys.executable, str(root / "scripts" / "slow_saves.py"), "1", "train",
+            str(run.parent / "cfg.yaml"),
             "--set", f"train.out_dir={out}", "--set", "train.max_steps=100000",
             "--set", "train.log_every=1", "--set", "train.eval_every=0",
             "--set", "train.ckpt_every=0"]  # fmt: skip

@@ -199,7 +199,7 @@ def test_eval_exact_match_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     import tiny_run
 
     chat_json = chat_tokenizer().to_str()
-    monkeypatch.setattr(tiny_run, "_tokenizer_json", lambda: chat_json)  # a run of a chat model
+    monkeypatch.setattr(tiny_run, "tokenizer_json", lambda: chat_json)  # a run of a chat model
     run_dir, cfg, model = tiny_run.make_run(tmp_path)
     tok = load_checkpoint(run_dir).tokenizer
     end, eot = tok.token_to_id("<|end|>"), eot_id(tok)
@@ -306,7 +306,7 @@ def test_exact_match_on_a_model_without_chat_tokens_is_one_line(
 ) -> None:
     import tiny_run
 
-    monkeypatch.setattr(tiny_run, "_tokenizer_json", tiny_run.legacy_tokenizer_json)
+    monkeypatch.setattr(tiny_run, "tokenizer_json", tiny_run.legacy_tokenizer_json)
     run_dir, _, _ = tiny_run.make_run(tmp_path)
     em = write_jsonl(tmp_path / "em.jsonl", [{"messages": [{"role": "user", "content": "Hi"}],
                                               "answer": "1"}])  # fmt: skip

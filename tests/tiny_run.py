@@ -28,7 +28,7 @@ VOCAB = 300
 
 
 @functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+def tokenizer_json() -> str:
     from minillm.data.tokenizer import train_tokenizer
 
     text = SHAKESPEARE.read_text(encoding="utf-8")[:6000] + EXTRA * 3
@@ -48,7 +48,7 @@ def legacy_tokenizer_json() -> str:
 
 
 def tiny_tokenizer() -> Tokenizer:
-    tok = Tokenizer.from_str(_tokenizer_json())
+    tok = Tokenizer.from_str(tokenizer_json())
     tok.encode_special_tokens = True
     return tok
 
@@ -70,7 +70,7 @@ def make_run(
     """
     tok_path = root / "tokenizer.json"
     tok_path.parent.mkdir(parents=True, exist_ok=True)
-    tok_path.write_text(_tokenizer_json(), encoding="utf-8")
+    tok_path.write_text(tokenizer_json(), encoding="utf-8")
     raw = {
         "model": {
             "vocab_size": VOCAB + 20,  # a padded embedding table, as people round vocab up

@@ -5,7 +5,7 @@ Offers `save_checkpoint`, `find_latest`, `resolve_checkpoint`, `verify_checkpoin
 model config against the one stored with the weights), `load_checkpoint` (config + model +
 tokenizer from a checkpoint alone) and `CheckpointError`.
 
-Layout (DESIGN.md):
+Layout (docs/design.md, "Run directory and checkpoints"):
     <run>/checkpoints/step_000500/  model.safetensors, trainer_state.pt, tokenizer.json, state.json
     <run>/checkpoints/LATEST         name of the newest complete checkpoint
     <run>/checkpoints/BEST           name of the checkpoint with the lowest validation loss
@@ -85,9 +85,7 @@ def save_checkpoint(
             # state.json's model section no longer rebuilds a different forward unnoticed.
             metadata[CONFIG_KEY] = json.dumps(state["config"]["model"], sort_keys=True)
         save_safetensors(tensors, tmp / MODEL_FILE, metadata=metadata)
-        _crash_test_pause()
         torch.save(trainer_state, tmp / TRAINER_FILE)
-        _crash_test_pause()
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
         files = sorted(p.name for p in tmp.iterdir())
@@ -96,7 +94,6 @@ def save_checkpoint(
         atomic_write_json(tmp / STATE_FILE, full_state)
         # An existing `final` is a leftover from a run that crashed before LATEST named it.
         commit_dir(tmp, final)
-        _crash_test_pause()
         atomic_write_text(ckpt_root / "LATEST", name + "\n")
         if is_best:
             atomic_write_text(ckpt_root / "BEST", name + "\n")
@@ -110,13 +107,6 @@ def save_checkpoint(
         raise
     prune_checkpoints(ckpt_root, keep_last)
     return final
-
-
-def _crash_test_pause() -> None:
-    """Stretch a checkpoint write so that the kill -9 test (scripts/crash_test.py) can hit it."""
-    pause = os.environ.get("MINILLM_TEST_CKPT_PAUSE")
-    if pause:
-        time.sleep(float(pause))
 
 
 def _read_pointer(ckpt_root: Path, pointer: str) -> str | None:

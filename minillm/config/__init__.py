@@ -1,7 +1,7 @@
 """Typed configuration: one YAML file, four sections (model, data, train, sample).
 
-`from minillm.config import load_config, ModelConfig` is the stable entry (DESIGN.md's Python
-API). Modules: `schema` (the typed sections and their checks), `loading` (YAML, `--set`
+`from minillm.config import load_config, ModelConfig` is the stable entry (docs/design.md,
+"Python API"). Modules: `schema` (the typed sections and their checks), `loading` (YAML, `--set`
 overrides, type conversion, suggestions). A leaf of the layers: it imports only minillm.errors.
 """
 

@@ -150,7 +150,7 @@ def _load_hub(name: str, streaming: bool) -> Any:
         ) from None
 
 
-def _hub_revision(name: str) -> str:
+def hub_revision(name: str) -> str:
     """The commit sha of a hub dataset's main revision, what its shards are made from, or ""
     when the hub cannot say (offline, reading a cached copy)."""
     try:
@@ -178,7 +178,7 @@ def open_corpus(data: DataConfig) -> Corpus:
         )
     if files is None:
         ds = _load_hub(data.source, data.streaming)
-        return TableCorpus(ds, [], "hub", data, data.source, _hub_revision(data.source))
+        return TableCorpus(ds, [], "hub", data, data.source, hub_revision(data.source))
     label = str(files[0]) if len(files) == 1 else data.source
     ds = _load_files(fmt, files, data.source, data.streaming)
     return TableCorpus(ds, files, fmt, data, label)

@@ -90,7 +90,8 @@ def evaluate_tokens(
 
 
 def metrics(total_nll: float, n_predicted: int, n_bytes: float) -> dict[str, Any]:
-    """The DESIGN.md eval object from the summed NLL (nats), predicted tokens and text bytes."""
+    """The `eval --json` object (docs/design.md, "CLI") from the summed NLL (nats), the
+    predicted tokens and the text bytes."""
     loss = total_nll / n_predicted
     try:
         perplexity = math.exp(loss)
@@ -232,7 +233,8 @@ def evaluate_checkpoint(
     text, or a dataset file read through its `text_field`, default the run's data.text_field).
 
     max_tokens caps the predicted tokens. batch_size defaults to the run's train.batch_size.
-    Returns the DESIGN.md object plus `source`, `seq_len` and `seconds`.
+    Returns the `eval --json` object (docs/design.md, "CLI") plus `source`, `seq_len` and
+    `seconds`.
     """
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")

@@ -2,7 +2,7 @@
 
 Offers `MultipleChoice`, `ExactMatch`, `Task`, `read_task(path)` and `read_tasks(paths)`.
 
-A file holds one kind of example (DESIGN.md "Task files"):
+A file holds one kind of example (docs/design.md, "Task files"):
 - multiple choice: `{"context": str, "endings": [str, ...], "label": int}` (HellaSwag's
   preprocessed form; other keys, such as HellaSwag's `ind`, are ignored);
 - exact match: `{"messages": [{"role", "content"}, ...], "answer": str}`, the last message a user

@@ -5,14 +5,14 @@ Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
 `extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
 --task` runs), `eval_report` and `format_tasks`. Task files are read by `minillm.infer.task_format`.
 
-The multiple-choice contract (DESIGN.md "Task files"), so that other tools reproduce the numbers:
-a choice's ids are encode(context) + encode(ending), each encoded alone without special tokens;
-longer than the model's context (model.max_seq_len, HF's max_position_embeddings) they lose
+The multiple-choice contract (docs/design.md, "Task files"), so that other tools reproduce the
+numbers: a choice's ids are encode(context) + encode(ending), each encoded alone without special
+tokens; longer than the model's context (model.max_seq_len, HF's max_position_embeddings) they lose
 tokens of the context from the left. Its score is the sum of the log-probabilities of the ending's
 tokens under the full softmax. `accuracy` counts argmax(score) == label, `accuracy_norm` counts
-argmax(score / len(ending in characters)) == label, as lm-evaluation-harness normalises; ties go
-to the lowest index. Batches are right-padded: causal attention never lets a real position see
-the padding after it, so a batch gives each choice its one-at-a-time score.
+argmax(score / len(ending in characters)) == label, as lm-evaluation-harness normalises; ties go to
+the lowest index. Batches are right-padded: causal attention never lets a real position see the
+padding after it, so a batch gives each choice its one-at-a-time score.
 
 Shape legend: B choices in a batch, T longest choice of the batch, V vocabulary.
 """
