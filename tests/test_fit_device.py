@@ -265,6 +265,42 @@ def test_prefetcher_reraises_the_workers_error_and_handles_jumps() -> None:
         prefetch.close()
 
 
+def test_prefetcher_pins_doc_masked_micro_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CUDA path on the CPU: pinning stood in by a copy that records what it pinned. A
+    # doc-masked micro-batch (chat data's default) has a third tensor, doc_ids, which the
+    # prefetcher once unpacked as `x, y` (ValueError at step 1 of every chat run on a GPU).
+    import numpy as np
+
+    from minillm.data.batches import train_batch
+
+    pinned: list[torch.Tensor] = []
+
+    def fake_pin(t: torch.Tensor) -> torch.Tensor:
+        copy = t.clone()
+        pinned.append(copy)
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    tokens = np.array([5, 6, 7, 0, 8, 9, 0, 10, 11, 12, 0, 13] * 8, dtype=np.uint16)
+
+    def batches(step: int) -> list:
+        return train_batch(tokens, seed=0, step=step, rank=0, world_size=1, batch_size=2,
+                           grad_accum=2, seq_len=8, eot_id=0)  # fmt: skip
+
+    prefetch = Prefetcher(batches, end=3, pin=True)
+    try:
+        for step in range(3):
+            got = prefetch(step)
+            want = batches(step)
+            assert len(got) == 2 and all(len(m) == 3 for m in got)  # doc_ids kept
+            for g, w in zip(got, want):
+                for a, b in zip(g, w):
+                    assert torch.equal(a, b)
+                    assert any(a is p for p in pinned)  # every tensor went through pinning
+    finally:
+        prefetch.close()
+
+
 def test_train_step_returns_device_tensors_without_reading_them(
     data_dir: Path, tmp_path: Path
 ) -> None:
