@@ -109,20 +109,22 @@ class Meter:
             return math.nan
         return mfu(self.flops_per_token, self.tokens_per_sec, self.peak * self.world_size)
 
-    def scalars(self, out: dict[str, float], skipped: int) -> dict[str, float]:
+    def scalars(self, loss: float, lr: float, grad_norm: float, skipped: int) -> dict[str, float]:
+        """The TensorBoard scalars of a logging step."""
         return {
-            "train/loss": out["loss"],
-            "train/lr": out["lr"],
-            "train/grad_norm": out["grad_norm"],
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
             "train/tokens_per_sec": self.tokens_per_sec,
             "train/mfu": self.mfu,
             "train/skipped_steps": skipped,
         }
 
-    def stats(self, out: dict[str, float]) -> dict[str, str]:
+    def stats(self, loss: float, lr: float) -> dict[str, str]:
+        """The progress line's numbers of a logging step."""
         stats = {
-            "loss": f"{out['loss']:.4f}",
-            "lr": f"{out['lr']:.2e}",
+            "loss": f"{loss:.4f}",
+            "lr": f"{lr:.2e}",
             "tok/s": f"{self.tokens_per_sec:,.0f}",
         }
         if math.isfinite(self.mfu):
