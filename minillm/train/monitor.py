@@ -1,18 +1,26 @@
 """What a person watches during training: a rich progress bar (or plain lines) and TensorBoard.
 
-Offers `Monitor` and `Meter` (tokens/s and MFU over a window of steps). Only rank 0 creates a
-Monitor that writes; other ranks get a silent one.
+Offers `Monitor`, `Meter` (tokens/s and MFU over a window of steps) and `open_monitor(trainer,
+end)` (both, for a Trainer's loop, with the run's opening lines). Only rank 0 creates a Monitor
+that writes; other ranks get a silent one.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from minillm.config import dump_config
+from minillm.errors import warn
+from minillm.model.param_groups import describe
+from minillm.runtime.perf import peak_flops
 from minillm.runtime.progress import Progress, format_duration
+
+if TYPE_CHECKING:
+    from minillm.train.trainer import Trainer
 
 
 class Monitor:
@@ -130,3 +138,47 @@ class Meter:
         if math.isfinite(self.mfu):
             stats["mfu"] = f"{100 * self.mfu:.1f}%"
         return stats
+
+
+def open_monitor(trainer: Trainer, end: int) -> tuple[Monitor, Meter]:
+    """A trainer's TensorBoard and console output, its throughput meter, and the opening lines
+    (the banner; a warmup that outlasts the run; nothing left to train)."""
+    tc = trainer.cfg.train
+    # Nothing to train: no TensorBoard writer, so no new, empty events file in tb/.
+    tb_dir = trainer.run_dir if trainer.step < end else None
+    monitor = Monitor(tb_dir, tc.max_steps, trainer.step, enabled=trainer.is_main)
+    if trainer.step == 0:
+        monitor.text("config", "```yaml\n" + dump_config(trainer.cfg) + "```")
+    peak, peak_source = 0.0, ""
+    if trainer.is_main:
+        peak, peak_source = peak_flops(trainer.device, trainer.precision, tc.peak_flops)
+    meter = Meter(trainer.flops_per_token, peak, trainer.dist.world_size)
+    if trainer.verbose:
+        monitor.print(banner(trainer, meter.peak, peak_source))
+        if tc.warmup_steps >= tc.max_steps and trainer.step < tc.max_steps:
+            warn(f"train.warmup_steps={tc.warmup_steps} >= train.max_steps={tc.max_steps}: "
+                 "the run ends while the lr still rises, before any decay; lower "
+                 f"warmup_steps (e.g. {max(tc.max_steps // 10, 1)})")  # fmt: skip
+        if trainer.step >= tc.max_steps:
+            monitor.print(
+                f"the run is already at step {trainer.step}, train.max_steps is "
+                f"{tc.max_steps}: nothing to train (raise max_steps to go on)"
+            )
+    return monitor, meter
+
+
+def banner(trainer: Trainer, peak: float, peak_source: str) -> str:
+    """The first line of a run: model, device, precision, batch, peak FLOP/s, run dir."""
+    tc = trainer.cfg.train
+    n = trainer.model.param_count()
+    return (
+        f"training {n / 1e6:.2f}M parameters on {trainer.device} ({trainer.precision}"
+        f"{', compiled' if tc.compile else ''}{', TF32 matmuls' if trainer.run.tf32 else ''}"
+        f"{', activation checkpointing' if tc.activation_checkpointing else ''}"
+        f"{f', {trainer.dist.world_size} ranks, {tc.parallel}' if trainer.dist.enabled else ''}); "
+        f"global batch {tc.batch_size}x{tc.grad_accum}x{trainer.dist.world_size} seqs of "
+        f"{tc.seq_len} = {trainer.tokens_per_step:,} tokens/step; "
+        f"peak {peak / 1e9:.0f} GFLOP/s for MFU ({peak_source}); run dir {trainer.run_dir}"
+        + (f"; weights from {tc.init_from}" if tc.init_from and not trainer.resumed else "")
+        + f"\n{describe(trainer.model, tc)}"
+    )

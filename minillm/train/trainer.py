@@ -30,7 +30,6 @@ from minillm.data.batches import MicroBatch, eval_batches, train_batch
 from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer
-from minillm.model.param_groups import describe
 from minillm.runtime.device import (
     StopSignal,
     autocast_context,
@@ -38,11 +37,10 @@ from minillm.runtime.device import (
     seed_everything,
 )
 from minillm.runtime.files import atomic_copy, atomic_write_text
-from minillm.runtime.perf import peak_flops
 from minillm.runtime.progress import format_duration
 from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.train.distributed import all_reduce_sum, barrier
-from minillm.train.monitor import Meter, Monitor
+from minillm.train.monitor import Meter, Monitor, open_monitor
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.parallel import no_sync, wrap_model
 from minillm.train.prefetch import Prefetcher
@@ -256,7 +254,7 @@ class Trainer:
         """Train until max_steps (or `stop_at`, or a signal); checkpoint on the way out."""
         tc = self.cfg.train
         end = min(tc.max_steps, stop_at) if stop_at is not None else tc.max_steps
-        monitor, meter = self._open_monitor(end)
+        monitor, meter = open_monitor(self, end)
         saved_at = self.step if self.last_ckpt is not None else -1
         prefetch = Prefetcher(self.batches, end, pin=self.device.type == "cuda")
         notice = "stopping after this step; checkpointing it (interrupt again to stop at once)"
@@ -281,31 +279,6 @@ class Trainer:
             if saved_at != self.step:
                 self._checkpoint(stop)
         return self._summary(stop, time.perf_counter() - t_start)
-
-    def _open_monitor(self, end: int) -> tuple[Monitor, Meter]:
-        """TensorBoard and console output, the throughput meter, and the opening lines."""
-        tc = self.cfg.train
-        # Nothing to train: no TensorBoard writer, so no new, empty events file in tb/.
-        tb_dir = self.run_dir if self.step < end else None
-        monitor = Monitor(tb_dir, tc.max_steps, self.step, enabled=self.is_main)
-        if self.step == 0:
-            monitor.text("config", "```yaml\n" + dump_config(self.cfg) + "```")
-        peak, peak_source = (
-            peak_flops(self.device, self.precision, tc.peak_flops) if self.is_main else (0.0, "")
-        )
-        meter = Meter(self.flops_per_token, peak, self.dist.world_size)
-        if self.verbose:
-            monitor.print(self._banner(meter.peak, peak_source))
-            if tc.warmup_steps >= tc.max_steps and self.step < tc.max_steps:
-                warn(f"train.warmup_steps={tc.warmup_steps} >= train.max_steps={tc.max_steps}: "
-                     "the run ends while the lr still rises, before any decay; lower "
-                     f"warmup_steps (e.g. {max(tc.max_steps // 10, 1)})")  # fmt: skip
-            if self.step >= tc.max_steps:
-                monitor.print(
-                    f"the run is already at step {self.step}, train.max_steps is "
-                    f"{tc.max_steps}: nothing to train (raise max_steps to go on)"
-                )
-        return monitor, meter
 
     def _log(
         self, result: StepResult, meter: Meter, monitor: Monitor, end: int, shown: dict[str, str]
@@ -393,21 +366,6 @@ class Trainer:
                 warn(f"stopped at once after step {self.step}, which is not checkpointed; "
                      f"`minillm train` resumes from {where}")  # fmt: skip
             raise
-
-    def _banner(self, peak: float, peak_source: str) -> str:
-        tc = self.cfg.train
-        n = self.model.param_count()
-        return (
-            f"training {n / 1e6:.2f}M parameters on {self.device} ({self.precision}"
-            f"{', compiled' if tc.compile else ''}{', TF32 matmuls' if self.run.tf32 else ''}"
-            f"{', activation checkpointing' if tc.activation_checkpointing else ''}"
-            f"{f', {self.dist.world_size} ranks, {tc.parallel}' if self.dist.enabled else ''}); "
-            f"global batch {tc.batch_size}x{tc.grad_accum}x{self.dist.world_size} seqs of "
-            f"{tc.seq_len} = {self.tokens_per_step:,} tokens/step; "
-            f"peak {peak / 1e9:.0f} GFLOP/s for MFU ({peak_source}); run dir {self.run_dir}"
-            + (f"; weights from {tc.init_from}" if tc.init_from and not self.resumed else "")
-            + f"\n{describe(self.model, tc)}"
-        )
 
     @property
     def resumed(self) -> bool:
