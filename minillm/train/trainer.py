@@ -97,7 +97,7 @@ class Trainer:
         self.batches = batches or self._train_batches
         self.run_dir, self.dist, self.device = run.run_dir, run.dist, run.device
         self.precision, self.is_main, self.verbose = run.precision, run.is_main, run.verbose
-        self.probes = run.probes
+        self.probes, self.packing = run.probes, run.packing
         tc = self.cfg.train
         seed_everything(tc.seed)  # the same initial weights on every rank
         self.model = Transformer(self.cfg.model)
@@ -198,7 +198,7 @@ class Trainer:
             batch_size=tc.batch_size,
             grad_accum=tc.grad_accum,
             seq_len=tc.seq_len,
-            **self.run.packing.train_kwargs(),
+            **self.packing.train_kwargs(),
         )
 
     def count_step(self, result: StepResult) -> None:
@@ -225,7 +225,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Loss, perplexity and bits per byte over the first eval_steps validation batches,
         computed by `minillm eval`'s own evaluation (each rank takes its share)."""
-        tc, packing = self.cfg.train, self.run.packing
+        tc, packing = self.cfg.train, self.packing
         total, n = evaluate_tokens(
             self.model,
             self.run.val_tokens,
