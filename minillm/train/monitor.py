@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
 from rich.console import Console
 
-from minillm.config import dump_config
+from minillm.config import Config, dump_config
 from minillm.errors import warn
+from minillm.model import Transformer
 from minillm.model.param_groups import describe
 from minillm.runtime.perf import peak_flops
 from minillm.runtime.progress import Progress, format_duration
-
-if TYPE_CHECKING:
-    from minillm.train.trainer import Trainer
+from minillm.train.distributed import DistInfo
 
 
 class Monitor:
@@ -140,7 +140,27 @@ class Meter:
         return stats
 
 
-def open_monitor(trainer: Trainer, end: int) -> tuple[Monitor, Meter]:
+class Watched(Protocol):
+    """What the opening lines and the meter read of a Trainer (a Protocol: no import of it)."""
+
+    cfg: Config
+    model: Transformer
+    run_dir: Path
+    device: torch.device
+    precision: str
+    tf32: bool
+    dist: DistInfo
+    step: int
+    is_main: bool
+    verbose: bool
+    flops_per_token: float
+    tokens_per_step: int
+
+    @property
+    def resumed(self) -> bool: ...
+
+
+def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
     """A trainer's TensorBoard and console output, its throughput meter, and the opening lines
     (the banner; a warmup that outlasts the run; nothing left to train)."""
     tc = trainer.cfg.train
@@ -167,13 +187,13 @@ def open_monitor(trainer: Trainer, end: int) -> tuple[Monitor, Meter]:
     return monitor, meter
 
 
-def banner(trainer: Trainer, peak: float, peak_source: str) -> str:
+def banner(trainer: Watched, peak: float, peak_source: str) -> str:
     """The first line of a run: model, device, precision, batch, peak FLOP/s, run dir."""
     tc = trainer.cfg.train
     n = trainer.model.param_count()
     return (
         f"training {n / 1e6:.2f}M parameters on {trainer.device} ({trainer.precision}"
-        f"{', compiled' if tc.compile else ''}{', TF32 matmuls' if trainer.run.tf32 else ''}"
+        f"{', compiled' if tc.compile else ''}{', TF32 matmuls' if trainer.tf32 else ''}"
         f"{', activation checkpointing' if tc.activation_checkpointing else ''}"
         f"{f', {trainer.dist.world_size} ranks, {tc.parallel}' if trainer.dist.enabled else ''}); "
         f"global batch {tc.batch_size}x{tc.grad_accum}x{trainer.dist.world_size} seqs of "

@@ -10,22 +10,43 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from minillm.checkpoint import store as ckpt
-from minillm.config import config_to_dict
+from minillm.config import Config, config_to_dict
 from minillm.errors import warn
 from minillm.runtime.device import rng_state, set_rng_state
-from minillm.train.distributed import all_gather_objects, all_reduce_sum
+from minillm.train.distributed import DistInfo, all_gather_objects, all_reduce_sum
+from minillm.train.optim import Optimizers
 from minillm.train.parallel import full_state, load_full_state
-
-if TYPE_CHECKING:
-    from minillm.train.trainer import Trainer
+from minillm.train.run import Run
 
 
-def save_checkpoint(trainer: Trainer, is_best: bool = False) -> Path | None:
+class Checkpointed(Protocol):
+    """What a checkpoint saves of a Trainer and restores into it (a Protocol: no import of it)."""
+
+    run: Run
+    cfg: Config
+    model: torch.nn.Module
+    optimizer: Optimizers
+    scaler: torch.amp.GradScaler | None
+    dist: DistInfo
+    device: torch.device
+    precision: str
+    run_dir: Path
+    is_main: bool
+    verbose: bool
+    step: int
+    tokens_seen: int
+    best_val: float
+    bad_in_a_row: int
+    skipped_steps: int
+    last_ckpt: Path | None
+
+
+def save_checkpoint(trainer: Checkpointed, is_best: bool = False) -> Path | None:
     """Checkpoint the state after `trainer.step` completed steps (a collective under FSDP).
 
     Weights that have overflowed (a huge lr can make a step with finite gradients do that)
@@ -83,7 +104,7 @@ def weights_finite(model: torch.nn.Module, device: torch.device) -> bool:
     return all_reduce_sum(bad).item() == 0
 
 
-def restore_checkpoint(trainer: Trainer, path: Path) -> None:
+def restore_checkpoint(trainer: Checkpointed, path: Path) -> None:
     """Load weights, optimizer, scaler, this rank's RNG and the counters from `path`."""
     t = trainer
     state = ckpt.read_state(path)
