@@ -173,7 +173,7 @@ def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _config(path: Path, overrides: list[str] | None):  # noqa: ANN202
-    from minillm.train.setup import load_train_config
+    from minillm.train.run import load_train_config
 
     return _run(load_train_config, path, overrides or [])
 

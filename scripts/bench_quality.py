@@ -69,16 +69,16 @@ def run_variant(cfg: Config, out_dir: Path) -> dict[str, Any]:
     tc.eval_every, tc.ckpt_every = 0, 0  # one checkpoint, at the end
     tc.eval_steps = 1  # the trainer's own final evaluation: the real one is below
     tc.log_every = max(tc.log_every, tc.max_steps)
-    trainer = Trainer(cfg, resume=False, force=True, verbose=False)
+    trainer = Trainer.from_config(cfg, resume=False, force=True, verbose=False)
     losses: list[float] = []
     step_s: list[float] = []
     optim_s: list[float] = []
     train_step, optim_step = trainer.train_step, trainer.optimizer.step
 
-    def timed_train_step(micro: Any = None) -> dict[str, Any]:
+    def timed_train_step(micro: Any = None) -> Any:
         t0 = time.perf_counter()
         out = train_step(micro)
-        losses.append(float(out["loss"]))  # a device tensor: reading it waits for the step
+        losses.append(float(out.loss))  # a device tensor: reading it waits for the step
         step_s.append(time.perf_counter() - t0)
         return out
 

@@ -67,7 +67,7 @@ def trained_run(base: Path) -> Path:
     from minillm.train.trainer import Trainer
 
     cfg = prepared_config(base, train=dict(max_steps=4, ckpt_every=2, eval_every=2))
-    trainer = Trainer(cfg, verbose=False)
+    trainer = Trainer.from_config(cfg, verbose=False)
     try:
         trainer.fit()
     finally:
@@ -91,7 +91,7 @@ def run_trainer(cfg: Config, stop_at: int | None = None, **kw: Any) -> Any:
     """A quiet Trainer run to max_steps (or `stop_at`), closed; returns the Trainer."""
     from minillm.train.trainer import Trainer
 
-    trainer = Trainer(cfg, verbose=False, **kw)
+    trainer = Trainer.from_config(cfg, verbose=False, **kw)
     try:
         trainer.fit(stop_at=stop_at)
     finally:

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from minillm.config import ModelConfig, config_from_dict
-from minillm.data.batches import conversation_batches, doc_ids, doc_starts, train_batch
+from minillm.data.batches import (
+    MicroBatch,
+    conversation_batches,
+    doc_ids,
+    doc_starts,
+    train_batch,
+)
 from minillm.data.chat import chat_ids, check_messages, encode_conversation, encode_prompt
 from minillm.data.meta import load_meta, open_mask, open_split
 from minillm.data.shard_writer import write_shards
@@ -152,8 +158,8 @@ def test_loss_is_over_assistant_tokens_only(chat_dir: Path) -> None:
     out = chat_dir / "tok"
     meta = load_meta(out)
     tokens, mask = open_split(out, "train"), open_mask(out, "train", meta)
-    (x, y), = train_batch(tokens, seed=1, step=0, rank=0, world_size=1, batch_size=4,
-                          grad_accum=1, seq_len=48, mask=mask)  # fmt: skip
+    (x, y, _), = train_batch(tokens, seed=1, step=0, rank=0, world_size=1, batch_size=4,
+                             grad_accum=1, seq_len=48, mask=mask)  # fmt: skip
     assert 0 < int((y != -100).sum()) < y.numel()
     torch.manual_seed(0)
     model = Transformer(
@@ -248,12 +254,12 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     import yaml
 
     from minillm.checkpoint import store as ckpt
-    from minillm.train.setup import load_train_config
+    from minillm.train.run import load_train_config
     from tests.helpers import prepared_config
 
     (tmp_path / "pre").mkdir()
     pre = prepared_config(tmp_path / "pre", train=dict(max_steps=2, eval_every=0))
-    first = Trainer(pre, verbose=False)
+    first = Trainer.from_config(pre, verbose=False)
     try:
         first.fit()
     finally:
@@ -274,7 +280,7 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     assert cfg.model == pre.model
     assert Path(cfg.data.tokenizer) == run_dir / "tokenizer.json"  # the run's vocabulary
     write_shards(cfg)
-    trainer = Trainer(cfg, verbose=False)
+    trainer = Trainer.from_config(cfg, verbose=False)
     try:
         start = ckpt.load_model_state(ckpt.resolve_checkpoint(run_dir))
         for name, value in trainer.model.state_dict().items():
@@ -287,7 +293,7 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     other = load_train_config(path)
     other.train.out_dir = str(tmp_path / "sft2")
-    Trainer(other, verbose=False).close()
+    Trainer.from_config(other, verbose=False).close()
     assert "model.n_layer" in capsys.readouterr().err  # the warning names the keys not used
 
     # Shards made with another tokenizer than the run's: one error naming data.tokenizer.
@@ -296,7 +302,7 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     write_shards(own)
     other.data.out_dir, other.data.tokenizer = own.data.out_dir, own.data.tokenizer
     with pytest.raises(ConfigError, match="data.tokenizer: .*another tokenizer than train.init"):
-        Trainer(other, verbose=False)
+        Trainer.from_config(other, verbose=False)
 
 
 def test_accumulation_with_doc_mask_equals_one_big_batch(chat_dir: Path, tmp_path: Path) -> None:
@@ -311,7 +317,7 @@ def test_accumulation_with_doc_mask_equals_one_big_batch(chat_dir: Path, tmp_pat
 
     def grads(run: str, micro: list, **train: Any) -> dict[str, torch.Tensor]:
         cfg = chat_config(chat_dir, train=dict(out_dir=str(tmp_path / run), **train))
-        trainer = Trainer(cfg, verbose=False, batches=lambda step: micro)
+        trainer = Trainer.from_config(cfg, verbose=False, batches=lambda step: micro)
         captured: dict[str, torch.Tensor] = {}
         trainer.optimizer.step = lambda *a, **k: captured.update(
             {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -322,8 +328,8 @@ def test_accumulation_with_doc_mask_equals_one_big_batch(chat_dir: Path, tmp_pat
             trainer.close()
         return captured
 
-    split = grads("a", [(x[:2], y[:2], docs[:2]), (x[2:], y[2:], docs[2:])], grad_accum=2,
-                  batch_size=2)  # fmt: skip
-    whole = grads("b", [(x, y, docs)], grad_accum=1, batch_size=4)
+    halves = [MicroBatch(x[:2], y[:2], docs[:2]), MicroBatch(x[2:], y[2:], docs[2:])]
+    split = grads("a", halves, grad_accum=2, batch_size=2)
+    whole = grads("b", [MicroBatch(x, y, docs)], grad_accum=1, batch_size=4)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-7)

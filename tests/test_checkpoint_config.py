@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 from tiny_run import make_run
 from typer.testing import CliRunner
 
-from minillm.checkpoint.rundir import resume_point
 from minillm.checkpoint.store import (
     CONFIG_KEY,
     MODEL_FILE,
@@ -23,6 +22,7 @@ from minillm.checkpoint.store import (
 from minillm.cli import app
 from minillm.config import config_from_dict
 from minillm.runtime.files import sha256_file
+from minillm.train.resume import resume_point
 
 runner = CliRunner()
 

@@ -29,7 +29,7 @@ from minillm.data import shard_staging as staging_mod
 from minillm.data import shard_writer as shards_mod
 from minillm.data import text as text_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
-from minillm.data.batches import eval_batches, train_batch
+from minillm.data.batches import MicroBatch, eval_batches, train_batch
 from minillm.data.corpus import val_mask
 from minillm.data.meta import load_meta, open_split, shard_dtype
 from minillm.data.shard_writer import write_shards
@@ -454,7 +454,8 @@ def test_train_batch_shapes_shift_and_determinism() -> None:
     tokens = np.arange(1000, dtype=np.uint16)
     batches = train_batch(tokens, **batch_kwargs())
     assert len(batches) == 2
-    for x, y in batches:
+    for x, y, docs in batches:
+        assert docs is None  # no document masking asked for
         assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
         assert torch.equal(y, x + 1)  # arange: the target is the next token
     again = train_batch(tokens, **batch_kwargs())
@@ -466,8 +467,8 @@ def test_train_batch_shapes_shift_and_determinism() -> None:
 def test_train_batch_is_the_same_global_batch_on_any_world_size() -> None:
     tokens = np.random.default_rng(0).integers(0, 300, 5000).astype(np.uint16)
 
-    def windows(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, ...]]:
-        return [tuple(row.tolist()) for x, _ in batches for row in x]
+    def windows(batches: list[MicroBatch]) -> list[tuple[int, ...]]:
+        return [tuple(row.tolist()) for m in batches for row in m.tokens]
 
     one = windows(train_batch(tokens, **batch_kwargs(grad_accum=4)))
     two = [
@@ -481,7 +482,7 @@ def test_train_batch_is_the_same_global_batch_on_any_world_size() -> None:
 
 def test_train_batch_offsets_reach_the_last_window_and_need_enough_tokens() -> None:
     tokens = np.arange(17, dtype=np.uint16)  # exactly seq_len + 1: one possible window
-    (x, y), *_ = train_batch(tokens, **batch_kwargs())
+    (x, y, _), *_ = train_batch(tokens, **batch_kwargs())
     assert x[0].tolist() == list(range(16)) and y[0].tolist() == list(range(1, 17))
     with pytest.raises(UserError, match="train.seq_len: 16 needs at least 17 tokens.* only 16"):
         train_batch(tokens[:16], **batch_kwargs())

@@ -19,7 +19,7 @@ from minillm.errors import CheckpointError, UserError
 from minillm.infer.generate import generate
 from minillm.model import Transformer
 from minillm.model.hf_names import hf_config_dict
-from minillm.train.setup import load_train_config
+from minillm.train.run import load_train_config
 
 TEXT = "First Citizen:\nBefore we proceed — Grüße, 日本語 🙂 <|endoftext|> the end."
 
@@ -378,7 +378,7 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     new = load_train_config(path)  # no model section: the folder's config.json gives it
     assert Transformer(new.model).param_count() == net.param_count()
     write_shards(new, [TEXT * 20, "Second document, long enough to train on. " * 20] * 3)
-    trainer = Trainer(new, verbose=False)
+    trainer = Trainer.from_config(new, verbose=False)
     try:
         got = trainer.model.state_dict()
         assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())
@@ -388,7 +388,7 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     raw["model"] = dict(d_model=32, n_layer=1, n_head=2)  # a model section that is not used
     raw["train"]["out_dir"] = str(tmp_path / "run3")
     path.write_text(yaml.safe_dump(raw))
-    Trainer(load_config(path), verbose=False).close()
+    Trainer.from_config(load_config(path), verbose=False).close()
     err = capsys.readouterr().err
     assert "model.d_model, model.n_layer, model.n_head" in err and "not used" in err
 
@@ -412,4 +412,4 @@ def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_pa
     new.data.tokenizer = str(exported)
     new.train.init_from, new.train.out_dir = str(hf_dir), str(tmp_path / "run2")
     new.train.device, new.train.max_steps = "cpu", 1
-    Trainer(new, verbose=False).close()  # no "shards were made with another tokenizer"
+    Trainer.from_config(new, verbose=False).close()  # no "shards were made with another tokenizer"

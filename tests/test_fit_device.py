@@ -15,6 +15,7 @@ import yaml
 
 from minillm.checkpoint import store as ckpt
 from minillm.config import ModelConfig, config_from_dict, config_to_dict
+from minillm.data.batches import MicroBatch
 from minillm.errors import ConfigError, UserError
 from minillm.info import model_info
 from minillm.model import Transformer
@@ -184,7 +185,7 @@ def test_auto_on_cpu_uses_the_estimate(data_dir: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(auto, "available_memory", lambda device: int(room))
     logs: list[str] = []
     got = auto.resolve_batch_size(cfg, torch.device("cpu"), "fp32", 1, log=logs.append)
-    assert (got.train.batch_size, got.train.grad_accum) == (4, 4)
+    assert got == (4, 4)
     assert "micro-batch 4 x grad_accum 4" in logs[0] and "memory estimate: 5" in logs[0]
     # With 8 layers, checkpointing leaves room for more sequences in the same memory.
     chosen = []
@@ -194,8 +195,10 @@ def test_auto_on_cpu_uses_the_estimate(data_dir: Path, monkeypatch: pytest.Monke
             model=dict(n_layer=8),
             train=dict(batch_size="auto", batch_tokens=32 * 16, activation_checkpointing=on),
         )
-        got = auto.resolve_batch_size(deep, torch.device("cpu"), "fp32", 1, log=logs.append)
-        chosen.append(got.train.batch_size)
+        batch_size, _ = auto.resolve_batch_size(
+            deep, torch.device("cpu"), "fp32", 1, log=logs.append
+        )
+        chosen.append(batch_size)
     assert chosen[0] < chosen[1]
 
 
@@ -233,10 +236,10 @@ def test_auto_is_stored_in_the_run_and_resume_keeps_it(
 def test_prefetcher_makes_the_next_step_on_its_thread() -> None:
     made: list[tuple[int, str]] = []
 
-    def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(step: int) -> list[MicroBatch]:
         made.append((step, threading.current_thread().name))
         x = torch.full((2, 3), step)
-        return [(x, x + 1)]
+        return [MicroBatch(x, x + 1)]
 
     prefetch = Prefetcher(batches, end=4)
     try:
@@ -250,10 +253,10 @@ def test_prefetcher_makes_the_next_step_on_its_thread() -> None:
 
 
 def test_prefetcher_reraises_the_workers_error_and_handles_jumps() -> None:
-    def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(step: int) -> list[MicroBatch]:
         if step == 2:
             raise ValueError("bad shard")
-        return [(torch.tensor([step]), torch.tensor([step]))]
+        return [MicroBatch(torch.tensor([step]), torch.tensor([step]))]
 
     prefetch = Prefetcher(batches, end=10)
     try:
@@ -265,16 +268,52 @@ def test_prefetcher_reraises_the_workers_error_and_handles_jumps() -> None:
         prefetch.close()
 
 
+def test_prefetcher_pins_doc_masked_micro_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CUDA path on the CPU: pinning stood in by a copy that records what it pinned. A
+    # doc-masked micro-batch (chat data's default) has a third tensor, doc_ids, which the
+    # prefetcher once unpacked as `x, y` (ValueError at step 1 of every chat run on a GPU).
+    import numpy as np
+
+    from minillm.data.batches import train_batch
+
+    pinned: list[torch.Tensor] = []
+
+    def fake_pin(t: torch.Tensor) -> torch.Tensor:
+        copy = t.clone()
+        pinned.append(copy)
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    tokens = np.array([5, 6, 7, 0, 8, 9, 0, 10, 11, 12, 0, 13] * 8, dtype=np.uint16)
+
+    def batches(step: int) -> list:
+        return train_batch(tokens, seed=0, step=step, rank=0, world_size=1, batch_size=2,
+                           grad_accum=2, seq_len=8, eot_id=0)  # fmt: skip
+
+    prefetch = Prefetcher(batches, end=3, pin=True)
+    try:
+        for step in range(3):
+            got = prefetch(step)
+            want = batches(step)
+            assert len(got) == 2 and all(len(m) == 3 for m in got)  # doc_ids kept
+            for g, w in zip(got, want):
+                for a, b in zip(g, w):
+                    assert torch.equal(a, b)
+                    assert any(a is p for p in pinned)  # every tensor went through pinning
+    finally:
+        prefetch.close()
+
+
 def test_train_step_returns_device_tensors_without_reading_them(
     data_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = Trainer(make_cfg(data_dir, tmp_path / "run"), verbose=False)
+    trainer = Trainer.from_config(make_cfg(data_dir, tmp_path / "run"), verbose=False)
     try:
         out = trainer.train_step()
     finally:
         trainer.close()
-    assert isinstance(out["loss"], torch.Tensor) and isinstance(out["grad_norm"], torch.Tensor)
-    assert out["finite"] is True and 0 < float(out["loss"]) < 10
+    assert isinstance(out.loss, torch.Tensor) and isinstance(out.grad_norm, torch.Tensor)
+    assert out.finite is True and 0 < float(out.loss) < 10
 
 
 # ----------------------------------------------------------------------------- TF32 and CUDA
@@ -282,11 +321,14 @@ def test_train_step_returns_device_tensors_without_reading_them(
 
 @cuda
 def test_prefetcher_pins_on_cuda() -> None:
-    prefetch = Prefetcher(lambda s: [(torch.full((2, 3), s), torch.full((2, 3), s))], 3, pin=True)
+    def batches(s: int) -> list[MicroBatch]:
+        return [MicroBatch(torch.full((2, 3), s), torch.full((2, 3), s), torch.zeros(2, 3))]
+
+    prefetch = Prefetcher(batches, 3, pin=True)
     try:
         for step in range(3):
-            ((x, y),) = prefetch(step)
-            assert x.is_pinned() and y.is_pinned() and int(x[0, 0]) == step
+            ((x, y, docs),) = prefetch(step)
+            assert x.is_pinned() and y.is_pinned() and docs.is_pinned() and int(x[0, 0]) == step
     finally:
         prefetch.close()
 
@@ -332,12 +374,11 @@ def test_auto_search_under_a_real_memory_cap(data_dir: Path) -> None:
             model=model,
             train=dict(batch_size="auto", batch_tokens=1024 * 256, seq_len=1024, device="cuda"),
         )
-        got = auto.resolve_batch_size(cfg, device, "bf16", 1, log=print)
-        b, a = got.train.batch_size, got.train.grad_accum
+        b, a = auto.resolve_batch_size(cfg, device, "bf16", 1, log=print)
         assert b * a == 256 and b >= 1
         # The search tried 2b before b (it started above the 2 GiB cap's reach).
         with pytest.raises(torch.cuda.OutOfMemoryError):
-            auto._cuda_step(got, device, "bf16")(2 * b)
+            auto.cuda_trial_step(cfg, device, "bf16")(2 * b)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         torch.cuda.empty_cache()

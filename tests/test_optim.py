@@ -138,7 +138,7 @@ def test_info_says_which_optimizer_trains_what(tmp_path: Path) -> None:
 
 
 def run(cfg, stop_at: int | None = None) -> dict[str, torch.Tensor]:
-    trainer = Trainer(cfg, verbose=False)
+    trainer = Trainer.from_config(cfg, verbose=False)
     try:
         trainer.fit(stop_at=stop_at)
     finally:

@@ -9,12 +9,11 @@ import pytest
 from helpers import prepared_config, tiny_config
 from tiny_run import make_run
 
-from minillm.checkpoint.rundir import resume_point, schedule_change
 from minillm.config import config_from_dict, config_to_dict
-from minillm.train.optim import schedule_lr
+from minillm.train.resume import resume_point, schedule_change
 from minillm.train.trainer import Trainer
 
-KW = dict(resume=True, force=False, clear=False, verbose=True, schedule=schedule_lr)
+KW = dict(resume=True, force=False, clear=False, verbose=True)
 
 
 def resume_with(tmp_path: Path, capsys: pytest.CaptureFixture, **train: object) -> str:
@@ -54,14 +53,14 @@ def test_schedule_change_only_counts_steps_already_taken(tmp_path) -> None:
     longer = copy.deepcopy(cfg)
     longer.train.max_steps = 40
     # Steps 0-5 (warmup, then the peak) have the same lr either way: extending is seamless there.
-    assert schedule_change(old, longer, 6, schedule_lr) is None
-    assert "train.max_steps (20 -> 40)" in schedule_change(old, longer, 7, schedule_lr)
+    assert schedule_change(old, longer, 6) is None
+    assert "train.max_steps (20 -> 40)" in schedule_change(old, longer, 7)
 
 
 def test_trainer_warns_when_a_finished_run_is_extended(tmp_path, capsys) -> None:
     prepared_config(tmp_path)
     cfg = tiny_config(tmp_path)  # max_steps 8, warmup 2
-    trainer = Trainer(cfg, verbose=False)
+    trainer = Trainer.from_config(cfg, verbose=False)
     try:
         trainer.fit(stop_at=4)
     finally:
@@ -69,5 +68,5 @@ def test_trainer_warns_when_a_finished_run_is_extended(tmp_path, capsys) -> None
     raw = config_to_dict(cfg)
     raw["train"]["max_steps"] = 16
     capsys.readouterr()
-    Trainer(config_from_dict(raw), verbose=True).close()
+    Trainer.from_config(config_from_dict(raw), verbose=True).close()
     assert "train.max_steps (8 -> 16)" in capsys.readouterr().err

@@ -593,7 +593,7 @@ def test_training_on_many_shards_equals_training_on_one(tmp_path: Path) -> None:
                               device="cpu", precision="fp32", warmup_steps=1),
             }
         )  # fmt: skip
-        trainer = Trainer(cfg, verbose=False)
+        trainer = Trainer.from_config(cfg, verbose=False)
         try:
             trainer.fit()
         finally:

@@ -329,7 +329,7 @@ def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
     train = dict(max_steps=4, eval_every=2, ckpt_every=0, eval_tasks=[str(task)], sample_every=2,
                  sample_prompts=["ROMEO:", "All:"], sample_max_new_tokens=5)  # fmt: skip
     cfg = prepared_config(tmp_path, train=train)
-    trainer = Trainer(cfg, verbose=False)
+    trainer = Trainer.from_config(cfg, verbose=False)
     try:
         trainer.fit()
     finally:
@@ -364,7 +364,7 @@ def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path, row, me
     (tmp_path / "tokens" / "tokenizer.json").write_text(tiny_run.legacy_tokenizer_json())
     cfg = prepared_config(tmp_path, train=dict(eval_tasks=[str(task)]))
     with pytest.raises(UserError, match=message):
-        Trainer(cfg, verbose=False)
+        Trainer.from_config(cfg, verbose=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -11,6 +11,7 @@ import torch
 
 from minillm.checkpoint import store as ckpt
 from minillm.config import config_from_dict, config_to_dict
+from minillm.data.batches import MicroBatch
 from minillm.errors import UserError
 from minillm.train.schedule import lr_at
 from minillm.train.trainer import Trainer, TrainingDiverged
@@ -63,13 +64,13 @@ def test_accumulation_equals_one_big_batch_with_uneven_masks(
         trainer.train_step()
         return captured
 
-    split = [(x[:2], y[:2]), (x[2:], y[2:])]
+    split = [MicroBatch(x[:2], y[:2]), MicroBatch(x[2:], y[2:])]
     cfg = make_cfg(data_dir, tmp_path / "a", grad_accum=2, batch_size=2)
-    t1 = Trainer(cfg, verbose=False, batches=lambda step: split)
+    t1 = Trainer.from_config(cfg, verbose=False, batches=lambda step: split)
     accumulated = grads_of(t1)
     t1.close()
     cfg = make_cfg(data_dir, tmp_path / "b", grad_accum=1, batch_size=4)
-    t2 = Trainer(cfg, verbose=False, batches=lambda step: [(x, y)])
+    t2 = Trainer.from_config(cfg, verbose=False, batches=lambda step: [MicroBatch(x, y)])
     big = grads_of(t2)
     t2.close()
     for name in big:
@@ -89,7 +90,7 @@ def test_failed_save_leaves_previous_checkpoint_and_latest(
     def full_disk(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    trainer = Trainer(cfg, verbose=False)
+    trainer = Trainer.from_config(cfg, verbose=False)
     try:
         trainer.train_step()
         trainer.step += 1
@@ -123,29 +124,31 @@ def test_tensorboard_has_the_scalars(data_dir: Path, tmp_path: Path) -> None:
     assert [e.step for e in acc.Scalars("val/loss")] == [4, 8, 12, 16, 20]
 
 
-class NaNAt(Trainer):
-    """Poisons the loss of chosen steps."""
+def nan_at(trainer: Trainer, bad_steps: set[int]) -> Trainer:
+    """Poisons the training loss of the chosen steps, through the model's public forward."""
+    forward = trainer.train_model.forward
 
-    bad_steps: set[int] = set()
+    def poisoned(*args, **kwargs):
+        logits, loss = forward(*args, **kwargs)
+        if trainer.step in bad_steps and torch.is_grad_enabled():  # not the evaluations
+            loss = loss * float("nan")
+        return logits, loss
 
-    def micro_loss(self, x, y):
-        loss = super().micro_loss(x, y)
-        return loss * float("nan") if self.step in self.bad_steps else loss
+    trainer.train_model.forward = poisoned  # an instance attribute: this trainer only
+    return trainer
 
 
 def test_nan_step_is_skipped_and_counted(data_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run", max_steps=6)
-    NaNAt.bad_steps = {2}
-    trainer = NaNAt(cfg, verbose=False)
+    trainer = nan_at(Trainer.from_config(cfg, verbose=False), {2})
     try:
         trainer.fit(stop_at=2)
         before = weights(trainer)
         out = trainer.train_step()  # step 2 is poisoned
-        assert not out["finite"]
+        assert not out.finite
         after = weights(trainer)
         assert all(torch.equal(before[k], after[k]) for k in before)
-        trainer.step += 1
-        trainer._count_bad(out)
+        trainer.count_step(out)
         trainer.fit()
         assert trainer.skipped_steps == 1 and trainer.step == 6
         assert all(torch.isfinite(v).all() for v in weights(trainer).values())
@@ -157,8 +160,7 @@ def test_too_many_bad_steps_stop_with_the_last_good_checkpoint(
     data_dir: Path, tmp_path: Path
 ) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run", max_steps=20, max_bad_steps=3)
-    NaNAt.bad_steps = set(range(5, 20))
-    trainer = NaNAt(cfg, verbose=False)
+    trainer = nan_at(Trainer.from_config(cfg, verbose=False), set(range(5, 20)))
     try:
         with pytest.raises(TrainingDiverged, match="step 8: 3 non-finite steps in a row") as err:
             trainer.fit()
@@ -176,7 +178,7 @@ def test_resume_with_other_architecture_is_refused_naming_keys(
     raw["model"]["n_layer"] = 3
     raw["model"]["d_model"] = 64
     with pytest.raises(UserError, match=r"model\.d_model.*model\.n_layer"):
-        Trainer(config_from_dict(raw), verbose=False)
+        Trainer.from_config(config_from_dict(raw), verbose=False)
     raw = config_to_dict(cfg)
     raw["train"]["max_steps"] = 12  # a schedule-only change is fine
     trainer = run_trainer(config_from_dict(raw))
@@ -187,20 +189,20 @@ def test_no_resume_needs_force(data_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run")
     run_trainer(cfg, stop_at=4)
     with pytest.raises(UserError, match="--force"):
-        Trainer(cfg, resume=False, verbose=False)
+        Trainer.from_config(cfg, resume=False, verbose=False)
     trainer = run_trainer(cfg, resume=False, force=True, stop_at=2)
     assert trainer.step == 2
 
 
 def test_second_trainer_on_the_same_run_is_refused(data_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run")
-    first = Trainer(cfg, verbose=False)
+    first = Trainer.from_config(cfg, verbose=False)
     try:
         with pytest.raises(UserError, match="another `minillm train`"):
-            Trainer(cfg, verbose=False)
+            Trainer.from_config(cfg, verbose=False)
     finally:
         first.close()
-    Trainer(cfg, verbose=False).close()  # released: the next one may start
+    Trainer.from_config(cfg, verbose=False).close()  # released: the next one may start
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -209,7 +211,7 @@ def test_mixed_precision_trains_keeps_fp32_weights_and_resumes(
 ) -> None:
     # bf16 is slow on this CPU (no native support), hence the tiny model and few steps.
     cfg = make_cfg(data_dir, tmp_path / "run", precision=precision, max_steps=4, ckpt_every=2)
-    trainer = Trainer(cfg, verbose=False)
+    trainer = Trainer.from_config(cfg, verbose=False)
     try:
         assert trainer.precision == precision
         assert (trainer.scaler is not None) == (precision == "fp16")
@@ -217,8 +219,8 @@ def test_mixed_precision_trains_keeps_fp32_weights_and_resumes(
         for _ in range(2):
             out = trainer.train_step()
             trainer.step += 1
-            losses.append(out["loss"])
-        assert all(math.isfinite(x) for x in losses) and out["finite"]
+            losses.append(float(out.loss))
+        assert all(math.isfinite(x) for x in losses) and out.finite
         # Autocast runs the matmuls in low precision; the weights and AdamW moments stay fp32.
         assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
         trainer.save()
@@ -254,12 +256,12 @@ def test_shards_from_another_source_are_warned_about(
     data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     cfg = make_cfg(data_dir, tmp_path / "same", max_steps=1)
-    Trainer(cfg, verbose=False).close()
+    Trainer.from_config(cfg, verbose=False).close()
     assert "warning" not in capsys.readouterr().err
     other = make_cfg(data_dir, tmp_path / "other", max_steps=1)
     other.data.source = str(tmp_path / "another.jsonl")
     other.data.text_field = "body"
-    Trainer(other, verbose=False).close()
+    Trainer.from_config(other, verbose=False).close()
     err = capsys.readouterr().err
     assert "meta.json: the shards were made with other data.source, data.text_field" in err
 

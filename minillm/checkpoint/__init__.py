@@ -1,6 +1,6 @@
 """The checkpoint stage: what training writes and inference reads, and the formats it leaves in.
 
 Modules: `store` (atomic checkpoints, integrity-checked loading, latest/best, `load_checkpoint`),
-`rundir` (the run lock and the choice of where a run resumes) and `hf_folder` (export to and
-import from a Hugging Face Llama folder: `minillm export` and `train.init_from`).
+`rundir` (the run lock) and `hf_folder` (export to and import from a Hugging Face Llama folder:
+`minillm export` and `train.init_from`). Where a run resumes is minillm.train.resume's policy.
 """

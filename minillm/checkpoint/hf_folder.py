@@ -19,7 +19,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from minillm.model.hf_names import (
     to_hf_state_dict,
 )
 from minillm.runtime.files import commit_dir, save_safetensors
+
+if TYPE_CHECKING:
+    from minillm.checkpoint.store import LoadedCheckpoint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -140,7 +143,7 @@ def _check_not_over_source(out: Path, source: Path) -> None:
         )
 
 
-def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
+def export_checkpoint(ckpt: LoadedCheckpoint, out: str | Path, force: bool = False) -> Path:
     """Write a LoadedCheckpoint as an HF Llama folder at `out`, all at once (temp + rename).
 
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.

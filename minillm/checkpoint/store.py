@@ -27,7 +27,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,11 @@ from minillm.runtime.files import (
     save_safetensors,
     sha256_file,
 )
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from minillm.config import Config
 
 CKPT_DIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
@@ -387,9 +392,9 @@ class LoadedCheckpoint:
     """Everything `eval`, `sample` and `export` need, rebuilt from a checkpoint alone."""
 
     path: Path
-    config: Any  # minillm.config.Config
+    config: Config
     model: torch.nn.Module
-    tokenizer: Any  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     state: dict[str, Any]
 
 

@@ -268,7 +268,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply `section.key=value` overrides, convert types and validate.
 
     An empty `train.out_dir` becomes `runs/<config file stem>`. A config whose model comes from
-    `train.init_from` is read with `minillm.train.setup.load_train_config` instead.
+    `train.init_from` is read with `minillm.train.run.load_train_config` instead.
     """
     raw = read_raw_config(path, overrides)
     return config_from_dict(raw, str(path), override_keys(overrides or []))

@@ -1,23 +1,42 @@
 """The batches that training and evaluation read from a split: pure functions of their inputs.
 
-Offers `train_batch` (the micro-batches of one step, a function of (seed, step, rank, world
-size)), `eval_batches` (windows that predict every token after the first once), and for packed
-documents `doc_starts`, `doc_ids` and `conversation_batches` (every conversation alone in its
-row). So a resumed run sees the same data, and the global batch does not depend on how it is
+Offers `MicroBatch`, `train_batch` (the micro-batches of one step, a function of (seed, step,
+rank, world size)), `eval_batches` (windows that predict every token after the first once), and
+for packed documents `doc_starts`, `doc_ids` and `conversation_batches` (every conversation alone
+in its row). So a resumed run sees the same data, and the global batch does not depend on how it is
 spread over ranks and micro-batches.
 
-A micro-batch is (x, y) or, with document masking, (x, y, doc_ids): doc_ids (B, T) numbers the
-documents of a window (a document's EOT belongs to it), for the model's `doc_ids` argument.
+A training micro-batch is a `MicroBatch` (tokens, targets, doc_ids): with document masking
+doc_ids (B, T) numbers the documents of a window (a document's EOT belongs to it), for the model's
+`doc_ids` argument; else it is None. Evaluation batches stay plain (x, y) pairs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from minillm.errors import ConfigError
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch of a training step: tokens (B, T) int64, targets (B, T) int64 (-100 where
+    not a target), and doc_ids (B, T) under document masking, else None."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        """`fn` applied to every tensor present (pinning, a copy to the device), None kept."""
+        return MicroBatch(*(None if t is None else fn(t) for t in self))
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
+        """On `device`; non_blocking from pinned memory is an asynchronous copy on CUDA."""
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def train_batch(
@@ -33,8 +52,8 @@ def train_batch(
     mask: np.ndarray | None = None,
     eot_id: int | None = None,
     starts: np.ndarray | None = None,
-) -> list[tuple[torch.Tensor, ...]]:
-    """This rank's `grad_accum` micro-batches (x, y[, doc_ids]) of step `step`, each (B, T).
+) -> list[MicroBatch]:
+    """This rank's `grad_accum` micro-batches (tokens, targets, doc_ids) of step `step`, (B, T).
 
     A pure function of (seed, step, rank, world_size): the step draws G = B * grad_accum *
     world_size window offsets uniformly in [0, len - T - 1] from `default_rng([seed, step])`, and
@@ -61,7 +80,7 @@ def train_batch(
     else:
         offsets = starts[rng.integers(0, len(starts), size=windows)]
     pad = 0 if eot_id is None else eot_id
-    batches: list[tuple[torch.Tensor, ...]] = []
+    batches: list[MicroBatch] = []
     for m in range(grad_accum):
         first = (rank * grad_accum + m) * batch_size
         rows, targets = [], []
@@ -76,7 +95,7 @@ def train_batch(
         window = torch.from_numpy(np.stack(rows))  # (B, T+1)
         x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()
         y[~torch.from_numpy(np.stack(targets)[:, 1:])] = -100
-        batches.append((x, y) if eot_id is None else (x, y, doc_ids(x, eot_id)))
+        batches.append(MicroBatch(x, y, None if eot_id is None else doc_ids(x, eot_id)))
     return batches
 
 

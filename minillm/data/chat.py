@@ -17,9 +17,12 @@ same ids. With the loss on the assistant, the targets are each assistant content
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minillm.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 ROLES = ("system", "user", "assistant")
 END = "<|end|>"
@@ -65,7 +68,7 @@ def check_messages(
     return out
 
 
-def chat_ids(tok: Any, where: str = "") -> dict[str, int]:
+def chat_ids(tok: Tokenizer, where: str = "") -> dict[str, int]:
     """{"system", "user", "assistant", "end"} -> special-token id; a UserError when missing."""
     ids = {r: tok.token_to_id(f"<|{r}|>") for r in ROLES}
     ids["end"] = tok.token_to_id(END)
@@ -79,14 +82,14 @@ def chat_ids(tok: Any, where: str = "") -> dict[str, int]:
     return ids
 
 
-def _content_ids(tok: Any, texts: Sequence[str]) -> list[list[int]]:
+def _content_ids(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     # Quoted special tokens in a content are text (the caller's tokenizer has
     # encode_special_tokens set; minillm.data.tokenizer.load_tokenizer does that).
     return [e.ids for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
 
 def encode_conversation(
-    tok: Any, messages: list[dict[str, str]], ids: dict[str, int] | None = None
+    tok: Tokenizer, messages: list[dict[str, str]], ids: dict[str, int] | None = None
 ) -> tuple[list[int], list[bool]]:
     """Token ids of a conversation and, per token, whether it is an assistant target."""
     ids = ids or chat_ids(tok)
@@ -100,7 +103,7 @@ def encode_conversation(
 
 
 def encode_prompt(
-    tok: Any, messages: list[dict[str, str]], ids: dict[str, int] | None = None
+    tok: Tokenizer, messages: list[dict[str, str]], ids: dict[str, int] | None = None
 ) -> list[int]:
     """A conversation's ids followed by the generation prompt `<|assistant|>`."""
     ids = ids or chat_ids(tok)

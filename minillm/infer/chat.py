@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
 from minillm.data.chat import chat_ids, encode_prompt
 from minillm.errors import UserError
 from minillm.infer.generate import TextStreamer, check_sampling, generate, row_seed
+
+if TYPE_CHECKING:
+    from minillm.checkpoint.store import LoadedCheckpoint
 
 HELP = "type a message; /reset starts over, /exit (or Ctrl-D) leaves"
 
@@ -42,7 +45,7 @@ class ChatSettings:
 class Conversation:
     """The messages so far with a model; `reply(text)` adds a user turn and the answer."""
 
-    def __init__(self, ckpt: Any, settings: ChatSettings, err: TextIO) -> None:
+    def __init__(self, ckpt: LoadedCheckpoint, settings: ChatSettings, err: TextIO) -> None:
         self.model, self.tok = ckpt.model, ckpt.tokenizer
         self.tok.encode_special_tokens = True  # a typed "<|end|>" is text, not a turn
         self.ids = chat_ids(self.tok, f"{ckpt.path}: --ckpt")
@@ -122,7 +125,7 @@ class Conversation:
 
 
 def chat_checkpoint(
-    ckpt: Any,
+    ckpt: LoadedCheckpoint,
     settings: ChatSettings,
     stdin: TextIO | None = None,
     out: TextIO | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ import torch
 from minillm.data.batches import conversation_batches
 from minillm.data.chat import assistant_bytes, chat_ids, check_messages, encode_conversation
 from minillm.errors import UserError
+
+if TYPE_CHECKING:
+    from minillm.checkpoint.store import LoadedCheckpoint
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -55,7 +58,11 @@ def _read_rows(path: Path) -> list[Any] | None:
 
 
 def chat_eval_data(
-    ckpt: Any, data: str | Path | None, seq_len: int, batch_size: int, max_tokens: int | None
+    ckpt: LoadedCheckpoint,
+    data: str | Path | None,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int | None,
 ) -> tuple[Batches, float, str] | None:
     """(batches, bytes, source) for chat data; None for text (module docstring)."""
     from minillm.data.meta import load_meta, open_mask, open_split

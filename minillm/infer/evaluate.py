@@ -18,7 +18,7 @@ import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,11 @@ from minillm.errors import UserError
 from minillm.infer.chat_eval import chat_eval_data
 from minillm.runtime.files import read_user_text
 from minillm.runtime.progress import Progress
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from minillm.checkpoint.store import LoadedCheckpoint
 
 LN2 = math.log(2.0)
 JSON_KEYS = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
@@ -117,7 +122,7 @@ def _cap(ids: list[int], n_bytes: int, max_tokens: int | None) -> tuple[np.ndarr
 
 
 def _data_tokens(
-    path: Path, ckpt: Any, text_field: str | None, max_tokens: int | None
+    path: Path, ckpt: LoadedCheckpoint, text_field: str | None, max_tokens: int | None
 ) -> tuple[np.ndarray, float]:
     """Token ids and UTF-8 bytes of `--data`: a dataset file (by its extension) as `minillm
     tokenize` reads it, else a text file as one document."""
@@ -132,7 +137,7 @@ def _data_tokens(
 
 
 def _table_tokens(
-    path: Path, ckpt: Any, text_field: str | None, max_tokens: int | None
+    path: Path, ckpt: LoadedCheckpoint, text_field: str | None, max_tokens: int | None
 ) -> tuple[np.ndarray, float]:
     """Rows of a json/jsonl/parquet/csv file through the corpus loader of `minillm tokenize`
     (text_field, chat rows rendered), each row a document followed by end-of-text as in the
@@ -178,7 +183,9 @@ def _table_tokens(
     return _cap(ids, n_bytes, max_tokens)
 
 
-def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np.ndarray, float]:
+def _file_tokens(
+    path: Path, tokenizer: Tokenizer, max_tokens: int | None
+) -> tuple[np.ndarray, float]:
     """Token ids of a text file (one document, no special tokens added) and its UTF-8 bytes."""
     text = read_user_text(path, "file")
     # The file is one document: a literal "<|endoftext|>" in it is text, as in the shards.
@@ -187,7 +194,7 @@ def _file_tokens(path: Path, tokenizer: Any, max_tokens: int | None) -> tuple[np
     return _cap(ids, len(text.encode("utf-8")), max_tokens)
 
 
-def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
+def _val_tokens(ckpt: LoadedCheckpoint, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
     """The run's validation shard, its bytes (scaled to the share used) and a note saying so."""
     from minillm.data.meta import load_meta, open_split
     from minillm.data.tokenizer import eot_id, tokenizer_sha256
@@ -221,7 +228,7 @@ def _val_tokens(ckpt: Any, max_tokens: int | None) -> tuple[np.ndarray, float, s
 
 
 def evaluate_checkpoint(
-    ckpt: Any,
+    ckpt: LoadedCheckpoint,
     data: str | Path | None = None,
     max_tokens: int | None = None,
     batch_size: int | None = None,

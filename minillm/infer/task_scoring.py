@@ -25,7 +25,7 @@ import re
 import sys
 import time
 from decimal import Decimal, InvalidOperation
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -34,17 +34,22 @@ from minillm.errors import UserError
 from minillm.infer.task_format import MultipleChoice, Task
 from minillm.runtime.progress import Progress
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from minillm.checkpoint.store import LoadedCheckpoint
+
 # A choice: its token ids and how many of the last ones are the ending's (the scored tokens).
 Choice = tuple[list[int], int]
 
 # ----------------------------------------------------------------------------- multiple choice
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def choice_ids(tokenizer: Any, context: str, ending: str, max_len: int) -> Choice | None:
+def choice_ids(tokenizer: Tokenizer, context: str, ending: str, max_len: int) -> Choice | None:
     """The ids of one choice, the context cut from the left to fit max_len, and the ending's
     token count; None when the ending alone leaves no room for one context token."""
     ctx, end = _encode(tokenizer, context), _encode(tokenizer, ending)
@@ -53,7 +58,7 @@ def choice_ids(tokenizer: Any, context: str, ending: str, max_len: int) -> Choic
     return (ctx + end)[-max_len:], len(end)
 
 
-def encode_multiple_choice(tokenizer: Any, task: Task, max_len: int) -> list[list[Choice]]:
+def encode_multiple_choice(tokenizer: Tokenizer, task: Task, max_len: int) -> list[list[Choice]]:
     """Every example's choices, encoded once (the trainer reuses them at each evaluation)."""
     tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a task's text is text
     encoded = []
@@ -160,7 +165,9 @@ def score_multiple_choice(
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: tuple[tuple[str, str], ...], where: str) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Tokenizer, messages: tuple[tuple[str, str], ...], where: str
+) -> list[int]:
     """The prompt of an exact-match example: the chat template of minillm.data.chat (the one
     `minillm chat` and the export use), ending in the generation prompt <|assistant|>."""
     ids = chat_ids(tokenizer, where)
@@ -189,7 +196,7 @@ def answer_matches(reply: str, answer: str, number: bool = False) -> bool:
 
 def score_exact_match(
     model: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     task: Task,
     batch_size: int,
     max_new_tokens: int,
@@ -250,7 +257,7 @@ def score_exact_match(
 
 
 def evaluate_tasks(
-    ckpt: Any,
+    ckpt: LoadedCheckpoint,
     tasks: list[Task],
     batch_size: int | None = None,
     extract_number: bool = False,

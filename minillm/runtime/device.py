@@ -10,7 +10,7 @@ import contextlib
 import os
 import random
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -70,13 +70,17 @@ def autocast_context(device: torch.device, precision: str) -> contextlib.Abstrac
     return torch.autocast(device_type=device.type, dtype=PRECISION_DTYPES[precision])
 
 
-def enable_tf32(device: torch.device) -> bool:
+def enable_tf32(
+    device: torch.device,
+    capability: Callable[[torch.device], tuple[int, int]] = torch.cuda.get_device_capability,
+) -> bool:
     """Let fp32 matmuls use TF32 tensor cores on an Ampere-or-newer GPU; True if now on.
 
     fp32 matmuls (fp32 runs, and the fp32 ops that autocast leaves) otherwise run on the slow
     IEEE path; TF32 keeps fp32's range with a 10-bit mantissa, the trade every LLM trainer makes.
+    `capability(device)` is the GPU's compute capability (a parameter, so a CPU test can give one).
     """
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+    if device.type != "cuda" or capability(device)[0] < 8:
         return False
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
         torch.backends.cuda.matmul.fp32_precision = "tf32"

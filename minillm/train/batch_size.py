@@ -1,11 +1,11 @@
 """`train.batch_size: auto`: the largest micro-batch this device runs, and the grad_accum that
 keeps the global batch at `train.batch_tokens`.
 
-Offers `resolve_batch_size(cfg, device, precision, world_size, ...)`, which returns the config with
-integer batch_size and grad_accum (the run's config.yaml and checkpoints then record them, so a
-resume is exact), and its parts: `search_micro_batch` (halving, catching out-of-memory; the step
-is injected, so tests give it a fake allocator limit), `split_global_batch`, `estimate_micro_batch`
-and `available_memory`.
+Offers `resolve_batch_size(cfg, device, precision, world_size, ...)`, which returns the integer
+(batch_size, grad_accum) of the run (its config.yaml and checkpoints then record them, so a resume
+is exact), and its parts: `search_micro_batch` (halving, catching out-of-memory; the step is
+injected, so tests give it a fake allocator limit), `cuda_trial_step`, `split_global_batch`,
+`estimate_micro_batch`, `available_memory` and `batch_split_of` (a checkpoint's).
 
 On CUDA the search runs real training steps (forward, backward, optimizer step) of a throw-away
 model at seq_len, from a power of two above `minillm info`'s estimate down. Elsewhere out-of-memory
@@ -14,7 +14,6 @@ is not an exception one can catch (the OS kills the process), so the estimate de
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 from collections.abc import Callable
@@ -87,11 +86,14 @@ def split_global_batch(micro: int, cfg: Config, world_size: int) -> tuple[int, i
     return b, seqs // b
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes this process may still allocate on `device` (CUDA: free; MPS: the recommended
-    working set; CPU: the kernel's MemAvailable)."""
+def available_memory(
+    device: torch.device,
+    cuda_mem_get_info: Callable[[torch.device], tuple[int, int]] = torch.cuda.mem_get_info,
+) -> int:
+    """Bytes this process may still allocate on `device` (CUDA: free, by `cuda_mem_get_info`;
+    MPS: the recommended working set; CPU: the kernel's MemAvailable)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return cuda_mem_get_info(device)[0]
     if device.type == "mps":
         return int(torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory())
     try:
@@ -112,7 +114,7 @@ def estimate_micro_batch(cfg: Config, available: int, half: bool) -> int:
     return max(int((ESTIMATE_SHARE * available - static) // per_seq), 0)
 
 
-def _cuda_step(cfg: Config, device: torch.device, precision: str) -> Callable[[int], None]:
+def cuda_trial_step(cfg: Config, device: torch.device, precision: str) -> Callable[[int], None]:
     """One real training step at micro-batch b, on a throw-away model (the run's is built
     after, from the seed, so the search leaves no trace in its weights)."""
 
@@ -131,17 +133,15 @@ def _cuda_step(cfg: Config, device: torch.device, precision: str) -> Callable[[i
     return step
 
 
-def _free_cuda() -> None:
+def free_cuda_memory() -> None:
+    """Drop a failed attempt's cached blocks, so the next (smaller) one starts from a clean pool."""
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def _from_checkpoint(run_dir: Path) -> tuple[int, int] | None:
-    """The batch_size and grad_accum of the run's latest checkpoint, if it has one."""
-    found = ckpt.find_latest(run_dir)
-    if found is None:
-        return None
-    train = ckpt.read_state(found)["config"].get("train", {})
+def batch_split_of(checkpoint: Path) -> tuple[int, int] | None:
+    """The batch_size and grad_accum a checkpoint was trained with, if it records them."""
+    train = ckpt.read_state(checkpoint)["config"].get("train", {})
     b, a = train.get("batch_size"), train.get("grad_accum")
     return (b, a) if isinstance(b, int) and isinstance(a, int) else None
 
@@ -151,16 +151,21 @@ def resolve_batch_size(
     device: torch.device,
     precision: str,
     world_size: int,
-    run_dir: Path | None = None,
+    previous: tuple[int, int] | None = None,
     agree: Callable[[int], int] = lambda b: b,
     log: Callable[[str], None] = print,
-) -> Config:
-    """`cfg` with integer batch_size and grad_accum.
+    memory: Callable[[torch.device], int] | None = None,
+    trial_step: Callable[[Config, torch.device, str], Callable[[int], None]] = cuda_trial_step,
+    free: Callable[[], None] = free_cuda_memory,
+) -> tuple[int, int]:
+    """The run's integer (batch_size, grad_accum).
 
     An integer batch_size is kept (batch_tokens, if given, must agree with it). `auto` takes, in
-    order: the values of the run's latest checkpoint (`run_dir`, when resuming: the same batches
-    as before), the CUDA search, or the estimate against available memory. `agree` makes the
-    ranks agree on one micro-batch (the smallest).
+    order: `previous` (the split of the run's latest checkpoint, when resuming: the same batches
+    as before), the search on CUDA (`trial_step(cfg, device, precision)(b)` runs one step at
+    micro-batch b, `free` cleans up after an out-of-memory), or elsewhere the estimate against
+    `memory(device)` (default `available_memory`). `agree` makes the ranks agree on one
+    micro-batch (the smallest).
     """
     t = cfg.train
     if t.batch_size != "auto":
@@ -171,21 +176,21 @@ def resolve_batch_size(
                 f"{t.batch_tokens} differs from batch_size x grad_accum x seq_len x world size "
                 f"= {tokens} (set one, or batch_size: auto)",
             )
-        return cfg
-    previous = _from_checkpoint(run_dir) if run_dir is not None else None
+        return t.batch_size, t.grad_accum
     if previous is not None:
         b, accum = previous
         log(f"batch_size auto: {b} x grad_accum {accum}, as in the run's latest checkpoint")
     else:
         seqs = max(t.batch_tokens // (t.seq_len * world_size), 1)
-        estimate = estimate_micro_batch(cfg, available_memory(device), runs_half(cfg))
+        available = (memory or available_memory)(device)
+        estimate = estimate_micro_batch(cfg, available, runs_half(cfg))
         if device.type == "cuda":
             # From the power of two above the estimate: halving then visits powers of two,
             # which divide the usual power-of-two batch_tokens.
             upper = 1 << max(estimate, 1).bit_length()
             micro = search_micro_batch(
-                _cuda_step(cfg, device, precision), min(upper, _pow2_at_least(seqs)),
-                free=_free_cuda, log=log,
+                trial_step(cfg, device, precision), min(upper, _pow2_at_least(seqs)),
+                free=free, log=log,
             )  # fmt: skip
             how = "the largest that ran a training step"
         else:
@@ -194,7 +199,7 @@ def resolve_batch_size(
         b, accum = split_global_batch(agree(micro), cfg, world_size)
         log(f"batch_size auto: micro-batch {b} x grad_accum {accum} x {world_size} rank(s) x "
             f"{t.seq_len} = {t.batch_tokens:,} tokens/step ({how}: {micro})")  # fmt: skip
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, batch_size=b, grad_accum=accum))
+    return b, accum
 
 
 def _pow2_at_least(n: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +37,14 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def init_distributed(device: torch.device) -> DistInfo:
+def init_distributed(
+    device: torch.device, init_process_group: Callable[..., None] = dist.init_process_group
+) -> DistInfo:
     """Join the process group torchrun describes (nccl on CUDA, gloo on CPU); else world size 1.
 
     A rank that dies makes torchrun stop the others; the timeout bounds any collective that
     would otherwise wait for it (MINILLM_DIST_TIMEOUT seconds, default 1800).
+    `init_process_group` is torch's (a parameter, so a CPU test sees the backend chosen for CUDA).
     """
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) <= 1:
         return DistInfo()
@@ -55,16 +59,21 @@ def init_distributed(device: torch.device) -> DistInfo:
         # NCCL alone refuses a CPU tensor.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        init_process_group(backend=backend, timeout=timeout, **kwargs)
     return info
 
 
-def local_device(device: torch.device, info: DistInfo) -> torch.device:
-    """One GPU per process: cuda means cuda:<LOCAL_RANK> under torchrun."""
+def local_device(
+    device: torch.device,
+    info: DistInfo,
+    set_device: Callable[[torch.device], None] = torch.cuda.set_device,
+) -> torch.device:
+    """One GPU per process: cuda means cuda:<LOCAL_RANK> under torchrun (made current by
+    `set_device`, torch's, a parameter for CPU tests)."""
     if device.type == "cuda" and info.enabled and device.index is None:
         device = torch.device("cuda", info.local_rank)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        set_device(device)
     return device
 
 

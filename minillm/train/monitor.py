@@ -1,18 +1,26 @@
 """What a person watches during training: a rich progress bar (or plain lines) and TensorBoard.
 
-Offers `Monitor` and `Meter` (tokens/s and MFU over a window of steps). Only rank 0 creates a
-Monitor that writes; other ranks get a silent one.
+Offers `Monitor`, `Meter` (tokens/s and MFU over a window of steps) and `open_monitor(trainer,
+end)` (both, for a Trainer's loop, with the run's opening lines). Only rank 0 creates a Monitor
+that writes; other ranks get a silent one.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from rich.console import Console
 
+from minillm.config import Config, dump_config
+from minillm.errors import warn
+from minillm.model import Transformer
+from minillm.model.param_groups import describe
+from minillm.runtime.perf import peak_flops
 from minillm.runtime.progress import Progress, format_duration
+from minillm.train.distributed import DistInfo
 
 
 class Monitor:
@@ -109,22 +117,88 @@ class Meter:
             return math.nan
         return mfu(self.flops_per_token, self.tokens_per_sec, self.peak * self.world_size)
 
-    def scalars(self, out: dict[str, float], skipped: int) -> dict[str, float]:
+    def scalars(self, loss: float, lr: float, grad_norm: float, skipped: int) -> dict[str, float]:
+        """The TensorBoard scalars of a logging step."""
         return {
-            "train/loss": out["loss"],
-            "train/lr": out["lr"],
-            "train/grad_norm": out["grad_norm"],
+            "train/loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
             "train/tokens_per_sec": self.tokens_per_sec,
             "train/mfu": self.mfu,
             "train/skipped_steps": skipped,
         }
 
-    def stats(self, out: dict[str, float]) -> dict[str, str]:
+    def stats(self, loss: float, lr: float) -> dict[str, str]:
+        """The progress line's numbers of a logging step."""
         stats = {
-            "loss": f"{out['loss']:.4f}",
-            "lr": f"{out['lr']:.2e}",
+            "loss": f"{loss:.4f}",
+            "lr": f"{lr:.2e}",
             "tok/s": f"{self.tokens_per_sec:,.0f}",
         }
         if math.isfinite(self.mfu):
             stats["mfu"] = f"{100 * self.mfu:.1f}%"
         return stats
+
+
+class Watched(Protocol):
+    """What the opening lines and the meter read of a Trainer (a Protocol: no import of it)."""
+
+    cfg: Config
+    model: Transformer
+    run_dir: Path
+    device: torch.device
+    precision: str
+    tf32: bool
+    dist: DistInfo
+    step: int
+    is_main: bool
+    verbose: bool
+    flops_per_token: float
+    tokens_per_step: int
+
+    @property
+    def resumed(self) -> bool: ...
+
+
+def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
+    """A trainer's TensorBoard and console output, its throughput meter, and the opening lines
+    (the banner; a warmup that outlasts the run; nothing left to train)."""
+    tc = trainer.cfg.train
+    # Nothing to train: no TensorBoard writer, so no new, empty events file in tb/.
+    tb_dir = trainer.run_dir if trainer.step < end else None
+    monitor = Monitor(tb_dir, tc.max_steps, trainer.step, enabled=trainer.is_main)
+    if trainer.step == 0:
+        monitor.text("config", "```yaml\n" + dump_config(trainer.cfg) + "```")
+    peak, peak_source = 0.0, ""
+    if trainer.is_main:
+        peak, peak_source = peak_flops(trainer.device, trainer.precision, tc.peak_flops)
+    meter = Meter(trainer.flops_per_token, peak, trainer.dist.world_size)
+    if trainer.verbose:
+        monitor.print(banner(trainer, meter.peak, peak_source))
+        if tc.warmup_steps >= tc.max_steps and trainer.step < tc.max_steps:
+            warn(f"train.warmup_steps={tc.warmup_steps} >= train.max_steps={tc.max_steps}: "
+                 "the run ends while the lr still rises, before any decay; lower "
+                 f"warmup_steps (e.g. {max(tc.max_steps // 10, 1)})")  # fmt: skip
+        if trainer.step >= tc.max_steps:
+            monitor.print(
+                f"the run is already at step {trainer.step}, train.max_steps is "
+                f"{tc.max_steps}: nothing to train (raise max_steps to go on)"
+            )
+    return monitor, meter
+
+
+def banner(trainer: Watched, peak: float, peak_source: str) -> str:
+    """The first line of a run: model, device, precision, batch, peak FLOP/s, run dir."""
+    tc = trainer.cfg.train
+    n = trainer.model.param_count()
+    return (
+        f"training {n / 1e6:.2f}M parameters on {trainer.device} ({trainer.precision}"
+        f"{', compiled' if tc.compile else ''}{', TF32 matmuls' if trainer.tf32 else ''}"
+        f"{', activation checkpointing' if tc.activation_checkpointing else ''}"
+        f"{f', {trainer.dist.world_size} ranks, {tc.parallel}' if trainer.dist.enabled else ''}); "
+        f"global batch {tc.batch_size}x{tc.grad_accum}x{trainer.dist.world_size} seqs of "
+        f"{tc.seq_len} = {trainer.tokens_per_step:,} tokens/step; "
+        f"peak {peak / 1e9:.0f} GFLOP/s for MFU ({peak_source}); run dir {trainer.run_dir}"
+        + (f"; weights from {tc.init_from}" if tc.init_from and not trainer.resumed else "")
+        + f"\n{describe(trainer.model, tc)}"
+    )

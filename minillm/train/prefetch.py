@@ -3,8 +3,9 @@
 Offers `Prefetcher(batches, end, pin)`: called with step s it returns `batches(s)` (ready, when
 the previous call asked for s) and starts `batches(s + 1)` on a background thread. The batches stay
 a pure function of (seed, step, rank): only when they are made changes, never which step they
-belong to, so the order and a resume are unchanged. On CUDA they are copied into pinned memory on
-that thread, so the trainer's `.to(device, non_blocking=True)` is an asynchronous copy.
+belong to, so the order and a resume are unchanged. On CUDA (`pin`) every tensor of every
+`MicroBatch` (doc_ids too) is copied into pinned memory on that thread, so the trainer's
+`.to(device, non_blocking=True)` is an asynchronous copy.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
+from minillm.data.batches import MicroBatch
 
-MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+MicroBatches = list[MicroBatch]
 
 
 class Prefetcher:
@@ -28,7 +29,7 @@ class Prefetcher:
     def _make(self, step: int) -> MicroBatches:
         micro = self.batches(step)
         if self.pin:
-            micro = [(x.pin_memory(), y.pin_memory()) for x, y in micro]
+            micro = [m.map(lambda t: t.pin_memory()) for m in micro]
         return micro
 
     def __call__(self, step: int) -> MicroBatches:

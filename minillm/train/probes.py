@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +34,9 @@ from minillm.infer.task_scoring import (
 )
 from minillm.train.monitor import Monitor
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 
 class TrainingProbes:
     """Task scores and samples of the model being trained, logged to TensorBoard and printed."""
@@ -41,7 +44,7 @@ class TrainingProbes:
     def __init__(
         self,
         cfg: Config,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         device: torch.device,
         autocast: contextlib.AbstractContextManager | None = None,
     ) -> None:

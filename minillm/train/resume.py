@@ -1,0 +1,179 @@
+"""Where a run resumes, and what a resume may change: the train stage's policy over the run's
+checkpoints (minillm.checkpoint stores and loads them).
+
+Offers `resume_point` (which checkpoint a `minillm train` continues from, or None to start
+afresh), `resume_differences(old, new) -> (refused, changed)`, `schedule_change` (the warning for
+a resume that redraws the learning rate of steps already taken) and the key sets they use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+from minillm.checkpoint import store as ckpt
+from minillm.config import Config, config_from_dict, config_to_dict
+from minillm.errors import ConfigError, UserError, warn
+from minillm.train.schedule import schedule_lr
+
+# Keys a resumed run may change without a word: they only move the end or the cadence.
+REFUSED_KEYS = {"data.vocab_size", "train.optimizer"}
+SCHEDULE_KEYS = {
+    "train.max_steps",
+    "train.eval_every",
+    "train.eval_steps",
+    "train.ckpt_every",
+    "train.keep_last",
+    "train.log_every",
+    "train.max_bad_steps",
+    "train.peak_flops",
+    "train.device",
+    "train.compile",
+    "train.out_dir",
+    "train.parallel",  # a change of world size or wrapping is reported on its own
+}
+
+
+# Keys that shape the learning-rate schedule (some arrive with other issues; absent ones never
+# differ). A resume that changes them redraws the curve over the steps already taken.
+LR_SCHEDULE_KEYS = (
+    "train.lr",
+    "train.min_lr",
+    "train.warmup_steps",
+    "train.max_steps",
+    "train.schedule",
+    "train.decay_fraction",
+)
+
+
+def _flatten(cfg: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, section in cfg.items() for k, v in section.items()}
+
+
+def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], list[str]]:
+    """Keys whose change refuses a resume (architecture, tokenizer) and keys that merely changed.
+
+    `old` is the config dict saved with the checkpoint.
+    """
+    with contextlib.suppress(ConfigError):  # resolve nulls (n_kv_head, ...) as `new` has them
+        old = config_to_dict(config_from_dict(old))
+    before, after = _flatten(old), _flatten(config_to_dict(new))
+    refused, changed = [], []
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key), after.get(key)
+        if isinstance(a, list):
+            a = tuple(a)
+        if isinstance(b, list):
+            b = tuple(b)
+        if a == b or key in SCHEDULE_KEYS:
+            continue
+        entry = f"{key} ({a!r} -> {b!r})"
+        # The optimizer's state has another shape (Muon keeps one buffer, AdamW two moments).
+        if (key.startswith("model.") and key != "model.dropout") or key in REFUSED_KEYS:
+            refused.append(entry)
+        else:
+            changed.append(entry)
+    return refused, changed
+
+
+def schedule_change(old: dict[str, Any], new: Config, step: int) -> str | None:
+    """A warning when resuming at `step` gives steps 0..step-1 another learning rate than the run
+    used (raising max_steps re-stretches the cosine, so the lr jumps back up); else None.
+
+    `old` is the config dict saved with the checkpoint. Names the keys that changed.
+    """
+    try:
+        old_train = config_from_dict(old).train
+    except ConfigError:
+        return None
+    if all(schedule_lr(t, old_train) == schedule_lr(t, new.train) for t in range(step)):
+        return None  # also a resume at step 0
+    before, after = _flatten(old), _flatten(config_to_dict(new))
+    keys = [
+        f"{k} ({before.get(k)!r} -> {after.get(k)!r})"
+        for k in LR_SCHEDULE_KEYS
+        if before.get(k) != after.get(k)
+    ]
+    was, now = schedule_lr(step - 1, old_train), schedule_lr(step, new.train)
+    return (
+        f"resuming at step {step} with {', '.join(keys) or 'another schedule'} changes the "
+        f"learning rate of the steps already taken: the lr goes from {was:.3g} at step "
+        f"{step - 1} to {now:.3g} at step {step} (the schedule is redrawn over the new run, "
+        "not extended)"
+    )
+
+
+def resume_point(
+    run_dir: Path,
+    cfg: Config,
+    tokenizer_file: str | Path,
+    tokenizer_sha: str,
+    world_size: int,
+    *,
+    resume: bool,
+    force: bool,
+    clear: bool,
+    verbose: bool,
+    latest: Path | None = None,
+) -> Path | None:
+    """The checkpoint a run continues from, or None to start afresh.
+
+    Starting over a run that has checkpoints needs `resume=False` and `force`; then (where
+    `clear`, i.e. on rank 0) its checkpoints and TensorBoard files are deleted. A checkpoint whose
+    architecture or tokenizer differs from `cfg` is refused, naming the keys, and so is one whose
+    state.json model config disagrees with its weights'. A change to the learning rate of steps
+    already taken is warned about. `latest`: the run's newest intact checkpoint when the caller
+    has already looked it up (`ckpt.find_latest` checks its sha256: once per run is enough).
+    """
+    ckpt_root = run_dir / ckpt.CKPT_DIR
+    if not ckpt.list_checkpoints(ckpt_root):
+        return None
+    if not resume:
+        if not force:
+            raise UserError(
+                f"{run_dir}: has checkpoints; --no-resume starts over only with --force"
+            )
+        if clear:
+            names = [p.name for p in ckpt.list_checkpoints(ckpt_root)]
+            span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+            warn(
+                f"{run_dir}: --no-resume --force: deleting {len(names)} checkpoint(s) ({span}) "
+                "and the TensorBoard logs (tb/)"
+            )
+            shutil.rmtree(ckpt_root)
+            shutil.rmtree(run_dir / "tb", ignore_errors=True)
+        return None
+    found = latest if latest is not None else ckpt.find_latest(run_dir)
+    if found is None:
+        return None
+    state = ckpt.read_state(found)
+    ckpt.check_model_config(found, state)
+    refused, changed = resume_differences(state["config"], cfg)
+    if state.get("tokenizer_sha256") not in (None, tokenizer_sha):
+        refused.append(f"tokenizer ({tokenizer_file} differs from the run's)")
+    if refused:
+        raise UserError(
+            f"{found}: cannot resume with a different architecture, tokenizer or optimizer: "
+            + "; ".join(refused)
+        )
+    redrawn = None
+    if verbose:
+        redrawn = schedule_change(state["config"], cfg, int(state.get("step", 0)))
+    if redrawn:
+        warn(redrawn)  # it names the schedule keys, which the line below then leaves out
+        changed = [c for c in changed if c.split(" ", 1)[0] not in LR_SCHEDULE_KEYS]
+    if changed and verbose:
+        warn(f"resuming with changed settings: {'; '.join(changed)}")
+    old_world = state.get("world_size", 1)
+    old_train = state["config"].get("train", {})
+    old_global = old_train.get("batch_size", 0) * old_train.get("grad_accum", 0) * old_world
+    new_global = cfg.train.batch_size * cfg.train.grad_accum * world_size
+    if old_global != new_global and verbose:
+        # The windows of a step depend on the global batch alone, not on how it is split.
+        warn(
+            f"resuming a run of global batch {old_global} sequences (world size {old_world}) "
+            f"with {new_global} (world size {world_size}): the batches differ from here on"
+        )
+    return found
