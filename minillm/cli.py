@@ -239,11 +239,10 @@ TopPOption = typer.Option(
 
 
 def _load(ckpt: Path, device: str, best: bool = False):  # noqa: ANN202
-    from minillm.checkpoint.store import load_checkpoint, resolve_checkpoint
+    from minillm.checkpoint.store import load_checkpoint
     from minillm.runtime.device import resolve_device
 
-    path = _run(resolve_checkpoint, ckpt, verify=False, best=best)  # load_checkpoint verifies
-    return _run(load_checkpoint, path, _run(resolve_device, device, "--device"))
+    return _run(load_checkpoint, ckpt, _run(resolve_device, device, "--device"), best=best)
 
 
 EVAL_HELP = (
