@@ -100,3 +100,62 @@ def test_a_damaged_checkpoint_folder_named_explicitly_is_an_error(
     assert line == (
         f"error: {folder / 'model.safetensors'}: sha256 does not match state.json (damaged file)"
     )
+
+
+# ------------------------------------------------------- defect 1: a column of the wrong type
+
+
+def test_eval_scores_a_chat_column_named_by_text_field(run: Path, tmp_path: Path) -> None:
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"conversation": HELLO}] * 3)
+    args = ["eval", "--ckpt", str(run), "--data", str(chats), "--text-field", "conversation"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "(3 conversations)" in result.stdout
+
+
+GOOD = {"messages": HELLO}
+BAD_CONTENT = {"messages": [{"role": "user", "content": 5}, HELLO[1]]}
+
+
+@pytest.mark.parametrize(
+    "lines,field,expected",
+    [
+        # a text column with a number on line 3 (a blank line 2 counts)
+        (['{"text": "abc def"}', "", '{"text": 7}'], "text", "line 3: text: holds a number"),
+        # a text column with a list on line 2
+        (['{"text": "abc def"}', '{"text": ["a"]}'], "text", "line 2: text: holds a list"),
+        # chat rows whose line 4 has a content that is not text
+        (
+            [json.dumps(GOOD), "", json.dumps(GOOD), json.dumps(BAD_CONTENT)],
+            "messages",
+            "line 4: messages[0].content: expected a string, got int",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["eval", "tokenize"])
+def test_a_wrong_type_in_a_jsonl_column_is_one_line_naming_file_line_and_field(
+    run: Path, tmp_path: Path, command: str, lines: list[str], field: str, expected: str
+) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join([*lines, *[json.dumps(GOOD if field == "messages" else
+                    {"text": "more text here"})] * 20]) + "\n")  # fmt: skip
+    if command == "eval":
+        args = ["eval", "--ckpt", str(run), "--data", str(data), "--text-field", field]
+        key = "--text-field"
+    else:
+        conf = tmp_path / "c.yaml"
+        conf.write_text(
+            f"data: {{source: {data}, text_field: {field}, vocab_size: 270, "
+            f"out_dir: {tmp_path / 'tok'}}}\nmodel: {{d_model: 32, n_layer: 1, n_head: 2}}\n"
+        )
+        args, key = ["tokenize", str(conf)], "data.text_field"
+    line = error_line(runner.invoke(app, args))
+    assert line.startswith(f"error: {data}: {key}: {expected}"), line
+
+
+def test_a_wrong_type_in_a_task_file_names_its_line_and_field(run: Path, tmp_path: Path) -> None:
+    ok = {"messages": [{"role": "user", "content": "Copy: a"}], "answer": "a"}
+    task = tmp_path / "t.jsonl"
+    task.write_text(f"{json.dumps(ok)}\n\n{json.dumps({**ok, 'answer': 7})}\n")
+    line = error_line(runner.invoke(app, ["eval", "--ckpt", str(run), "--task", str(task)]))
+    assert line == f"error: {task}: line 3: answer: expected a string, got 7"
