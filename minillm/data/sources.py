@@ -21,7 +21,7 @@ from typing import Any
 
 from minillm.config import DataConfig
 from minillm.data.corpus import Corpus, TextCorpus, error_reason, first_line
-from minillm.data.table import TableCorpus
+from minillm.data.table import TableCorpus, jsonl_problem
 from minillm.errors import ConfigError
 
 
@@ -117,16 +117,20 @@ def _quiet_datasets() -> None:
     huggingface_hub.utils.logging.set_verbosity_error()  # no "Retrying in 1s" lines offline
 
 
-def _load_files(fmt: str, files: list[Path], source: str, streaming: bool) -> Any:
+def _load_files(fmt: str, files: list[Path], data: DataConfig) -> Any:
     """A `datasets.Dataset` (converted to the arrow cache), or with `streaming` an
     `IterableDataset` (nothing converted; a file that fails to parse fails when read)."""
     import datasets
 
     _quiet_datasets()
     data_files = [str(f) for f in files]
+    streaming, source = data.streaming, data.source
     try:
         return datasets.load_dataset(fmt, data_files=data_files, split="train", streaming=streaming)
     except Exception as e:  # datasets/pyarrow raise many types for unparsable files
+        # jsonl: the line at fault, counted from 1 (arrow's "row N" is 0-based within a block).
+        if fmt == "json" and (problem := jsonl_problem(files, data.text_field)) is not None:
+            raise problem from None
         where = files[0] if len(files) == 1 else source
         e = error_reason(e)
         raise _fail(where, "data.source", f"cannot read as {fmt}: {first_line(e)}") from None
@@ -180,5 +184,5 @@ def open_corpus(data: DataConfig) -> Corpus:
         ds = _load_hub(data.source, data.streaming)
         return TableCorpus(ds, [], "hub", data, data.source, _hub_revision(data.source))
     label = str(files[0]) if len(files) == 1 else data.source
-    ds = _load_files(fmt, files, data.source, data.streaming)
+    ds = _load_files(fmt, files, data)
     return TableCorpus(ds, files, fmt, data, label)
