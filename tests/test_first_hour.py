@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import save_checkpoint
 from minillm.cli import app
-from tests.tiny_run import make_run
+from tests.tiny_run import SHAKESPEARE, make_run
 
 runner = CliRunner()
 
@@ -159,3 +159,37 @@ def test_a_wrong_type_in_a_task_file_names_its_line_and_field(run: Path, tmp_pat
     task.write_text(f"{json.dumps(ok)}\n\n{json.dumps({**ok, 'answer': 7})}\n")
     line = error_line(runner.invoke(app, ["eval", "--ckpt", str(run), "--task", str(task)]))
     assert line == f"error: {task}: line 3: answer: expected a string, got 7"
+
+
+# ------------------------------------------------------- defect 4: a model's tokenizer is kept
+
+
+@pytest.mark.parametrize("owner", ["hf", "checkpoint", "run"])
+def test_tokenize_retrain_never_overwrites_a_models_tokenizer(
+    run: Path, tmp_path: Path, owner: str
+) -> None:
+    import shutil
+
+    if owner == "hf":
+        folder = tmp_path / "hf"
+        result = runner.invoke(app, ["export", "--ckpt", str(run), "--out", str(folder)])
+        assert result.exit_code == 0, result.output
+    else:
+        folder = tmp_path / "run"
+        shutil.copytree(run, folder)
+        shutil.copy(run.parent / "tokenizer.json", folder / "tokenizer.json")
+        if owner == "checkpoint":
+            folder = folder / "checkpoints" / "step_000010"
+    tok = folder / "tokenizer.json"
+    before = tok.read_bytes()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000])
+    conf = tmp_path / "c.yaml"
+    conf.write_text(
+        f"data: {{source: {corpus}, tokenizer: {tok}, vocab_size: 300, "
+        f"out_dir: {tmp_path / 'tok'}}}\nmodel: {{d_model: 32, n_layer: 1, n_head: 2}}\n"
+    )
+    line = error_line(runner.invoke(app, ["tokenize", str(conf), "--retrain"]))
+    assert line.startswith(f"error: {tok}: data.tokenizer: belongs to the "), line
+    assert "--retrain does not replace it" in line
+    assert tok.read_bytes() == before
