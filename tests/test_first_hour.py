@@ -193,3 +193,21 @@ def test_tokenize_retrain_never_overwrites_a_models_tokenizer(
     assert line.startswith(f"error: {tok}: data.tokenizer: belongs to the "), line
     assert "--retrain does not replace it" in line
     assert tok.read_bytes() == before
+
+
+# ------------------------------------------------------- messages
+
+
+def test_a_folder_of_other_files_suggests_data_format_text(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("print('hello')\n" * 50)
+    (src / "b.py").write_text("x = 1\n" * 50)
+    conf = tmp_path / "c.yaml"
+    conf.write_text(
+        f"data: {{source: {src}, vocab_size: 300, out_dir: {tmp_path / 'tok'}}}\n"
+        "model: {d_model: 32, n_layer: 1, n_head: 2}\n"
+    )
+    line = error_line(runner.invoke(app, ["tokenize", str(conf)]))
+    assert line.startswith(f"error: {src}: data.source: no data files in this folder ("), line
+    assert line.endswith("; its 2 other files (.py) are read as text with data.format: text")
