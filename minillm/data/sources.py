@@ -66,11 +66,20 @@ def _resolve_files(source: str, fmt: str) -> list[Path] | None:
                 for f in path.rglob("*")
                 if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
             )
+            others = files
             if fmt == "auto":
                 files = [f for f in files if f.suffix.lower() in EXTENSIONS]
             if not files:
                 kinds = ", ".join(EXTENSIONS)
-                raise _fail(source, "data.source", f"no data files in this folder ({kinds})")
+                message = f"no data files in this folder ({kinds})"
+                if others:  # e.g. source code: text under another extension, as the glob says
+                    suffixes = sorted({f.suffix or "(none)" for f in others})
+                    shown = ", ".join(suffixes[:5]) + (" ..." if len(suffixes) > 5 else "")
+                    message += (
+                        f"; its {len(others)} other files ({shown}) are read as text with "
+                        "data.format: text"
+                    )
+                raise _fail(source, "data.source", message)
         elif path.exists():
             files = [path]
         elif _looks_like_hub(source):
