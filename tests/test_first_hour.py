@@ -269,3 +269,20 @@ def test_exact_match_on_a_model_trained_on_text_warns_once(tmp_path: Path) -> No
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "trained on text, not chat" in warnings[0], result.stderr
+
+
+# ------------------------------------------------------- make demo takes overrides
+
+
+@pytest.mark.skipif(__import__("shutil").which("make") is None, reason="needs make")
+@pytest.mark.parametrize("target,config", [("demo", "configs/tiny.yaml"),
+                                           ("chat-demo", "configs/tiny-chat.yaml")])  # fmt: skip
+def test_make_demo_passes_steps_and_args_to_tokenize_and_train(target: str, config: str) -> None:
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    args = ["make", "-n", "-C", str(root), target, "STEPS=200", "ARGS=--set train.lr=1e-3"]
+    lines = subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()
+    sets = "--set train.max_steps=200 --set train.lr=1e-3"
+    for command in ("tokenize", "train"):
+        assert any(line.endswith(f"minillm {command} {config} {sets}") for line in lines), lines
