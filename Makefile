@@ -9,6 +9,14 @@ BIN    := $(VENV)/bin
 TORCH_CPU      ?= torch==2.13.0
 PIP_TORCH_ARGS ?=
 CONFIG ?= configs/tiny.yaml
+# Overrides for a quick look: `make demo STEPS=200` trains 200 steps; ARGS="--set K=V ..." goes to
+# tokenize and train (e.g. ARGS="--set train.lr=1e-3"). RUN is the run directory eval, sample
+# and chat read: set it too when ARGS moves train.out_dir.
+STEPS ?=
+ARGS  ?=
+SETS   = $(if $(STEPS),--set train.max_steps=$(STEPS)) $(ARGS)
+RUN   ?= runs/tiny
+CHAT_RUN ?= runs/tiny-chat
 
 .PHONY: setup test test-fast demo chat-demo lint format bench clean
 
@@ -35,19 +43,19 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: setup
-	$(BIN)/minillm tokenize $(CONFIG)
-	$(BIN)/minillm train $(CONFIG)
-	$(BIN)/minillm eval --ckpt runs/tiny
-	$(BIN)/minillm eval --ckpt runs/tiny --task data/shakespeare_next_line.jsonl
-	$(BIN)/minillm sample --ckpt runs/tiny --prompt "ROMEO:" --max-new-tokens 200
+	$(BIN)/minillm tokenize $(CONFIG) $(SETS)
+	$(BIN)/minillm train $(CONFIG) $(SETS)
+	$(BIN)/minillm eval --ckpt $(RUN)
+	$(BIN)/minillm eval --ckpt $(RUN) --task data/shakespeare_next_line.jsonl
+	$(BIN)/minillm sample --ckpt $(RUN) --prompt "ROMEO:" --max-new-tokens 200
 
 # The chat demo: a small model trained on the shipped copy/reverse chat set (regenerate it with
 # scripts/gen_chat_data.py), then its exact match on 200 held-out conversations and one reply.
 chat-demo: setup
-	$(BIN)/minillm tokenize configs/tiny-chat.yaml
-	$(BIN)/minillm train configs/tiny-chat.yaml
-	$(BIN)/minillm eval --ckpt runs/tiny-chat --task data/tiny_chat_test.jsonl
-	$(BIN)/minillm chat --ckpt runs/tiny-chat --message "Reverse: m a k"
+	$(BIN)/minillm tokenize configs/tiny-chat.yaml $(SETS)
+	$(BIN)/minillm train configs/tiny-chat.yaml $(SETS)
+	$(BIN)/minillm eval --ckpt $(CHAT_RUN) --task data/tiny_chat_test.jsonl
+	$(BIN)/minillm chat --ckpt $(CHAT_RUN) --message "Reverse: m a k"
 
 lint: setup
 	$(BIN)/ruff check minillm tests scripts

@@ -258,11 +258,10 @@ TopPOption = typer.Option(
 
 
 def _load(ckpt: Path, device: str, best: bool = False):  # noqa: ANN202
-    from minillm.checkpoint.store import load_checkpoint, resolve_checkpoint
+    from minillm.checkpoint.store import load_checkpoint
     from minillm.runtime.device import resolve_device
 
-    path = _run(resolve_checkpoint, ckpt, verify=False, best=best)  # load_checkpoint verifies
-    return _run(load_checkpoint, path, _run(resolve_device, device, "--device"))
+    return _run(load_checkpoint, ckpt, _run(resolve_device, device, "--device"), best=best)
 
 
 EVAL_HELP = (
@@ -325,11 +324,30 @@ def eval_(
     extract_number: bool = typer.Option(
         False, "--extract-number", help="Exact-match tasks: compare the reply's last number."
     ),
+    show: int = typer.Option(
+        0,
+        "--show",
+        metavar="N",
+        help="Print the first N examples of each task: prompt, expected, the model's output "
+        "(or chosen ending), right or wrong.",
+    ),
+    details: Path | None = typer.Option(
+        None,
+        "--details",
+        metavar="FILE",
+        help="Write every task example's result to FILE as jsonl (replaced atomically).",
+    ),
 ) -> None:
     from minillm.infer.evaluate import evaluate_checkpoint
     from minillm.infer.task_format import read_tasks
-    from minillm.infer.task_scoring import eval_report, evaluate_tasks
+    from minillm.infer.task_scoring import eval_report, evaluate_tasks, format_details
 
+    if (show or details is not None) and not task:
+        _print_error(f"{'--show' if show else '--details'}: only with --task FILE")
+        raise typer.Exit(2)
+    if show < 0:
+        _print_error(f"--show: must be >= 0, got {show}")
+        raise typer.Exit(2)
     tasks = _run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
     loaded = _load(ckpt, device, best)
     result = {}
@@ -351,8 +369,26 @@ def eval_(
             batch_size=batch_size,
             extract_number=extract_number,
             progress=True,
+            details=bool(show or details is not None),
         )
+    records = [r for t in result.get("tasks", {}).values() for r in t.get("details", [])]
+    if details is not None:
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        _run(_write_details, details, lines)
     print(eval_report(result, as_json))
+    if show and not as_json:
+        shown = [r for t in result["tasks"].values() for r in t["details"][:show]]
+        print(format_details(shown))
+
+
+def _write_details(path: Path, text: str) -> None:
+    """--details FILE written whole or not at all; a folder that cannot take it is one line."""
+    from minillm.runtime.files import atomic_write_text
+
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        raise UserError(f"{path}: --details: cannot write ({e.strerror or e})") from None
 
 
 @app.command(cls=_Command, short_help="Generate text from a checkpoint, streamed as it comes.")

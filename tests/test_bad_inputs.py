@@ -158,7 +158,7 @@ CASES: list[Case] = [
         source=str(write(t / "empty.txt", "")), out_dir=str(t / "tok")))], "empty.txt"),
     ("jsonl-broken-row", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
         source=str(write(t / "b.jsonl", '{"text": "fine"}\n' * 30 + '{"text": "bro\n')),
-        out_dir=str(t / "tok")))], "cannot read as json: JSON parse error"),
+        out_dir=str(t / "tok")))], "b.jsonl: data.source: line 31: not JSON"),
     ("corpus-one-short-row", lambda w, t: ["tokenize", cfg_with(w, t, data=dict(
         source=str(write(t / "one.jsonl", '{"text": "abc def ghi"}\n')),
         out_dir=str(t / "tok")))], "one row, too short to split"),

@@ -110,7 +110,7 @@ def test_a_bad_row_in_a_chat_file_stops_tokenize(tmp_path: Path) -> None:
     rows = chat_rows(10)
     rows[4]["messages"][0]["role"] = "narrator"
     cfg = chat_config(tmp_path, rows)
-    with pytest.raises(ConfigError, match=r"chat.jsonl: data.text_field: row 5: messages\[0\]"):
+    with pytest.raises(ConfigError, match=r"chat.jsonl: data.text_field: line 5: messages\[0\]"):
         write_shards(cfg)
     assert not (tmp_path / "tok" / "meta.json").exists()
 

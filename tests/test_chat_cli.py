@@ -149,7 +149,7 @@ def test_eval_on_a_chat_file_scores_each_conversation_alone(run, tmp_path: Path)
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows), encoding="utf-8")
     bad = runner.invoke(app, ["eval", "--ckpt", str(run[0]), "--data", str(path)])
     assert bad.exit_code == 2
-    assert r"talk.jsonl: data.text_field: row 2: messages[2].role: 'bot'" in bad.stderr
+    assert r"talk.jsonl: --text-field: line 2: messages[2].role: 'bot'" in bad.stderr
 
 
 def test_chat_data_with_a_tokenizer_without_chat_tokens_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -399,15 +399,20 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(
-    path: str | Path, device: str | torch.device = "cpu", verify: bool = True
+    path: str | Path, device: str | torch.device = "cpu", verify: bool = True, best: bool = False
 ) -> LoadedCheckpoint:
-    """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run or a checkpoint)."""
+    """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run or a checkpoint).
+
+    A run directory gives its newest intact checkpoint (a damaged newer one is skipped with a
+    warning naming both, as `train` resumes), `best` the one BEST names; a checkpoint folder
+    named explicitly that fails its check is an error. Each file is hashed once, here.
+    """
     from minillm.config import config_from_dict
     from minillm.data.tokenizer import load_tokenizer
     from minillm.errors import ConfigError
     from minillm.model import Transformer
 
-    ckpt = resolve_checkpoint(path, verify=verify)
+    ckpt = resolve_checkpoint(path, verify=verify, best=best)
     state = read_state(ckpt)
     check_model_config(ckpt, state)
     try:

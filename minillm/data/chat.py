@@ -39,17 +39,23 @@ HF_CHAT_TEMPLATE = (
 
 
 def check_messages(
-    messages: Any, file: str, row: int, field: str = "messages", need_assistant: bool = True
+    messages: Any,
+    file: str,
+    row: int,
+    field: str = "messages",
+    need_assistant: bool = True,
+    unit: str = "row",
 ) -> list[dict[str, str]]:
     """The row's messages, or a ConfigError `file: data.text_field: row N: field[i].key: what`.
 
-    `row` counts from 1. An unknown role, a content that is not a string, or (need_assistant) a
-    conversation without an assistant turn is refused: any of them would train on nothing or on
-    a turn the template cannot express.
+    `row` counts from 1; `unit` is "line" where it is a jsonl file's line number. An unknown
+    role, a content that is not a string, or (need_assistant) a conversation without an
+    assistant turn is refused: any of them would train on nothing or on a turn the template
+    cannot express.
     """
 
     def fail(what: str) -> ConfigError:
-        return ConfigError("data.text_field", f"row {row}: {what}", file)
+        return ConfigError("data.text_field", f"{unit} {row}: {what}", file)
 
     if not isinstance(messages, list) or not messages:
         raise fail(f"{field}: expected a non-empty list of {{role, content}} messages")

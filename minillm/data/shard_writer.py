@@ -211,6 +211,27 @@ def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus, data: Any) -
             raise ConfigError(key, message, corpus.label)
 
 
+def check_not_a_models_tokenizer(tok_path: Path) -> None:
+    """A UserError if `tok_path` is the tokenizer of a model: a Hugging Face folder with weights
+    (config.json and *.safetensors beside it), a minillm checkpoint (state.json) or run
+    (checkpoints/ or its train.lock). Retraining it would leave those weights with ids that no
+    longer mean what they were trained on."""
+    folder = tok_path.parent
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        owner = "the Hugging Face model"
+    elif (folder / "state.json").is_file():
+        owner = "the checkpoint"
+    elif (folder / "checkpoints").is_dir() or (folder / "train.lock").exists():
+        owner = "the run"
+    else:
+        return
+    raise UserError(
+        f"{tok_path}: data.tokenizer: belongs to {owner} in {folder}, whose weights need it; "
+        "--retrain does not replace it: point data.tokenizer at a new file (or drop --retrain "
+        "to use it)"
+    )
+
+
 def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
     """What `minillm tokenize` does (see the module docstring).
 
@@ -236,6 +257,8 @@ def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
         mode = "reuse"
     else:
         mode = "train"
+        if tok_path.exists():
+            check_not_a_models_tokenizer(tok_path)  # --retrain would replace it
         check_vocab_size(data.vocab_size)  # before any pass over the data
     corpus = open_corpus(data)
     ensure_writable_dir(out_dir, "data.out_dir")

@@ -21,7 +21,7 @@ from typing import Any
 
 from minillm.config import DataConfig
 from minillm.data.corpus import Corpus, TextCorpus, error_reason, first_line
-from minillm.data.table import TableCorpus
+from minillm.data.table import TableCorpus, jsonl_problem
 from minillm.errors import ConfigError
 
 
@@ -66,11 +66,20 @@ def _resolve_files(source: str, fmt: str) -> list[Path] | None:
                 for f in path.rglob("*")
                 if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
             )
+            others = files
             if fmt == "auto":
                 files = [f for f in files if f.suffix.lower() in EXTENSIONS]
             if not files:
                 kinds = ", ".join(EXTENSIONS)
-                raise _fail(source, "data.source", f"no data files in this folder ({kinds})")
+                message = f"no data files in this folder ({kinds})"
+                if others:  # e.g. source code: text under another extension, as the glob says
+                    suffixes = sorted({f.suffix or "(none)" for f in others})
+                    shown = ", ".join(suffixes[:5]) + (" ..." if len(suffixes) > 5 else "")
+                    message += (
+                        f"; its {len(others)} other files ({shown}) are read as text with "
+                        "data.format: text"
+                    )
+                raise _fail(source, "data.source", message)
         elif path.exists():
             files = [path]
         elif _looks_like_hub(source):
@@ -117,16 +126,20 @@ def _quiet_datasets() -> None:
     huggingface_hub.utils.logging.set_verbosity_error()  # no "Retrying in 1s" lines offline
 
 
-def _load_files(fmt: str, files: list[Path], source: str, streaming: bool) -> Any:
+def _load_files(fmt: str, files: list[Path], data: DataConfig) -> Any:
     """A `datasets.Dataset` (converted to the arrow cache), or with `streaming` an
     `IterableDataset` (nothing converted; a file that fails to parse fails when read)."""
     import datasets
 
     _quiet_datasets()
     data_files = [str(f) for f in files]
+    streaming, source = data.streaming, data.source
     try:
         return datasets.load_dataset(fmt, data_files=data_files, split="train", streaming=streaming)
     except Exception as e:  # datasets/pyarrow raise many types for unparsable files
+        # jsonl: the line at fault, counted from 1 (arrow's "row N" is 0-based within a block).
+        if fmt == "json" and (problem := jsonl_problem(files, data.text_field)) is not None:
+            raise problem from None
         where = files[0] if len(files) == 1 else source
         e = error_reason(e)
         raise _fail(where, "data.source", f"cannot read as {fmt}: {first_line(e)}") from None
@@ -180,5 +193,5 @@ def open_corpus(data: DataConfig) -> Corpus:
         ds = _load_hub(data.source, data.streaming)
         return TableCorpus(ds, [], "hub", data, data.source, hub_revision(data.source))
     label = str(files[0]) if len(files) == 1 else data.source
-    ds = _load_files(fmt, files, data.source, data.streaming)
+    ds = _load_files(fmt, files, data)
     return TableCorpus(ds, files, fmt, data, label)

@@ -31,7 +31,7 @@ from minillm.data.corpus import (
     tail_cut,
     val_mask,
 )
-from minillm.errors import warn
+from minillm.errors import ConfigError, warn
 
 ROWS_PER_BATCH = 512  # rows fetched from arrow at a time
 
@@ -60,6 +60,70 @@ def _is_chat_value(value: Any) -> bool | None:
         isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value
     ):
         return True
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    """How a JSON value reads in an error line: text, a number, a list, an object, ..."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "chat messages" if value and _is_chat_value(value) else "a list"
+    return "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def jsonl_problem(files: list[Path], field: str, need_assistant: bool = True) -> ConfigError | None:
+    """The first line of the .jsonl `files` that the arrow loader or the corpus refuses, as an
+    error `file: data.text_field: line N: field: what` (None when all are .jsonl-clean, or a
+    file is not .jsonl).
+
+    Arrow names a bad row by its index within a block of the file (from 0, blank lines not
+    counted), which is not where a user looks; so on a failure the files are read again here,
+    line by line, counted from 1. A line is refused when it is not a JSON object, when its
+    `field` is neither text nor {role, content} messages, when it holds another kind than the
+    first line that has it, or when a key of it changes type (arrow keeps one type per column).
+    """
+    first: dict[str, tuple[str, int]] = {}  # key -> (kind, line) where it was first seen
+    for path in files:
+        if path.suffix.lower() != ".jsonl":
+            return None
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                where = f"line {n}"
+                try:
+                    obj = json.loads(raw)
+                except ValueError as e:
+                    message = f"{where}: not JSON ({getattr(e, 'msg', e)})"
+                    return corpus_error(path, "data.source", message)
+                if not isinstance(obj, dict):
+                    message = f"{where}: expected a JSON object, got {_json_kind(obj)}"
+                    return corpus_error(path, "data.source", message)
+                for key, value in obj.items():
+                    if value is None:
+                        continue
+                    kind = _json_kind(value)
+                    if key == field and kind not in ("text", "chat messages"):
+                        message = (
+                            f"{where}: {field}: holds {kind}, not text or a list of "
+                            "{role, content} messages"
+                        )
+                        return corpus_error(path, "data.text_field", message)
+                    seen = first.setdefault(key, (kind, n))
+                    if seen[0] != kind:
+                        message = f"{where}: {key}: holds {kind}, line {seen[1]} {seen[0]}"
+                        at = "data.text_field" if key == field else "data.source"
+                        return corpus_error(path, at, message)
+                    if key == field and kind == "chat messages":
+                        try:
+                            check_messages(value, str(path), n, field, need_assistant, "line")
+                        except ConfigError as e:
+                            return e
     return None
 
 
@@ -106,6 +170,8 @@ class TableCorpus(Corpus):
             message = f"no column {field!r} (columns found: {found})"
             raise corpus_error(label, "data.text_field", message)
         chat = _is_chat_type(kind) if kind is not None else _is_chat_value(value)
+        if chat is None and (problem := jsonl_problem(files, field)) is not None:
+            raise problem  # the line at fault, not only the column's type
         if chat is None:
             held = kind if kind is not None else type(value).__name__
             raise corpus_error(
@@ -236,7 +302,15 @@ class TableCorpus(Corpus):
             raise RuntimeError(f"read {rows} rows from {files}, expected {self.n_rows}")
 
     def texts(self) -> Iterator[str]:
-        """Every row's text in order, chat rows rendered, before any split (`minillm eval`)."""
+        """Every row's text in order, before any split (`minillm eval`); a chat column is scored
+        per conversation instead (minillm.infer.chat_eval), so here it is refused in one line."""
+        if self.chat:
+            raise corpus_error(
+                self.label,
+                "data.text_field",
+                f"column {self.field!r} holds chat messages: eval scores conversations from a "
+                ".jsonl or .json file",
+            )
         for column in self._columns():
             for value in column:
                 yield value or ""
@@ -253,7 +327,11 @@ class TableCorpus(Corpus):
                 if self.max_bytes and nbytes >= self.max_bytes:
                     return
                 if self.chat:
-                    value = check_messages(value, self.label, i + 1, self.field)
+                    try:
+                        value = check_messages(value, self.label, i + 1, self.field)
+                    except ConfigError as e:
+                        # A jsonl file's rows are named by their lines (blank lines count)
+                        raise (jsonl_problem(self.files, self.field) or e) from None
                     nbytes += content_bytes(value) if self.max_bytes else 0
                 else:
                     value = value or ""

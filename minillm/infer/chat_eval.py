@@ -37,8 +37,16 @@ def _cap(batches: Batches, max_tokens: int | None) -> tuple[Batches, int]:
     return kept, n
 
 
-def _read_rows(path: Path) -> list[Any] | None:
-    """The rows of a .jsonl/.json file if they are chat rows (a "messages" key), else None."""
+def _all_dicts(values: list[Any]) -> bool:
+    return all(isinstance(v, dict) for v in values)
+
+
+def _read_rows(path: Path, field: str | None) -> list[tuple[int, Any]] | None:
+    """(line, messages) of a .jsonl/.json file if its rows are chat rows, else None.
+
+    Chat rows hold a list in `field` (--text-field; without it, the run's data.text_field or
+    "messages"). Lines count from 1 (a .json array: its elements).
+    """
     if path.suffix.lower() not in (".jsonl", ".json"):
         return None
     try:
@@ -47,14 +55,22 @@ def _read_rows(path: Path) -> list[Any] | None:
         return None  # the plain-text path reports it
     try:
         if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-            rows = json.loads(text)
+            rows = list(enumerate(json.loads(text), 1))
         else:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            rows = [(n, json.loads(line)) for n, line in enumerate(text.splitlines(), 1)
+                    if line.strip()]  # fmt: skip
     except ValueError:
+        return None  # the table path names the line that is not JSON
+    if not rows or not all(isinstance(r, dict) for _, r in rows):
         return None
-    if not rows or not all(isinstance(r, dict) for r in rows) or "messages" not in rows[0]:
+    first = rows[0][1]
+    names = [field] if field else ["messages"]
+    name = next(
+        (k for k in names if isinstance(v := first.get(k), list) and v and _all_dicts(v)), None
+    )
+    if name is None:
         return None
-    return rows
+    return [(n, (name, r.get(name))) for n, r in rows]
 
 
 def chat_eval_data(
@@ -63,14 +79,21 @@ def chat_eval_data(
     seq_len: int,
     batch_size: int,
     max_tokens: int | None,
+    text_field: str | None = None,
 ) -> tuple[Batches, float, str] | None:
-    """(batches, bytes, source) for chat data; None for text (module docstring)."""
+    """(batches, bytes, source) for chat data; None for text (module docstring). text_field:
+    the column of messages (--text-field; default the run's data.text_field, else "messages")."""
     from minillm.data.meta import load_meta, open_mask, open_split
 
     tok = ckpt.tokenizer
     if data is not None:
         path = Path(data)
-        rows = _read_rows(path)
+        field = text_field
+        if field is None and ckpt.config.data.text_field != "text":
+            field = ckpt.config.data.text_field
+        rows = _read_rows(path, field)
+        if rows is None and field is not None and text_field is None:
+            rows = _read_rows(path, None)  # a chat run's --data file with a messages column
         if rows is None:
             return None
         ids = chat_ids(tok, f"{ckpt.path}: --ckpt")
@@ -78,8 +101,13 @@ def chat_eval_data(
         mask: list[bool] = []
         sizes = []
         eot = tok.token_to_id("<|endoftext|>")
-        for r, row in enumerate(rows, 1):
-            messages = check_messages(row.get("messages"), str(path), r)
+        unit = "line" if path.suffix.lower() == ".jsonl" else "row"
+        for n, (name, value) in rows:
+            try:
+                messages = check_messages(value, str(path), n, name, unit=unit)
+            except UserError as e:  # the flag the user typed, not the run's config key
+                flagged = str(e).replace(": data.text_field: ", ": --text-field: ", 1)
+                raise UserError(flagged) from None
             conv, target = encode_conversation(tok, messages, ids)
             tokens += [*conv, eot]
             mask += [*target, False]

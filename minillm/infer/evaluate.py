@@ -251,7 +251,7 @@ def evaluate_checkpoint(
     seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
     batch_size = batch_size or cfg.train.batch_size
     # Chat data (a chat run's shard, a jsonl of messages): every conversation on its own.
-    chat = chat_eval_data(ckpt, data, seq_len, batch_size, max_tokens)
+    chat = chat_eval_data(ckpt, data, seq_len, batch_size, max_tokens, text_field)
     batches = None
     if chat is not None:
         if data is None:

@@ -3,7 +3,8 @@
 Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
 `multiple_choice_metrics`, `score_multiple_choice`; `chat_prompt_ids`,
 `extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
---task` runs), `eval_report` and `format_tasks`. Task files are read by `minillm.infer.task_format`.
+--task` runs), `trained_on_chat`, `eval_report`, `format_tasks` and `format_details`.
+Task files are read by `minillm.infer.task_format`.
 
 The multiple-choice contract (docs/design.md, "Task files"), so that other tools reproduce the
 numbers: a choice's ids are encode(context) + encode(ending), each encoded alone without special
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from minillm.data.chat import chat_ids, encode_prompt
-from minillm.errors import UserError
+from minillm.errors import UserError, warn
 from minillm.infer.task_format import MultipleChoice, Task
 from minillm.runtime.progress import Progress
 
@@ -126,16 +127,33 @@ def pick(scores: list[float]) -> int:
     return max(range(len(scores)), key=scores.__getitem__)
 
 
-def multiple_choice_metrics(examples: list[MultipleChoice], scores: list[float]) -> dict[str, Any]:
-    """accuracy, accuracy_norm and examples from every choice's score, example after example."""
+def multiple_choice_metrics(
+    examples: list[MultipleChoice], scores: list[float], details: list[dict] | None = None
+) -> dict[str, Any]:
+    """accuracy, accuracy_norm and examples from every choice's score, example after example;
+    with a `details` list, one record per example is appended to it (`eval --show`)."""
     correct = correct_norm = k = 0
     for ex in examples:
         s = scores[k : k + len(ex.endings)]
         k += len(ex.endings)
-        correct += pick(s) == ex.label
+        chosen = pick(s)
+        correct += chosen == ex.label
         # Per character of the ending as written (Python len), as lm-evaluation-harness divides
         # by its choice's characters (which it counts without the leading space it adds).
-        correct_norm += pick([v / len(e) for v, e in zip(s, ex.endings)]) == ex.label
+        chosen_norm = pick([v / len(e) for v, e in zip(s, ex.endings)])
+        correct_norm += chosen_norm == ex.label
+        if details is not None:
+            details.append(
+                {
+                    "line": ex.line,
+                    "prompt": ex.context,
+                    "expected": ex.endings[ex.label],
+                    "output": ex.endings[chosen],
+                    "correct": chosen == ex.label,
+                    "output_norm": ex.endings[chosen_norm],
+                    "correct_norm": chosen_norm == ex.label,
+                }
+            )
     n = len(examples)
     return {"accuracy": correct / n, "accuracy_norm": correct_norm / n, "examples": n}
 
@@ -148,16 +166,18 @@ def score_multiple_choice(
     device: torch.device | str = "cpu",
     autocast: contextlib.AbstractContextManager | None = None,
     progress: bool = False,
+    details: list[dict] | None = None,
 ) -> dict[str, Any]:
     """accuracy, accuracy_norm and examples of a multiple-choice task (choices from
-    `encode_multiple_choice`); all choices of all examples go through the model as one list."""
+    `encode_multiple_choice`); all choices of all examples go through the model as one list.
+    details: a list that gets one record per example (multiple_choice_metrics)."""
     flat = [c for choices in encoded for c in choices]
     bar = Progress(task.name, -(-len(flat) // batch_size), enabled=progress, stderr=True)
     try:
         scores = score_continuations(model, flat, batch_size, device, autocast, bar)
     finally:
         bar.close()
-    return multiple_choice_metrics(task.examples, scores)
+    return multiple_choice_metrics(task.examples, scores, details)
 
 
 # ----------------------------------------------------------------------------- exact match
@@ -203,11 +223,13 @@ def score_exact_match(
     number: bool = False,
     progress: bool = False,
     err: TextIO | None = None,
+    details: list[dict] | None = None,
 ) -> dict[str, Any]:
     """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|>.
 
     max_new_tokens is cut, with a note on `err`, to what the longest prompt leaves of the
-    context, for every example alike: a reply then does not depend on its batch.
+    context, for every example alike: a reply then does not depend on its batch. details: a
+    list that gets one record per example (its last user turn, the answer, the reply, the hit).
     """
     from minillm.data.tokenizer import eot_id
     from minillm.infer.generate import generate
@@ -246,7 +268,12 @@ def score_exact_match(
             for ex, reply in zip(task.examples[start:], replies):
                 stops = [i for i, t in enumerate(reply) if t in (end, eot)]
                 text = tokenizer.decode(reply[: stops[0]] if stops else reply)
-                hits += answer_matches(text, ex.answer, number)
+                hit = answer_matches(text, ex.answer, number)
+                hits += hit
+                if details is not None:
+                    prompt = ex.messages[-1][1]
+                    record = {"line": ex.line, "prompt": prompt, "expected": ex.answer}
+                    details.append({**record, "output": text, "correct": hit})
             bar.advance()
     finally:
         bar.close()
@@ -262,30 +289,65 @@ def evaluate_tasks(
     batch_size: int | None = None,
     extract_number: bool = False,
     progress: bool = False,
+    details: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Score a LoadedCheckpoint on task files: {name: {accuracy, accuracy_norm, examples}} for
     multiple choice, {name: {exact_match, examples}} for exact match. batch_size: choices (or
-    prompts) per forward pass, default the run's train.batch_size."""
+    prompts) per forward pass, default the run's train.batch_size. details: each result also
+    holds `details`, one record per example (`eval --show`, `--details`)."""
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.config
     batch_size = batch_size or cfg.train.batch_size
     device = next(model.parameters()).device
+    if any(t.kind == "exact_match" for t in tasks) and trained_on_chat(ckpt) is False:
+        warn(
+            f"{ckpt.path}: this model was trained on text, not chat (its data.out_dir's "
+            "meta.json): its tokenizer has the chat tokens, but their replies are likely "
+            "nonsense; fine-tune it on conversations first"
+        )
     results = {}
     for task in tasks:
         start = time.perf_counter()
+        records: list[dict] | None = [] if details else None
         if task.kind == "multiple_choice":
             encoded = encode_multiple_choice(tok, task, model.cfg.max_seq_len)
             result = score_multiple_choice(
-                model, task, encoded, batch_size, device, progress=progress
+                model, task, encoded, batch_size, device, progress=progress, details=records
             )
         else:
             result = score_exact_match(
-                model, tok, task, batch_size, cfg.sample.max_new_tokens, extract_number, progress
-            )
+                model, tok, task, batch_size, cfg.sample.max_new_tokens, extract_number,
+                progress, details=records,
+            )  # fmt: skip
+        if records is not None:
+            result["details"] = [{"task": task.name, **r} for r in records]
         result["seconds"] = time.perf_counter() - start
         results[task.name] = result
     return results
+
+
+def trained_on_chat(ckpt: Any) -> bool | None:
+    """Whether the checkpoint's run trained on chat data, as its data.out_dir's meta.json says
+    (None when that folder is not here: eval run from elsewhere, the shards deleted)."""
+    from pathlib import Path
+
+    meta = Path(ckpt.config.data.out_dir) / "meta.json"
+    try:
+        return bool(json.loads(meta.read_text()).get("chat"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def format_details(records: list[dict[str, Any]]) -> str:
+    """`eval --show`: one block per example, right or wrong, what was asked, expected, given."""
+    lines = []
+    for r in records:
+        mark = "right" if r["correct"] else "WRONG"
+        lines.append(f"{r['task']} line {r['line']}: {mark}")
+        for key in ("prompt", "expected", "output"):
+            lines.append(f"  {key + ':':9} {r[key]!r}")
+    return "\n".join(lines)
 
 
 def eval_report(result: dict[str, Any], as_json: bool) -> str:
@@ -297,7 +359,8 @@ def eval_report(result: dict[str, Any], as_json: bool) -> str:
         out: dict[str, Any] = {k: result[k] for k in JSON_KEYS if k in result}
         if tasks:
             out["tasks"] = {
-                n: {k: v for k, v in r.items() if k != "seconds"} for n, r in tasks.items()
+                n: {k: v for k, v in r.items() if k not in ("seconds", "details")}
+                for n, r in tasks.items()
             }
         return json.dumps(out)
     lines = [format_result(result)] if "loss" in result else []
