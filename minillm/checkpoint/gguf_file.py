@@ -225,10 +225,9 @@ def modelfile_text(
         f"PARAMETER num_ctx {context}",
         f"PARAMETER temperature {sample.temperature:g}",
     ]
-    if sample.temperature > 0:
+    if sample.temperature > 0:  # written when off (0, 1) too: Ollama's defaults are 40 and 0.9
         lines.append(f"PARAMETER top_p {sample.top_p:g}")
-        if sample.top_k > 0:
-            lines.append(f"PARAMETER top_k {sample.top_k}")
+        lines.append(f"PARAMETER top_k {sample.top_k}")
     return "\n".join(lines) + "\n"
 
 
@@ -309,7 +308,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         if end is not None:  # the chat tokens: a reply ends at <|end|>
             w.add_eot_token_id(end)
             w.add_chat_template(HF_CHAT_TEMPLATE)
-        # The run's sampling defaults, which llama.cpp takes when the user sets none.
+        # The run's sampling defaults, which recent llama.cpp builds take when the user sets none.
         w.add_sampling_temp(cfg.sample.temperature)
         w.add_sampling_top_k(cfg.sample.top_k)
         w.add_sampling_top_p(cfg.sample.top_p)
