@@ -366,6 +366,25 @@ def test_llama_cpp_chat_template_stops_at_end_with_minillm_chats_reply(chat_expo
     assert result.stdout.replace("\ufffd", "").startswith(theirs) and result.stdout != theirs + "\n"
 
 
+@needs_llama_cpp
+def test_llama_cpps_template_guesser_mistakes_ours_for_phi3() -> None:
+    """Why the README sends users to the Jinja path: llama.cpp's C-level chat formatter (used
+    without --jinja) recognises our template as Phi-3's and adds newlines the model never saw."""
+    import ctypes
+
+    import llama_cpp
+
+    from minillm.data.chat import HF_CHAT_TEMPLATE
+
+    chat = (llama_cpp.llama_chat_message * 2)(
+        llama_cpp.llama_chat_message(b"system", b"Be terse."),
+        llama_cpp.llama_chat_message(b"user", b"Hi"),
+    )
+    buf = ctypes.create_string_buffer(1024)
+    n = llama_cpp.llama_chat_apply_template(HF_CHAT_TEMPLATE.encode(), chat, 2, True, buf, 1024)
+    assert buf.raw[:n] == b"<|system|>\nBe terse.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
