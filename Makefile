@@ -18,7 +18,7 @@ SETS   = $(if $(STEPS),--set train.max_steps=$(STEPS)) $(ARGS)
 RUN   ?= runs/tiny
 CHAT_RUN ?= runs/tiny-chat
 
-.PHONY: setup test test-fast demo chat-demo lint format bench clean
+.PHONY: setup interop test test-fast demo chat-demo lint format bench clean
 
 setup: $(BIN)/.installed
 
@@ -35,6 +35,24 @@ $(BIN)/.installed: pyproject.toml
 	fi
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
+
+# llama-cpp-python, which tests/test_gguf.py uses to load `minillm export --format gguf` files in
+# llama.cpp itself. It is built from its PyPI source package (cmake and a C++ compiler needed):
+# LLAMA_BUILD_MIN minutes on 2 cores, once per machine, since pip caches the built wheel in
+# ~/.cache/pip and a later install (a fresh .venv, CI) takes seconds. Skipped when llama_cpp
+# already imports. GGML_NATIVE=OFF: a portable build, not one tuned to (and only running on)
+# this CPU. Without it the GGUF tests skip and say why; nothing else needs it.
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
+
+interop: setup
+	@if $(BIN)/python -c "import llama_cpp" 2>/dev/null; then \
+		echo "llama_cpp already installed in $(VENV)"; \
+	else \
+		echo "building $(LLAMA_CPP_PYTHON) from source (minutes; pip caches the wheel)"; \
+		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q \
+			--no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"; \
+	fi
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -72,4 +90,4 @@ bench: setup
 	$(BIN)/python scripts/bench_tokenize.py
 
 clean:
-	rm -rf $(VENV) runs data/tokens hf .pytest_cache
+	rm -rf $(VENV) runs data/tokens hf gguf .pytest_cache

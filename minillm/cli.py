@@ -498,17 +498,48 @@ def chat(
     _run(chat_checkpoint, loaded, settings)
 
 
-@app.command(cls=_Command, short_help="Write a Hugging Face Llama folder (transformers loads it).")
+@app.command(
+    cls=_Command, short_help="Write a Hugging Face Llama folder or a GGUF file (llama.cpp)."
+)
 def export(
     ckpt: Path = CkptOption,
     best: bool = BestOption,
-    out: Path = typer.Option(..., "--out", metavar="DIR", help="The folder to write."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
+    out: Path = typer.Option(
+        ..., "--out", metavar="PATH", help="The folder (hf) or FILE.gguf (gguf) to write."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier export at --out."),
+    fmt: str = typer.Option(
+        "hf",
+        "--format",
+        metavar="FORMAT",
+        help="hf: a transformers folder; gguf: one file for llama.cpp, Ollama, LM Studio.",
+    ),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        metavar="DTYPE",
+        help="gguf only: f32 (default, exact), f16 or q8_0 (2-D weights; norms stay f32).",
+    ),
 ) -> None:
-    """Write a Hugging Face LlamaForCausalLM folder: config, safetensors weights, tokenizer.
+    """Write a Hugging Face LlamaForCausalLM folder (config, safetensors weights, tokenizer), or
+    with --format gguf a llama.cpp GGUF file and an Ollama FILE.Modelfile beside it.
 
-    It loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained(OUT).
+    The folder loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained.
     """
+    if fmt not in ("hf", "gguf"):
+        _print_error(f"--format: {fmt!r} is not one of hf, gguf")
+        raise typer.Exit(2)
+    if fmt == "gguf":
+        from minillm.checkpoint.gguf_file import check_gguf_target, export_gguf, modelfile_path
+
+        _run(check_gguf_target, out, force, ckpt, dtype or "f32")  # before the (slow) load
+        loaded = _load(ckpt, "cpu", best)
+        path = _run(export_gguf, loaded, out, dtype or "f32", force=force)
+        print(f"wrote {path} and {modelfile_path(path).name}")
+        return
+    if dtype is not None:
+        _print_error("--dtype: only with --format gguf (an hf folder is float32)")
+        raise typer.Exit(2)
     from minillm.checkpoint.hf_folder import check_export_target, export_checkpoint
 
     _run(check_export_target, out, force, ckpt)  # before the (slow) load

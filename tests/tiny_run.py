@@ -61,16 +61,19 @@ def make_run(
     sample: dict[str, Any] | None = None,
     seed: int = 0,
     uniform: bool = False,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[Path, Config, Transformer]:
     """A run directory at root/run with one checkpoint of a random tiny model; data at root/tokens.
 
     Weights are drawn with a larger spread than the trainer's init so that logits are far from
     uniform (greedy choices are then robust to 1e-6 differences) and norms are not all ones.
     uniform: all weights zero instead, so every token costs exactly ln(vocab_size) nats.
+    tokenizer: the run's tokenizer instead of `tiny_tokenizer()` (model.vocab_size must fit it).
     """
     tok_path = root / "tokenizer.json"
     tok_path.parent.mkdir(parents=True, exist_ok=True)
-    tok_path.write_text(tokenizer_json(), encoding="utf-8")
+    text = tokenizer_json() if tokenizer is None else tokenizer.to_str()
+    tok_path.write_text(text, encoding="utf-8")
     raw = {
         "model": {
             "vocab_size": VOCAB + 20,  # a padded embedding table, as people round vocab up
@@ -84,7 +87,7 @@ def make_run(
         },
         "data": dict(
             source=str(root / "corpus.jsonl"),
-            vocab_size=VOCAB,
+            vocab_size=VOCAB if tokenizer is None else tokenizer.get_vocab_size(),
             tokenizer=str(tok_path),
             out_dir=str(root / "tokens"),
         ),

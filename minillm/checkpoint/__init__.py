@@ -1,6 +1,7 @@
 """The checkpoint stage: what training writes and inference reads, and the formats it leaves in.
 
 Modules: `store` (atomic checkpoints, integrity-checked loading, latest/best, `load_checkpoint`),
-`rundir` (the run lock) and `hf_folder` (export to and import from a Hugging Face Llama folder:
-`minillm export` and `train.init_from`). Where a run resumes is minillm.train.resume's policy.
+`rundir` (the run lock), `hf_folder` (export to and import from a Hugging Face Llama folder:
+`minillm export` and `train.init_from`) and `gguf_file` (`minillm export --format gguf`: a
+llama.cpp GGUF file and an Ollama Modelfile). Where a run resumes is minillm.train.resume's policy.
 """

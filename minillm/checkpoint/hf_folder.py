@@ -117,7 +117,7 @@ def check_export_target(out: str | Path, force: bool, source: str | Path | None 
     """
     out = Path(out)
     if source is not None:
-        _check_not_over_source(out, Path(source))
+        check_not_over_source(out, Path(source))
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
@@ -130,7 +130,9 @@ def check_export_target(out: str | Path, force: bool, source: str | Path | None 
             )
 
 
-def _check_not_over_source(out: Path, source: Path) -> None:
+def check_not_over_source(out: Path, source: Path) -> None:
+    """UserError if `out` is, holds or lies inside the checkpoint being exported (`source`) or
+    its run's checkpoints: an export must never replace or land among the weights it reads."""
     o, s = out.resolve(), source.resolve()
     if s.parent.name == "checkpoints":  # one checkpoint of a run
         run, ckpts = s.parent.parent, s.parent

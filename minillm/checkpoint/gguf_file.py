@@ -1,0 +1,335 @@
+"""GGUF files for llama.cpp, Ollama, LM Studio and llama-cpp-python: `export --format gguf`.
+
+Offers `GGUF_DTYPES`, `check_gguf_target`, `modelfile_path`, `llama_cpp_pre_tokenizer`,
+`gguf_vocab`, `gguf_tensors`, `modelfile_text` and `export_gguf` (what the command runs).
+
+The file is written with gguf-py, the llama.cpp project's own writer, the way its
+`convert_hf_to_gguf.py` writes a `LlamaForCausalLM`, except that the tokenizer is described
+from what we know rather than guessed: that converter recognises a BPE pre-tokenizer by hashing
+the ids of a test string, so it refuses every freshly trained vocabulary. Ours splits text with
+GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; any other pre-tokenizer is refused in one
+line rather than exported with a split that would silently differ.
+
+Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
+llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), (x2, x3) ... where ours and HF's rotate
+halves (x_i, x_{i + D/2}), so the rows of wq and wk are permuted per head as the converter does.
+Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries the chat template in Go form.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from minillm.checkpoint.hf_folder import check_not_over_source
+from minillm.config import ModelConfig, SampleConfig
+from minillm.errors import CheckpointError, UserError
+from minillm.runtime.files import StagedFile, fsync_dir, fsync_file
+
+GGUF_DTYPES = ("f32", "f16", "q8_0")
+# llama.cpp's name for GPT-2's pre-tokenizer regex, the one minillm's ByteLevel(use_regex=True)
+# applies (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
+GPT2_PRE_TOKENIZER = "gpt-2"
+Q8_0_BLOCK = 32  # q8_0 quantises rows in blocks of 32 values
+
+
+def modelfile_path(out: str | Path) -> Path:
+    """The Ollama Modelfile written beside `out`: model.gguf -> model.Modelfile."""
+    return Path(out).with_suffix(".Modelfile")
+
+
+def check_gguf_target(
+    out: str | Path, force: bool, source: str | Path | None = None, dtype: str = "f32"
+) -> None:
+    """UserError for an unknown dtype, a name not ending in .gguf, an existing .gguf or Modelfile
+    without force, a folder in their place, or a target among the checkpoint's own files."""
+    if dtype not in GGUF_DTYPES:
+        raise UserError(f"--dtype: {dtype!r} is not one of {', '.join(GGUF_DTYPES)}")
+    out = Path(out)
+    if out.suffix != ".gguf":
+        raise UserError(f"--out {out}: a GGUF file's name ends in .gguf")
+    if source is not None:
+        check_not_over_source(out, Path(source))
+    for path in (out, modelfile_path(out)):
+        if path.is_dir():
+            raise UserError(f"{path}: is a folder; choose another --out")
+        if path.exists() and not force:
+            raise UserError(f"{path}: exists (pass --force to replace it)")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def llama_cpp_pre_tokenizer(tokenizer: dict[str, Any], where: str) -> str:
+    """The llama.cpp pre-tokenizer name that splits text as `tokenizer` (tokenizer.json, parsed)
+    does, or a CheckpointError `where: key: what` naming the part llama.cpp cannot reproduce.
+
+    llama.cpp's byte-level BPE (`gpt2` model) has no normalizer, no prefix space, no dropout,
+    byte fallback or word prefixes/suffixes, and applies every merge (no `ignore_merges`).
+    """
+
+    def refuse(key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {key}: {what}; llama.cpp has no equivalent, not exported")
+
+    model = tokenizer.get("model") or {}
+    if model.get("type") != "BPE":
+        raise refuse("model.type", f"{model.get('type')!r} is not a byte-level BPE")
+    for key in ("dropout", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise refuse(f"model.{key}", f"{model[key]!r}")
+    if model.get("ignore_merges"):
+        raise refuse("model.ignore_merges", "true (llama.cpp's gpt-2 split applies every merge)")
+    if tokenizer.get("normalizer") is not None:
+        kind = tokenizer["normalizer"].get("type")
+        raise refuse("normalizer", f"a {kind} normalizer")
+    pre = tokenizer.get("pre_tokenizer") or {}
+    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
+        raise refuse("pre_tokenizer", f"{json.dumps(pre, sort_keys=True)} is not GPT-2's split")
+    if pre.get("add_prefix_space"):
+        raise refuse("pre_tokenizer.add_prefix_space", "true")
+    if (tokenizer.get("decoder") or {}).get("type") != "ByteLevel":
+        raise refuse("decoder", f"{json.dumps(tokenizer.get('decoder'))} is not ByteLevel")
+    post = tokenizer.get("post_processor")
+    if post is not None and post.get("type") != "ByteLevel":  # e.g. a template adding tokens
+        raise refuse("post_processor", f"a {post.get('type')} post-processor")
+    return GPT2_PRE_TOKENIZER
+
+
+@dataclass
+class GgufVocab:
+    """The tokenizer as GGUF stores it: one token and type per embedding row, and the merges."""
+
+    tokens: list[str]
+    types: list[int]  # gguf.TokenType values
+    merges: list[str]  # "left right", in priority order
+    pre: str  # tokenizer.ggml.pre
+
+
+def gguf_vocab(tok: Any, vocab_size: int, where: str) -> GgufVocab:
+    """Tokens, types and merges of a `tokenizers.Tokenizer` for `vocab_size` embedding rows.
+
+    Special tokens are CONTROL (llama.cpp never produces them from text unless asked to parse
+    specials, as ours never does), other added tokens USER_DEFINED, and the rows past the
+    tokenizer (a padded embedding table) unused `[PAD<i>]` tokens, as convert_hf_to_gguf.py does.
+    """
+    from gguf import TokenType
+    from tokenizers import pre_tokenizers
+
+    spec = json.loads(tok.to_str())
+    pre = llama_cpp_pre_tokenizer(spec, where)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    missing = sorted(set(pre_tokenizers.ByteLevel.alphabet()) - vocab.keys())
+    if missing:  # llama.cpp looks every byte up as a token and stops on an unknown one
+        raise CheckpointError(
+            f"{where}: model.vocab: lacks {len(missing)} of the 256 byte tokens "
+            f"(e.g. {missing[0]!r}); llama.cpp's byte-level BPE needs all of them, not exported"
+        )
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    by_id = {i: s for s, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(TokenType.UNUSED)
+            continue
+        tokens.append(by_id[i])
+        if i in added:
+            types.append(TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED)
+        else:
+            types.append(TokenType.NORMAL)
+    merges = []
+    for m in spec["model"].get("merges", []):
+        pair = m.split(" ") if isinstance(m, str) else list(m)  # tokenizers < 0.20: "a b"
+        if len(pair) != 2 or any(" " in p or not p for p in pair):
+            raise CheckpointError(f"{where}: model.merges: {m!r} cannot be written as 'a b'")
+        merges.append(" ".join(pair))
+    return GgufVocab(tokens, [int(t) for t in types], merges, pre)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def rope_pairs_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a q or k projection (n_head * D, C) from rotate-half to adjacent-pair order.
+
+    Per head, row i < D/2 and row i + D/2 form one RoPE pair here; llama.cpp wants them as
+    rows 2i and 2i + 1. convert_hf_to_gguf.py's LlamaModel.permute, in torch.
+    """
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def gguf_tensors(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str
+) -> list[tuple[str, np.ndarray, Any]]:
+    """(GGUF name, data, GGMLQuantizationType) for every tensor of our float32 `state`.
+
+    Norms stay f32 (llama.cpp adds them to f32 activations). f16 and q8_0 apply to the 2-D
+    weights; a q8_0 weight whose rows are not a multiple of 32 long is written f16 instead, as
+    llama.cpp's converter falls back. A tied head writes no `output.weight`: llama.cpp then uses
+    the token embedding, as our model does.
+    """
+    import gguf
+    from gguf.quants import quantize
+
+    from minillm.model.hf_names import to_hf_state_dict
+
+    qtypes = gguf.GGMLQuantizationType
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.n_layer)
+    out = []
+    for hf_name, w in to_hf_state_dict(state, cfg).items():
+        name = names.get_name(hf_name, try_suffixes=(".weight",))
+        if name is None:  # a name gguf does not know would be a bug in the mapping
+            raise RuntimeError(f"gguf has no llama tensor for {hf_name}")
+        if hf_name.endswith("q_proj.weight"):
+            w = rope_pairs_permute(w, cfg.n_head)
+        elif hf_name.endswith("k_proj.weight"):
+            w = rope_pairs_permute(w, cfg.n_kv_head)
+        data = w.detach().float().cpu().contiguous().numpy()
+        if data.ndim == 1 or dtype == "f32":
+            out.append((name, data, qtypes.F32))
+        elif dtype == "q8_0" and data.shape[-1] % Q8_0_BLOCK == 0:
+            out.append((name, quantize(data, qtypes.Q8_0), qtypes.Q8_0))
+        else:
+            out.append((name, data.astype(np.float16), qtypes.F16))
+    return out
+
+
+# ----------------------------------------------------------------------------- Ollama
+
+
+# Our template (minillm.data.chat) in Ollama's Go template: each message as <|role|>content<|end|>,
+# then the generation prompt. Ollama's roles are ours (system, user, assistant).
+OLLAMA_CHAT_TEMPLATE = (
+    "{{- range .Messages }}<|{{ .Role }}|>{{ .Content }}<|end|>{{ end }}<|assistant|>"
+)
+
+
+def modelfile_text(
+    gguf_name: str, stops: list[str], sample: SampleConfig, context: int, chat: bool
+) -> str:
+    """An Ollama Modelfile for the .gguf beside it: the template, stop tokens, context and the
+    run's sampling defaults (`ollama create NAME -f FILE.Modelfile`)."""
+    template = OLLAMA_CHAT_TEMPLATE if chat else "{{ .Prompt }}"
+    lines = [
+        "# Ollama: ollama create NAME -f THIS_FILE, then ollama run NAME (written by minillm)",
+        f"FROM ./{gguf_name}",
+        f'TEMPLATE """{template}"""',
+        *(f'PARAMETER stop "{s}"' for s in stops),
+        # Past the trained context RoPE positions are unseen; Ollama's default may be longer.
+        f"PARAMETER num_ctx {context}",
+        f"PARAMETER temperature {sample.temperature:g}",
+    ]
+    if sample.temperature > 0:  # written when off (0, 1) too: Ollama's defaults are 40 and 0.9
+        lines.append(f"PARAMETER top_p {sample.top_p:g}")
+        lines.append(f"PARAMETER top_k {sample.top_k}")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _run_name(ckpt: Path) -> str:
+    """The run's folder name: general.name, what llama.cpp and LM Studio show."""
+    return ckpt.parent.parent.name if ckpt.parent.name == "checkpoints" else ckpt.name
+
+
+def _file_type(dtype: str) -> int:
+    from gguf import LlamaFileType
+
+    return {
+        "f32": LlamaFileType.ALL_F32,
+        "f16": LlamaFileType.MOSTLY_F16,
+        "q8_0": LlamaFileType.MOSTLY_Q8_0,
+    }[dtype]
+
+
+def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = False) -> Path:
+    """Write a LoadedCheckpoint as a llama.cpp GGUF file at `out` and an Ollama Modelfile beside
+    it, each under a temporary name, fsynced, then renamed: a failure leaves both as they were.
+    """
+    import gguf
+
+    from minillm import __version__
+    from minillm.data.chat import END, HF_CHAT_TEMPLATE
+    from minillm.data.tokenizer import EOT, eot_id
+
+    out = Path(out)
+    check_gguf_target(out, force, ckpt.path, dtype)
+    cfg, m = ckpt.config, ckpt.config.model
+    where = str(ckpt.path / "tokenizer.json")
+    vocab = gguf_vocab(ckpt.tokenizer, m.vocab_size, where)  # before anything is written
+    eot, end = eot_id(ckpt.tokenizer), ckpt.tokenizer.token_to_id(END)
+    state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
+    tensors = gguf_tensors(state, m, dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = StagedFile(out)
+    modelfile = None
+    w = gguf.GGUFWriter(staged.tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    try:
+        w.add_type(gguf.GGUFType.MODEL)
+        w.add_name(_run_name(ckpt.path))
+        w.add_string("minillm.version", __version__)
+        w.add_file_type(_file_type(dtype))
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        # Every hyper-parameter llama.cpp's llama loader reads (llama-model.cpp, LLM_ARCH_LLAMA).
+        w.add_context_length(m.max_seq_len)
+        w.add_embedding_length(m.d_model)
+        w.add_block_count(m.n_layer)
+        w.add_feed_forward_length(m.ffn_hidden)
+        w.add_head_count(m.n_head)
+        w.add_head_count_kv(m.n_kv_head)
+        w.add_key_length(m.head_dim)
+        w.add_value_length(m.head_dim)
+        w.add_rope_freq_base(m.rope_theta)
+        w.add_rope_dimension_count(m.head_dim)
+        w.add_layer_norm_rms_eps(m.norm_eps)
+        w.add_vocab_size(m.vocab_size)
+        # The tokenizer: byte-level BPE with the split named above, and minillm's special ids.
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(vocab.pre)
+        w.add_token_list(vocab.tokens)
+        w.add_token_types(vocab.types)
+        w.add_token_merges(vocab.merges)
+        # End-of-text separates documents: it is what a fresh document follows (bos), what ends
+        # one (eos) and the padding, as in the HF export. Nothing is added to a prompt itself:
+        # `minillm chat` adds nothing, `minillm sample` puts end-of-text first by id.
+        w.add_bos_token_id(eot)
+        w.add_eos_token_id(eot)
+        w.add_pad_token_id(eot)
+        w.add_add_bos_token(False)
+        w.add_add_eos_token(False)
+        if end is not None:  # the chat tokens: a reply ends at <|end|>
+            w.add_eot_token_id(end)
+            w.add_chat_template(HF_CHAT_TEMPLATE)
+        # The run's sampling defaults, which recent llama.cpp builds take when the user sets none.
+        w.add_sampling_temp(cfg.sample.temperature)
+        w.add_sampling_top_k(cfg.sample.top_k)
+        w.add_sampling_top_p(cfg.sample.top_p)
+        for name, data, qtype in tensors:
+            w.add_tensor(name, data, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        fsync_file(staged.tmp)
+        stops = [END, EOT] if end is not None else [EOT]
+        text = modelfile_text(out.name, stops, cfg.sample, m.max_seq_len, chat=end is not None)
+        modelfile = StagedFile.text(modelfile_path(out), text)
+        check_gguf_target(out, force, ckpt.path, dtype)  # again: someone may have written since
+        staged.commit()
+        modelfile.commit()
+    except BaseException:
+        w.close()
+        staged.discard()
+        if modelfile is not None:
+            modelfile.discard()
+        raise
+    fsync_dir(out.parent)
+    return out
