@@ -18,11 +18,47 @@ hold, so keep the active rows at 0..n-1 (move the last one into a freed slot).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+from minillm.model.inputs import AttentionMask
 from minillm.model.kv_cache import KVCache
-from minillm.model.transformer import Transformer, attention, rms_norm, rope_rotation
+from minillm.model.transformer import Transformer, rms_norm, rope_rotation
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def unwrapped(module: nn.Module) -> Callable[..., Any]:
+    """module's own forward, for inference, without nn.Module's per-call machinery.
+
+    The forward runs on a plain namespace holding the module's attributes, parameters and
+    buffers, with each submodule itself unwrapped, so the code is the module's and nothing is
+    re-typed. On a CPU, decoding one token costs its matrix-vector products plus 1-4 us for
+    every op, module call and module attribute lookup around them; the calls and lookups were
+    the larger part. Dropout becomes the identity (the Decoder refuses a model in training).
+    """
+    if isinstance(module, nn.Dropout):
+        return _identity
+    if type(module) is nn.Linear:  # straight to its op: one Python frame fewer per matmul
+        return partial(F.linear, weight=module.weight, bias=module.bias)
+    fields = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+    fields.update(module._parameters)
+    fields.update(module._buffers)
+    fields.update((name, unwrapped(child)) for name, child in module._modules.items())
+    # Class-level functions the forward calls through self (e.g. SwiGLU.activation).
+    for klass in type(module).__mro__:
+        for name, value in vars(klass).items():
+            if isinstance(value, staticmethod) and name not in fields:
+                fields[name] = value.__func__
+    return partial(type(module).forward, SimpleNamespace(**fields))
 
 
 class Decoder:
@@ -30,39 +66,20 @@ class Decoder:
 
     `step(tokens)` is the same function as `model(tokens[:, None], kv_cache=kv_cache,
     last_only=True)[0][:, 0]` after a prefill (in eval mode and without autocast, as `generate`
-    runs), in far fewer operations. On a CPU a decoded token costs its matrix-vector products
-    plus 1-4 us for every small op, module call and module attribute lookup around them, and
-    the module forward spent more on the latter than on the former. So
-    the weights and cache slices are looked up once, here, each block runs as functional ops on
-    them, the residual adds ride on the output projections (addmm), and RoPE rotates all q and k
-    heads with one (D, D) matmul per layer (rope_rotation). Make a new Decoder for each
-    generation: it holds the parameters and the cache it was made with.
+    runs), with far less overhead: the blocks run their own forwards `unwrapped`, and RoPE
+    rotates all q and k heads of a token with one (D, D) matmul per layer (`rope_rotation`)
+    instead of apply_rope's elementwise ops. Make a new Decoder for each cache: it holds the
+    parameters and the cache it was made with.
     """
 
     def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
-        cfg = model.cfg
-        if model.training and cfg.dropout > 0:
+        if model.training and model.cfg.dropout > 0:
             raise ValueError("the Decoder applies no dropout: call model.eval() first")
         self.model, self.cache = model, kv_cache
-        self.heads = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
-        self.eps = cfg.norm_eps
-        self.layers = [
-            (
-                block.attn_norm.weight,
-                block.attn.wqkv.weight,
-                block.attn.wo.weight.t(),
-                block.ffn_norm.weight,
-                block.ffn.w_gate_up.weight,
-                block.ffn.w_down.weight.t(),
-                kv_cache.k[i],  # (B, K, max_len, D)
-                kv_cache.v[i],
-            )
-            for i, block in enumerate(model.blocks)
-        ]
+        self.blocks = [unwrapped(block) for block in model.blocks]
         self.embedding, self.head = model.tok_emb.weight, model.head_weight
-        self.norm = model.norm.weight
+        self.norm, self.eps = model.norm.weight, model.cfg.norm_eps
         self.rope = (model.rope_cos, model.rope_sin, model.rope_rotate_half)
-        self.slots = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
 
     def prefill(self, row: int, ids: torch.Tensor) -> torch.Tensor:
         """Put prompt ids (P,) into row `row` (emptied first); logits (V,) of its next token.
@@ -88,46 +105,27 @@ class Decoder:
         own position (n <= the cache's rows)."""
         if torch.is_grad_enabled():
             raise RuntimeError("Decoder.step is for inference: use torch.inference_mode()")
-        cache, eps = self.cache, self.eps
-        H, K, D = self.heads
-        B = tokens.shape[0]
-        if B > cache.batch_size:
-            raise ValueError(f"{B} tokens for a KV cache of {cache.batch_size} rows")
-        cache.check_room(1, rows=B)
-        lengths = cache.lengths[:B]
-        S = max(lengths) + 1  # slots any of these rows attends to, its new one included
-        cos, sin, rotate_half = self.rope
-        positions = cache.n_seen[:B]  # (B,) real tokens so far: the new token's RoPE position
-        rot = rope_rotation(cos[positions], sin[positions], rotate_half)  # (B, D, D)
-        ragged = min(lengths) != S - 1
-        if ragged:  # each row writes its own slot and sees its own filled slots only
-            filled = torch.tensor(lengths, device=self.slots.device)  # (B,) the new slots
-            rows = torch.arange(B, device=filled.device)
-            key_valid = (self.slots[None, :S] <= filled[:, None]) & cache.key_valid[:B, :S]
-        else:  # the new token sees every key, but left padding must stay hidden
-            key_valid = cache.key_valid[:B, :S] if cache.has_padding else None
-        key_mask = key_valid[:, None, None] if key_valid is not None else None  # (B, 1, 1, S)
-
-        x = F.embedding(tokens, self.embedding)  # (B, C)
-        for norm1, w_qkv, wo_t, norm2, w_gate_up, w_down_t, keys, values in self.layers:
-            if B != keys.shape[0]:
-                keys, values = keys[:B], values[:B]
-            qkv = F.linear(rms_norm(x, norm1, eps), w_qkv).view(B, H + 2 * K, D)
-            qk = qkv[:, : H + K]
-            if qk.dtype == rot.dtype:
-                qk = torch.matmul(qk, rot)  # q and k heads rotated
+        cache = self.cache
+        n = tokens.shape[0]
+        if n > cache.batch_size:
+            raise ValueError(f"{n} tokens for a KV cache of {cache.batch_size} rows")
+        mask = AttentionMask(cache.start_step(n))
+        try:
+            cos, sin, rotate_half = self.rope
+            positions = cache.n_seen[:n]  # (n,) real tokens so far: the new token's RoPE position
+            rot = rope_rotation(cos[positions], sin[positions], rotate_half)[:, None]  # (n,1,D,D)
+            if rot.dtype == self.embedding.dtype:
+                rope = partial(torch.matmul, other=rot)  # (n, 1, H + K, D) @ (n, 1, D, D)
             else:  # RoPE in the tables' precision, as apply_rope does
-                qk = torch.matmul(qk.to(rot.dtype), rot).to(qkv.dtype)
-            if ragged:
-                keys[rows, :, filled] = qk[:, H:]
-                values[rows, :, filled] = qkv[:, H + K :]
-            else:
-                keys.select(2, S - 1).copy_(qk[:, H:])
-                values.select(2, S - 1).copy_(qkv[:, H + K :])
-            q = qk[:, :H, None]  # (B, H, 1, D)
-            y = attention(q, keys[:, :, :S], values[:, :, :S], key_mask)
-            x = torch.addmm(x, y.reshape(B, H * D), wo_t)  # x + wo(y)
-            gate, up = F.linear(rms_norm(x, norm2, eps), w_gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, w_down_t)  # x + w_down(silu(gate) * up)
-        cache.advance_rows(B)
-        return F.linear(rms_norm(x, self.norm, eps), self.head)
+
+                def rope(qk: torch.Tensor) -> torch.Tensor:
+                    return torch.matmul(qk.to(rot.dtype), rot).to(qk.dtype)
+
+            x = F.embedding(tokens[:, None], self.embedding)  # (n, 1, C)
+            for layer, block in enumerate(self.blocks):
+                x = block(x, rope, mask, cache, layer)
+        except BaseException:
+            cache.end_step(done=False)
+            raise
+        cache.end_step()
+        return F.linear(rms_norm(x[:, 0], self.norm, self.eps), self.head)

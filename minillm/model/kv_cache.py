@@ -49,6 +49,8 @@ class KVCache:
         # Host-side: the decoder slices with these every step, and a tensor would cost a sync.
         self.lengths = [0] * batch_size
         self.has_padding = False  # whether any key_valid is False
+        self._step: tuple[int, int | torch.Tensor, int] | None = None  # see start_step
+        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))
 
     @property
     def pos(self) -> int:
@@ -84,7 +86,24 @@ class KVCache:
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, K, T, D) after the filled slots; return all keys/values (B, K, S, D)."""
+        """Store k, v (B, K, T, D) after the filled slots; return all keys/values (B, K, S, D).
+
+        During a `start_step` the B rows are rows 0..B-1, each storing its one token at its own
+        slot, and S is the longest row's length after the step.
+        """
+        if self._step is not None:
+            rows, slot, end = self._step
+            keys, values = self._layers[layer]  # (B, K, S, D) views, looked up once
+            if rows != self.batch_size:
+                keys, values = keys[:rows], values[:rows]
+            if isinstance(slot, int):  # every row at one length
+                keys.select(2, slot).copy_(k[:, :, 0])
+                values.select(2, slot).copy_(v[:, :, 0])
+            else:  # each row at its own slot
+                batch = torch.arange(rows, device=slot.device)
+                keys[batch, :, slot] = k[:, :, 0]
+                values[batch, :, slot] = v[:, :, 0]
+            return keys[:, :, :end], values[:, :, :end]
         start = self.pos
         end = start + k.shape[2]
         self.k[layer, :, :, start:end] = k
@@ -96,8 +115,31 @@ class KVCache:
         self.lengths = [n + T for n in self.lengths]
         self.n_seen += T if attention_mask is None else attention_mask.long().sum(dim=1)
 
-    def advance_rows(self, rows: int) -> None:
-        """Rows 0..rows-1 each filled one more slot with one real token (a decoding step)."""
+    def start_step(self, rows: int) -> torch.Tensor | None:
+        """Begin a decoding step of one token for each of rows 0..rows-1, at its own slot.
+
+        The `update` calls until `end_step` store each row's key and value at that row's next
+        slot. Returns which keys each new token may see, (rows, 1, 1, S) for SDPA, or None when
+        it may see all S (the rows are at one length and unpadded).
+        """
+        self.check_room(1, rows)
+        lengths = self.lengths[:rows]
+        end = max(lengths) + 1
+        if min(lengths) == end - 1:
+            self._step = (rows, end - 1, end)
+            return self.key_valid[:rows, None, None, :end] if self.has_padding else None
+        slots = torch.tensor(lengths, device=self.k.device)  # (rows,) each row's next slot
+        self._step = (rows, slots, end)
+        filled = torch.arange(end, device=slots.device) <= slots[:, None]  # (rows, S)
+        return (filled & self.key_valid[:rows, :end])[:, None, None]
+
+    def end_step(self, done: bool = True) -> None:
+        """Rows 0..rows-1 of the step each filled one more slot with one real token (done), or
+        the step failed and the rows stay as they were (their next slots are rewritten later)."""
+        rows = self._step[0]
+        self._step = None
+        if not done:
+            return
         for r in range(rows):
             self.lengths[r] += 1
         self.n_seen[:rows] += 1
@@ -114,6 +156,8 @@ class KVCache:
         view.batch_size, view.max_len = 1, self.max_len
         view.lengths = [self.lengths[row]]
         view.has_padding = self.has_padding
+        view._step = None
+        view._layers = list(zip(view.k.unbind(0), view.v.unbind(0), strict=True))
         return view
 
     def set_length(self, row: int, length: int) -> None:

@@ -28,7 +28,7 @@ from minillm.data.batches import eval_batches, train_batch
 from minillm.data.meta import load_meta, open_split
 from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
-from minillm.model import Transformer
+from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.param_groups import describe
 from minillm.runtime.device import (
     StopSignal,
@@ -143,7 +143,7 @@ class Trainer:
             schedule=schedule_lr,
         )
         seed_everything(tc.seed)  # the same initial weights on every rank
-        self.model = Transformer(cfg.model)
+        self.model = use_cpu_kernels(Transformer(cfg.model))  # eager CPU training kernels
         self.model.activation_checkpointing = tc.activation_checkpointing
         if init_state is not None and resume_from is None:
             ckpt.load_weights_into(self.model, init_state, tc.init_from)
