@@ -18,47 +18,11 @@ hold, so keep the active rows at 0..n-1 (move the last one into a freed slot).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-from types import SimpleNamespace
-from typing import Any
-
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from minillm.model.inputs import AttentionMask
 from minillm.model.kv_cache import KVCache
-from minillm.model.transformer import Transformer, rms_norm, rope_rotation
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def unwrapped(module: nn.Module) -> Callable[..., Any]:
-    """module's own forward, for inference, without nn.Module's per-call machinery.
-
-    The forward runs on a plain namespace holding the module's attributes, parameters and
-    buffers, with each submodule itself unwrapped, so the code is the module's and nothing is
-    re-typed. On a CPU, decoding one token costs its matrix-vector products plus 1-4 us for
-    every op, module call and module attribute lookup around them; the calls and lookups were
-    the larger part. Dropout becomes the identity (the Decoder refuses a model in training).
-    """
-    if isinstance(module, nn.Dropout):
-        return _identity
-    if type(module) is nn.Linear:  # straight to its op: one Python frame fewer per matmul
-        return partial(F.linear, weight=module.weight, bias=module.bias)
-    fields = {k: v for k, v in vars(module).items() if not k.startswith("_")}
-    fields.update(module._parameters)
-    fields.update(module._buffers)
-    fields.update((name, unwrapped(child)) for name, child in module._modules.items())
-    # Class-level functions the forward calls through self (e.g. SwiGLU.activation).
-    for klass in type(module).__mro__:
-        for name, value in vars(klass).items():
-            if isinstance(value, staticmethod) and name not in fields:
-                fields[name] = value.__func__
-    return partial(type(module).forward, SimpleNamespace(**fields))
+from minillm.model.transformer import Transformer, attention, rms_norm, rope_rotation, swiglu
 
 
 class Decoder:
@@ -66,19 +30,37 @@ class Decoder:
 
     `step(tokens)` is the same function as `model(tokens[:, None], kv_cache=kv_cache,
     last_only=True)[0][:, 0]` after a prefill (in eval mode and without autocast, as `generate`
-    runs), with far less overhead: the blocks run their own forwards `unwrapped`, and RoPE
-    rotates all q and k heads of a token with one (D, D) matmul per layer (`rope_rotation`)
-    instead of apply_rope's elementwise ops. Make a new Decoder for each cache: it holds the
-    parameters and the cache it was made with.
+    runs), with far less overhead. On a CPU a decoded token costs its matrix-vector products
+    plus 1-4 us for every op, module call and module attribute lookup around them, and the
+    module forward spends more on the latter. So the weights are looked up once, here, and each
+    block runs as one flat loop over the component functions of `minillm.model.transformer`
+    (`rms_norm`, `swiglu`, `attention`; RoPE as one (D, D) matmul per layer, `rope_rotation`),
+    with the residual adds folded into the output projections (addmm). Only the wiring of a
+    block is written here a second time (pre-norm, residuals, the q/k/v split);
+    tests/test_model.py pins it to the module forward. The KV cache places each row's token
+    (`KVCache.start_step`). Make a new Decoder for each cache: it holds the parameters and the
+    cache it was made with.
     """
 
     def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
         if model.training and model.cfg.dropout > 0:
             raise ValueError("the Decoder applies no dropout: call model.eval() first")
         self.model, self.cache = model, kv_cache
-        self.blocks = [unwrapped(block) for block in model.blocks]
+        cfg = model.cfg
+        self.heads = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
+        self.layers = [
+            (
+                block.attn_norm.weight,
+                block.attn.wqkv.weight,
+                block.attn.wo.weight.t(),
+                block.ffn_norm.weight,
+                block.ffn.w_gate_up.weight,
+                block.ffn.w_down.weight.t(),
+            )
+            for block in model.blocks
+        ]
         self.embedding, self.head = model.tok_emb.weight, model.head_weight
-        self.norm, self.eps = model.norm.weight, model.cfg.norm_eps
+        self.norm, self.eps = model.norm.weight, cfg.norm_eps
         self.rope = (model.rope_cos, model.rope_sin, model.rope_rotate_half)
 
     def prefill(self, row: int, ids: torch.Tensor) -> torch.Tensor:
@@ -109,23 +91,28 @@ class Decoder:
         n = tokens.shape[0]
         if n > cache.batch_size:
             raise ValueError(f"{n} tokens for a KV cache of {cache.batch_size} rows")
-        mask = AttentionMask(cache.start_step(n))
+        key_mask = cache.start_step(n)  # (n, 1, 1, S) or None
+        H, K, D = self.heads
+        eps = self.eps
         try:
             cos, sin, rotate_half = self.rope
             positions = cache.n_seen[:n]  # (n,) real tokens so far: the new token's RoPE position
-            rot = rope_rotation(cos[positions], sin[positions], rotate_half)[:, None]  # (n,1,D,D)
-            if rot.dtype == self.embedding.dtype:
-                rope = partial(torch.matmul, other=rot)  # (n, 1, H + K, D) @ (n, 1, D, D)
-            else:  # RoPE in the tables' precision, as apply_rope does
-
-                def rope(qk: torch.Tensor) -> torch.Tensor:
-                    return torch.matmul(qk.to(rot.dtype), rot).to(qk.dtype)
-
-            x = F.embedding(tokens[:, None], self.embedding)  # (n, 1, C)
-            for layer, block in enumerate(self.blocks):
-                x = block(x, rope, mask, cache, layer)
+            rot = rope_rotation(cos[positions], sin[positions], rotate_half)  # (n, D, D)
+            x = F.embedding(tokens, self.embedding)  # (n, C)
+            for layer, (norm1, w_qkv, wo_t, norm2, w_gate_up, w_down_t) in enumerate(self.layers):
+                qkv = F.linear(rms_norm(x, norm1, eps), w_qkv).view(n, H + 2 * K, D)
+                qk = qkv[:, : H + K]
+                if qk.dtype == rot.dtype:
+                    qk = torch.matmul(qk, rot)  # q and k heads rotated
+                else:  # RoPE in the tables' precision, as apply_rope does
+                    qk = torch.matmul(qk.to(rot.dtype), rot).to(qkv.dtype)
+                keys, values = cache.update(layer, qk[:, H:, None], qkv[:, H + K :, None])
+                y = attention(qk[:, :H, None], keys, values, key_mask)  # (n, H, 1, D)
+                x = torch.addmm(x, y.reshape(n, H * D), wo_t)  # x + wo(y)
+                h = swiglu(F.linear(rms_norm(x, norm2, eps), w_gate_up))
+                x = torch.addmm(x, h, w_down_t)  # x + w_down(swiglu(...))
         except BaseException:
             cache.end_step(done=False)
             raise
         cache.end_step()
-        return F.linear(rms_norm(x[:, 0], self.norm, self.eps), self.head)
+        return F.linear(rms_norm(x, self.norm, eps), self.head)

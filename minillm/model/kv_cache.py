@@ -97,8 +97,8 @@ class KVCache:
             if rows != self.batch_size:
                 keys, values = keys[:rows], values[:rows]
             if isinstance(slot, int):  # every row at one length
-                keys.select(2, slot).copy_(k[:, :, 0])
-                values.select(2, slot).copy_(v[:, :, 0])
+                keys.narrow(2, slot, 1).copy_(k)
+                values.narrow(2, slot, 1).copy_(v)
             else:  # each row at its own slot
                 batch = torch.arange(rows, device=slot.device)
                 keys[batch, :, slot] = k[:, :, 0]
