@@ -36,7 +36,7 @@ import torch
 import transformers
 
 from minillm.config import ModelConfig
-from minillm.model import Transformer
+from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.runtime.device import enable_tf32
 from minillm.runtime.perf import known_peak_flops, measure_matmul_peak, mfu, synchronize
@@ -287,7 +287,7 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
     for recompute in variants:
         suffix = " +ckpt" if recompute else ""
         # Each row trains its own copy: rows must not share weights or optimizer state.
-        model = copy.deepcopy(ours)
+        model = use_cpu_kernels(copy.deepcopy(ours))  # as the trainer builds it
         model.activation_checkpointing = recompute
         if args.compile in ("no", "both"):
             eager = copy.deepcopy(model) if args.compile == "both" else model

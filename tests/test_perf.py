@@ -3,6 +3,7 @@ and HF's gradients, the MFU helpers, and a smoke run of the training benchmark."
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -10,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from test_model import make_pair
 
-from minillm.model import Transformer, kernels_cpu
+from minillm.model import Transformer, kernels_cpu, use_cpu_kernels
 from minillm.model.hf_names import to_hf_state_dict
-from minillm.model.transformer import apply_rope, rope_tables
+from minillm.model.transformer import RMSNorm, apply_rope, rope_tables
 from minillm.runtime import perf
 from tests.helpers import load_script
 
@@ -30,27 +31,32 @@ def _train_pass(model: Transformer, idx: torch.Tensor, targets: torch.Tensor, **
 
 @pytest.mark.parametrize("case", ["mha-tied", "gqa-untied"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_eager_cpu_kernels_equal_the_plain_formulas(
-    case: str, reduction: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_eager_cpu_kernels_equal_the_plain_formulas(case: str, reduction: str) -> None:
     kw = {"mha-tied": dict(n_kv_head=4), "gqa-untied": dict(n_kv_head=2, tie_embeddings=False)}
-    ours, _, cfg = make_pair(**kw[case])
-    ours.train()
+    plain, _, cfg = make_pair(**kw[case])
+    fused = use_cpu_kernels(copy.deepcopy(plain))
+    assert isinstance(fused, Transformer) and type(fused) is not Transformer
+    assert all(type(m) is not RMSNorm for m in fused.modules())  # every norm swapped
+    plain.train(), fused.train()
     idx = torch.randint(0, cfg.vocab_size, (3, 40))
     targets = torch.randint(0, cfg.vocab_size, (3, 40))
     targets[0, :7] = -100
-    fast = _train_pass(ours, idx, targets, reduction=reduction)
-    # What torch.compile traces: F.rms_norm, the plain RoPE formula, F.cross_entropy...
-    monkeypatch.setattr(kernels_cpu, "compiling", lambda: True)
-    plain = _train_pass(ours, idx, targets, reduction=reduction)
-    torch.testing.assert_close(fast[0], plain[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(fast[1], plain[1], atol=1e-5, rtol=1e-6)
+    fast = _train_pass(fused, idx, targets, reduction=reduction)
+    ref = _train_pass(plain, idx, targets, reduction=reduction)  # what torch.compile traces
+    torch.testing.assert_close(fast[0], ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast[1], ref[1], atol=1e-5, rtol=1e-6)
     for name in fast[2]:
-        torch.testing.assert_close(fast[2][name], plain[2][name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(fast[2][name], ref[2][name], atol=1e-5, rtol=1e-5, msg=name)
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    with torch.no_grad():  # eval: the plain forwards (and `rotate`), the same logits
+        torch.testing.assert_close(fused(idx)[0], plain(idx)[0], atol=1e-5, rtol=0)
 
 
-def test_training_gradients_match_hf_llama() -> None:
+@pytest.mark.parametrize("kernels", [False, True])
+def test_training_gradients_match_hf_llama(kernels: bool) -> None:
     ours, hf, cfg = make_pair(n_kv_head=2)
+    if kernels:  # as the trainer trains it
+        use_cpu_kernels(ours)
     ours.train(), hf.train()
     # HF's nn.Embedding(padding_idx=pad_token_id) gives the pad token's row no lookup gradient;
     # minillm has no padding row.
@@ -73,12 +79,13 @@ def test_rope_is_a_rotation_with_the_inverse_as_backward() -> None:
     c, s = cos.double()[:, None], sin.double()[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     ref = x * c + torch.cat((-x2, x1), dim=-1) * s  # the "rotate half" formula of HF
-    got = apply_rope(x, c, s)
-    torch.testing.assert_close(got, ref)
-    assert got.is_contiguous()
-    assert torch.autograd.gradcheck(lambda t: apply_rope(t, c, s), (x,))
-    # A rotation keeps the norm of each (i, i + D/2) pair.
-    torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1))
+    for rope in (apply_rope, kernels_cpu.fused_rope):  # the formula and the RoPE Function
+        got = rope(x, c, s)
+        torch.testing.assert_close(got, ref)
+        assert got.is_contiguous()
+        assert torch.autograd.gradcheck(lambda t, rope=rope: rope(t, c, s), (x,))
+        # A rotation keeps the norm of each (i, i + D/2) pair.
+        torch.testing.assert_close(got.norm(dim=-1), x.norm(dim=-1))
 
 
 def test_cross_entropy_kernel_handles_chunks_and_all_ignored_rows(

@@ -1,19 +1,35 @@
-"""Eager CPU kernels: hand-written autograd Functions for the model's elementwise work.
+"""Eager CPU kernels: hand-written autograd Functions for the model's elementwise work, and
+`use_cpu_kernels(model)`, which makes a Transformer use them.
 
-Offers `compiling()`, `eager_cpu(x)` (whether these kernels apply), `rotate`, `RMSNormCPU`,
+Offers `use_cpu_kernels`, `eager_cpu(x)` (whether these kernels apply), `rotate`, `RMSNormCPU`,
 `RoPE`, `SwiGLUCPU` and `CrossEntropyCPU`.
 
 Eager PyTorch makes one pass over memory per elementwise op, and autograd's generic backward of
 small formulas makes several more. On CPU, where these passes cost as much as the matmuls around
 them, the Functions below compute the same math in fewer passes and with fewer temporaries.
-They serve eager mode only: under torch.compile the plain formulas are traced and fused by
-inductor, and on a GPU the native fused kernels (F.rms_norm, F.cross_entropy) are used.
+`minillm.model.transformer` holds the plain formulas; a caller that wants these kernels (the
+trainer) asks for them with `use_cpu_kernels(model)`, which gives the RMSNorm, SwiGLU and
+Transformer modules subclasses whose forwards call them. They serve eager training only: under
+torch.compile the plain formulas are traced and fused by inductor, without autograd (eval,
+decoding) the native ops are as fast and cost less, and on a GPU the native fused kernels
+(F.rms_norm, F.cross_entropy) are used; the RoPE Function, device-independent, serves any eager
+device.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from minillm.model.transformer import (
+    RMSNorm,
+    Rope,
+    SwiGLU,
+    Transformer,
+    apply_rope,
+    cross_entropy,
+    swiglu,
+)
 
 
 def compiling() -> bool:
@@ -134,3 +150,77 @@ class CrossEntropyCPU(torch.autograd.Function):
             chunk.scatter_(1, idx, chunk.gather(1, idx) - 1.0)  # softmax - onehot
             chunk.mul_(row_scale[i : i + rows])
         return out, None, None
+
+
+# ----------------------------------------------------------------------------- the modules
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm through RMSNormCPU where it applies (eager CPU training in float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype == torch.float32 and eager_cpu(x):
+            return RMSNormCPU.apply(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+def fused_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """`swiglu` through SwiGLUCPU where it applies."""
+    if gate_up.dtype == torch.float32 and eager_cpu(gate_up):
+        return SwiGLUCPU.apply(gate_up)
+    return swiglu(gate_up)
+
+
+class FusedSwiGLU(SwiGLU):
+    """SwiGLU whose activation is fused_swiglu."""
+
+    activation = staticmethod(fused_swiglu)
+
+
+def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` through the RoPE Function in eager mode, `rotate` without autograd."""
+    if compiling():  # the plain formula: inductor fuses it and its backward
+        return apply_rope(x, cos, sin)
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    if not torch.is_grad_enabled():  # an eval: no autograd node to build
+        return rotate(x, cos, sin)
+    return RoPE.apply(x, cos, sin)
+
+
+def fused_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, reduction: str
+) -> torch.Tensor:
+    """`cross_entropy` through CrossEntropyCPU where it applies."""
+    if reduction in ("mean", "sum") and logits.dtype == torch.float32 and eager_cpu(logits):
+        return CrossEntropyCPU.apply(logits, targets, reduction == "sum")
+    return cross_entropy(logits, targets, reduction)
+
+
+class FusedTransformer(Transformer):
+    """Transformer with the fused RoPE and cross-entropy."""
+
+    loss_function = staticmethod(fused_cross_entropy)
+
+    def rope(self, positions: slice | torch.Tensor) -> Rope:
+        cos = self.rope_cos[positions][..., None, :]  # (T, 1, D) or (B, T, 1, D)
+        sin = self.rope_sin[positions][..., None, :]
+        return lambda x: fused_rope(x, cos, sin)
+
+
+_FUSED = {RMSNorm: FusedRMSNorm, SwiGLU: FusedSwiGLU, Transformer: FusedTransformer}
+
+
+def use_cpu_kernels(model: Transformer) -> Transformer:
+    """Make model (in place) run the kernels above where they apply; returns it.
+
+    Each RMSNorm, SwiGLU and the Transformer itself becomes the Fused subclass above: the same
+    parameters, state_dict and hooks, the math of the plain module (tests/test_perf.py pins it),
+    in fewer passes over memory. Elsewhere (GPU, torch.compile, no autograd) the subclasses run
+    the plain forwards.
+    """
+    for module in model.modules():
+        fused = _FUSED.get(type(module))
+        if fused is not None:
+            module.__class__ = fused
+    return model

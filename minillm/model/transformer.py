@@ -1,12 +1,16 @@
-"""The LLaMA-style decoder-only Transformer.
+"""The LLaMA-style decoder-only Transformer, as docs/architecture.md derives it.
 
-Offers `RMSNorm`, `rms_norm`, `rope_tables`, `apply_rope`, `rope_rotation`, `attention`,
-`cross_entropy`, `Attention`, `SwiGLU`, `Block`, `AttentionMask` and `Transformer`. The model is
-the same function as Hugging Face's `LlamaForCausalLM` given the same weights (RoPE in its
-"rotate half" layout; `minillm.model.hf_names` maps the parameter names). In eager mode on CPU
-the hand-written autograd Functions of `minillm.model.kernels_cpu` compute the same math in fewer
-memory passes; under torch.compile the plain formulas are traced instead. The KV cache is
-`minillm.model.kv_cache`, the decoding fast path `minillm.model.decode`.
+Offers `RMSNorm`, `rms_norm`, `rope_tables`, `apply_rope`, `rotate_half_matrix`, `rope_rotation`,
+`attention`, `cross_entropy`, `Attention`, `SwiGLU`, `Block` and `Transformer`. The model is the
+same function as Hugging Face's `LlamaForCausalLM` given the same weights (RoPE in its "rotate
+half" layout; `minillm.model.hf_names` maps the parameter names).
+
+Everything here is the plain PyTorch of the formulas. The fast paths sit on top and are chosen by
+their callers: `minillm.model.kernels_cpu.use_cpu_kernels(model)` swaps in hand-written autograd
+kernels for eager CPU training (the trainer asks for them), and `minillm.model.decode.Decoder`
+runs these same modules' forwards one token at a time for sampling. The KV cache is
+`minillm.model.kv_cache`, what forward derives from its arguments (positions, masks)
+`minillm.model.inputs`.
 
 Shape legend: B batch, T new tokens, S keys (cached + new), H query heads, K key/value heads,
 D head dim, C model dim (H*D), F SwiGLU hidden dim, V vocabulary.
@@ -15,19 +19,31 @@ D head dim, C model dim (H*D), F SwiGLU hidden dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import minillm.model.kernels_cpu as kernels
 from minillm.config import ModelConfig
-from minillm.model.inputs import check_inputs
+from minillm.model.inputs import AttentionMask, forward_inputs
 from minillm.model.kv_cache import KVCache
 
 # `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates (B, T, heads, D) to the tokens' positions
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x (..., C) with gain weight (C,), normalised in float32 whatever x's dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * y.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -39,17 +55,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and kernels.eager_cpu(x):
-            return kernels.RMSNormCPU.apply(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x (..., C) with gain weight (C,), normalised in float32 whatever x's dtype."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return weight * y.to(x.dtype)
+# ----------------------------------------------------------------------------- RoPE
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,17 +72,13 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + D/2) of x (B, T, H, D) by cos/sin, (T, 1, D) or (B, T, 1, D).
 
-    x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. The two halves of the tables are equal, so only
-    the first is read. Returns a new contiguous tensor.
+    x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in the tables' precision. The two halves of the
+    tables are equal, so only the first is read. Returns a new contiguous tensor.
     """
     half = x.shape[-1] // 2
     cos, sin = cos[..., :half], sin[..., :half]
-    if kernels.compiling():  # the plain formula: inductor fuses it and its backward
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-    if not torch.is_grad_enabled():  # a prefill or eval: no autograd node to build
-        return kernels.rotate(x, cos, sin)
-    return kernels.RoPE.apply(x, cos, sin)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def rotate_half_matrix(head_dim: int) -> torch.Tensor:
@@ -94,6 +99,9 @@ def rope_rotation(cos: torch.Tensor, sin: torch.Tensor, rotate_half: torch.Tenso
     a token with this one small matmul instead of apply_rope's elementwise ops.
     """
     return torch.diag_embed(cos).addcmul_(rotate_half, sin[..., None, :])
+
+
+# ----------------------------------------------------------------------------- attention
 
 
 def attention(
@@ -117,16 +125,6 @@ def attention(
     )
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
-    """F.cross_entropy(logits.float(), targets, ignore_index=-100) of logits (N, V), in the form
-    that is fastest where it runs (see minillm.model.kernels_cpu)."""
-    if reduction in ("mean", "sum"):
-        if kernels.eager_cpu(logits) and logits.dtype == torch.float32:
-            return kernels.CrossEntropyCPU.apply(logits, targets, reduction == "sum")
-    # .float(): the softmax of bf16 logits in fp32 (a no-op on fp32 logits)
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction=reduction)
-
-
 class Attention(nn.Module):
     """Causal multi-head self-attention with grouped-query heads, through SDPA."""
 
@@ -144,8 +142,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         mask: AttentionMask,
         kv_cache: KVCache | None = None,
         layer: int = 0,
@@ -155,7 +152,7 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, H + 2 * K, D)
         # split, not slicing: the backward of a split is one cat, that of a slice a zero-filled copy
         qk, v = qkv.split((H + K, K), dim=2)
-        q, k = apply_rope(qk, cos, sin).split((H, K), dim=2)  # q and k rotated in one pass
+        q, k = rope(qk).split((H, K), dim=2)  # q and k rotated in one pass
         # SDPA takes these strided views as they are; its output is laid out (B, T, H, D) in
         # memory, so the transpose back below is free.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
@@ -170,8 +167,19 @@ class Attention(nn.Module):
         return self.resid_drop(self.wo(y))
 
 
+# ----------------------------------------------------------------------------- SwiGLU
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused projection [gate, up] (..., 2F) -> (..., F)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     """w_down(silu(x W_gate) * x W_up), with gate and up projections in one matmul."""
+
+    activation = staticmethod(swiglu)  # kernels_cpu swaps in a fused one
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -181,13 +189,10 @@ class SwiGLU(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.w_gate_up(x)  # (B, T, 2F)
-        if kernels.eager_cpu(gate_up) and gate_up.dtype == torch.float32:
-            h = kernels.SwiGLUCPU.apply(gate_up)
-        else:
-            gate, up = gate_up.split(self.hidden, dim=-1)  # (B, T, F) each
-            h = F.silu(gate) * up
-        return self.drop(self.w_down(h))
+        return self.drop(self.w_down(self.activation(self.w_gate_up(x))))  # (B, T, 2F) -> (B, T, C)
+
+
+# ----------------------------------------------------------------------------- the model
 
 
 class Block(nn.Module):
@@ -203,61 +208,25 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         mask: AttentionMask,
         kv_cache: KVCache | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, kv_cache, layer)
+        x = x + self.attn(self.attn_norm(x), rope, mask, kv_cache, layer)
         return x + self.ffn(self.ffn_norm(x))
 
 
-class AttentionMask:
-    """What SDPA needs to know about which keys each query may see, built once per forward.
-
-    bool_mask: (B, 1, T, S) True = may attend, or None when plain causality (or nothing) suffices.
-    empty_rows: (B, 1, T, 1) True where a query may see no key; those outputs are set to zero.
-    """
-
-    def __init__(
-        self,
-        bool_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        empty_rows: torch.Tensor | None = None,
-    ) -> None:
-        self.bool_mask, self.is_causal, self.empty_rows = bool_mask, is_causal, empty_rows
-
-    @classmethod
-    def build(
-        cls,
-        T: int,
-        start: int,
-        key_valid: torch.Tensor | None,
-        doc_ids: torch.Tensor | None,
-        device: torch.device,
-    ) -> AttentionMask:
-        """Causal mask for queries at start..start+T-1, with optional padding and documents."""
-        if key_valid is None and doc_ids is None and (start == 0 or T == 1):
-            # Plain causality, or one new token that may see every cached key.
-            return cls(None, is_causal=start == 0 and T > 1)
-        q_pos = torch.arange(start, start + T, device=device)
-        k_pos = torch.arange(start + T, device=device)
-        allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, T, S)
-        if key_valid is not None:
-            allowed = allowed & key_valid[:, None, :]  # (B, T, S)
-        if doc_ids is not None:
-            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        empty = ~allowed.any(dim=-1, keepdim=True)  # (B, T, 1)
-        if not bool(empty.any()):
-            return cls(allowed[:, None])
-        # An all-False row would make SDPA return NaN (and NaN gradients): let it attend anywhere,
-        # then zero its output.
-        return cls((allowed | empty)[:, None], empty_rows=empty[:, None])
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Mean or sum cross-entropy of logits (N, V) over targets (N,) that are not -100."""
+    # .float(): the softmax of bf16 logits in fp32 (a no-op on fp32 logits)
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction=reduction)
 
 
 class Transformer(nn.Module):
     """Token embedding, n_layer pre-norm blocks, final RMSNorm, output head (tied or not)."""
+
+    loss_function = staticmethod(cross_entropy)  # kernels_cpu swaps in a fused one
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -291,6 +260,12 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
+    def rope(self, positions: slice | torch.Tensor) -> Rope:
+        """RoPE at positions (a slice of the tables, or (B, T) indices) for every layer."""
+        cos = self.rope_cos[positions][..., None, :]  # (T, 1, D) or (B, T, 1, D)
+        sin = self.rope_sin[positions][..., None, :]
+        return lambda x: apply_rope(x, cos, sin)
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -312,74 +287,25 @@ class Transformer(nn.Module):
         last_only: compute logits for the last position only (decoding).
         reduction: "mean" or "sum" of the per-token losses.
         """
-        check_inputs(idx, attention_mask, doc_ids, position_ids, self.cfg.max_seq_len)
-        B, T = idx.shape
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len")
-        if kv_cache is not None:
-            kv_cache.check_room(T)
-        if doc_ids is not None and kv_cache is not None:
-            raise ValueError("doc_ids (packed sequences) cannot be combined with a KV cache")
-
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(torch.bool)
-            if kv_cache is None and bool(attention_mask.all()):
-                attention_mask = None  # no padding: plain causal attention is the same and faster
-        if position_ids is None:
-            position_ids = self._positions(B, T, attention_mask, doc_ids, kv_cache)
-        if kv_cache is not None:
-            key_valid = kv_cache.mark_keys(attention_mask, T)
-        else:
-            key_valid = attention_mask
-        if position_ids is None:
-            cos = self.rope_cos[start : start + T, None]  # (T, 1, D)
-            sin = self.rope_sin[start : start + T, None]
-        else:
-            cos = self.rope_cos[position_ids][:, :, None]  # (B, T, 1, D)
-            sin = self.rope_sin[position_ids][:, :, None]
-        mask = AttentionMask.build(T, start, key_valid, doc_ids, idx.device)
-
+        positions, mask = forward_inputs(
+            idx, attention_mask, doc_ids, position_ids, kv_cache, self.cfg.max_seq_len
+        )
+        rope = self.rope(positions)
         x = self.drop(self.tok_emb(idx))  # (B, T, C)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             if recompute and kv_cache is None:  # non-reentrant: replays dropout's RNG exactly
-                x = checkpoint(block, x, cos, sin, mask, None, i, use_reentrant=False)
+                x = checkpoint(block, x, rope, mask, None, i, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, kv_cache, i)
+                x = block(x, rope, mask, kv_cache, i)
         if kv_cache is not None:
-            kv_cache.advance(T, attention_mask)
-        x = self.norm(x)
-        if last_only:
-            x = x[:, -1:]
+            kv_cache.advance(idx.shape[1], attention_mask)
+        x = self.norm(x[:, -1:] if last_only else x)
         logits = F.linear(x, self.head_weight)  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), reduction)
+        loss = self.loss_function(logits.flatten(0, 1), targets.reshape(-1), reduction)
         return logits, loss
-
-    @staticmethod
-    def _positions(
-        B: int,
-        T: int,
-        attention_mask: torch.Tensor | None,
-        doc_ids: torch.Tensor | None,
-        kv_cache: KVCache | None,
-    ) -> torch.Tensor | None:
-        """RoPE positions (B, T) where they are not simply start..start+T-1, else None."""
-        if doc_ids is not None:  # restart at 0 at each document boundary
-            t = torch.arange(T, device=doc_ids.device).expand(B, T)
-            boundary = torch.ones_like(doc_ids, dtype=torch.bool)
-            boundary[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-            first = torch.where(boundary, t, torch.zeros_like(t)).cummax(dim=1).values
-            return t - first
-        if attention_mask is None and (kv_cache is None or not kv_cache.has_padding):
-            return None
-        if attention_mask is None:
-            attention_mask = torch.ones(B, T, dtype=torch.bool, device=kv_cache.n_seen.device)
-        # Real tokens count from 0 in each row, whatever padding precedes them (as HF does).
-        seen = kv_cache.n_seen[:, None] if kv_cache is not None else 0
-        return (seen + attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
     # ------------------------------------------------------------------ sizes
 

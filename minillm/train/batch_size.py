@@ -25,7 +25,7 @@ from minillm.checkpoint import store as ckpt
 from minillm.config import Config
 from minillm.errors import ConfigError, UserError
 from minillm.info import activation_bytes, model_info, runs_half
-from minillm.model import Transformer
+from minillm.model import Transformer, use_cpu_kernels
 from minillm.runtime.device import autocast_context
 from minillm.train.optim import build_optimizer
 
@@ -119,7 +119,7 @@ def cuda_trial_step(cfg: Config, device: torch.device, precision: str) -> Callab
     after, from the seed, so the search leaves no trace in its weights)."""
 
     def step(b: int) -> None:
-        model = Transformer(cfg.model).to(device)
+        model = use_cpu_kernels(Transformer(cfg.model)).to(device)  # as the trainer builds it
         model.activation_checkpointing = cfg.train.activation_checkpointing
         optimizer = build_optimizer(model, cfg.train, device)
         x = torch.randint(0, cfg.model.vocab_size, (b, cfg.train.seq_len), device=device)

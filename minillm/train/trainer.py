@@ -29,7 +29,7 @@ from minillm.config import Config, dump_config
 from minillm.data.batches import MicroBatch, eval_batches, train_batch
 from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
-from minillm.model import Transformer
+from minillm.model import Transformer, use_cpu_kernels
 from minillm.runtime.device import (
     StopSignal,
     autocast_context,
@@ -101,7 +101,7 @@ class Trainer:
         self.probes, self.packing = run.probes, run.packing
         tc = self.cfg.train
         seed_everything(tc.seed)  # the same initial weights on every rank
-        self.model = Transformer(self.cfg.model)
+        self.model = use_cpu_kernels(Transformer(self.cfg.model))  # eager CPU training kernels
         self.model.activation_checkpointing = tc.activation_checkpointing
         if run.init_weights is not None:
             load_weights_into(self.model, run.init_weights, tc.init_from)
