@@ -294,3 +294,62 @@ def test_tied_head_counts_once_and_flops_include_the_head() -> None:
     matmul = 2 * (per_layer - 2 * 32) + 100 * 32  # the head is a matmul, the lookup is not
     assert tied.flops_per_token(16) == 6 * matmul + 12 * 2 * 32 * 16
     assert untied.flops_per_token(16) == tied.flops_per_token(16)
+
+
+def _alone(model: Transformer, prompt: torch.Tensor, n_new: int, max_len: int):
+    """Greedy tokens and the logits before each, decoding `prompt` alone in a one-row cache."""
+    decoder = Decoder(model, KVCache(model.cfg, 1, max_len))
+    logits = [decoder.prefill(0, prompt)]
+    tokens = []
+    for _ in range(n_new - 1):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(decoder.step(torch.tensor([tokens[-1]]))[0])
+    tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+@pytest.mark.parametrize("case", ["gqa-untied", "mha-tied"])
+def test_continuous_batching_rows_equal_each_prompt_decoded_alone(case: str) -> None:
+    # A server's schedule: prompts of different lengths join at different steps, leave after
+    # different numbers of tokens, the last active row moves into a freed one, and freed rows are
+    # reused; each request's logits and greedy tokens equal its prompt's decoded alone.
+    ours, _, cfg = make_pair(**CASES[case])
+    lengths, budgets, joins = [5, 11, 3, 8, 14, 2], [9, 4, 12, 6, 5, 7], [0, 0, 1, 3, 4, 6]
+    prompts = [torch.randint(1, cfg.vocab_size, (n,)) for n in lengths]
+    with torch.inference_mode():
+        want = [_alone(ours, p, n, 32) for p, n in zip(prompts, budgets, strict=True)]
+        cache = KVCache(cfg, batch_size=3, max_len=32)
+        decoder = Decoder(ours, cache)
+        active: list[int] = []  # request per row, rows 0..len-1
+        logits: dict[int, list[torch.Tensor]] = {}
+        got: dict[int, list[int]] = {}
+        freed: set[int] = set()  # rows a request has left
+        reused = 0  # requests prefilled into such a row
+        waiting, step = list(range(len(prompts))), 0
+        while waiting or active:
+            while waiting and joins[waiting[0]] <= step and len(active) < cache.batch_size:
+                req = waiting.pop(0)
+                row = len(active)
+                reused += row in freed
+                active.append(req)
+                logits[req] = [decoder.prefill(row, prompts[req])]
+                got[req] = [int(logits[req][-1].argmax())]
+            # Requests that have all their tokens leave; the last row fills the hole.
+            for req in [r for r in active if len(got[r]) == budgets[r]]:
+                row, last = active.index(req), len(active) - 1
+                cache.move_row(last, row)
+                active[row] = active[last]
+                active.pop()
+                freed.update((row, last))
+            if active:
+                step_logits = decoder.step(torch.tensor([got[r][-1] for r in active]))
+                assert step_logits.shape == (len(active), cfg.vocab_size)
+                for row, req in enumerate(active):
+                    logits[req].append(step_logits[row])
+                    got[req].append(int(step_logits[row].argmax()))
+            step += 1
+        assert reused >= 2  # freed rows served later requests
+        for req, (tokens, ref) in enumerate(want):
+            assert got[req] == tokens, req
+            for a, b in zip(logits[req], ref, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
