@@ -474,7 +474,11 @@ def serve(
     try:
         from minillm.serve.app import serve as run_server
     except ImportError as e:
-        _print_error(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
+        from rich.markup import escape  # the error line is rich markup: keep "[serve]" as text
+
+        _print_error(
+            escape(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
+        )
         raise typer.Exit(2) from None
 
     loaded = _load(ckpt, device, best)

@@ -20,7 +20,7 @@ import importlib.resources
 import json
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -300,8 +300,10 @@ def create_app(
     max_batch: int = 16,
     max_queue: int = 64,
     max_body: int = MAX_BODY,
+    on_stop: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The app serving a LoadedCheckpoint as model `name`; its engine runs while the app does."""
+    """The app serving a LoadedCheckpoint as model `name`; its engine runs while the app does
+    (on_stop is called once it has stopped)."""
     engine = Engine(
         ckpt.model,
         ckpt.tokenizer,
@@ -318,6 +320,8 @@ def create_app(
             yield
         finally:
             engine.close()
+            if on_stop is not None:
+                on_stop()
 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
@@ -361,6 +365,8 @@ def create_app(
             "model": name,
             "active": engine.active(),
             "waiting": engine.waiting(),
+            "steps": engine.steps,
+            "generated_tokens": engine.generated,
         }
 
     def model_card() -> dict[str, Any]:
@@ -440,7 +446,15 @@ def serve(
     if max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {max_queue}")
     sock = _bind(host, port)
-    app = create_app(ckpt, name, api_key=api_key, max_batch=max_batch, max_queue=max_queue)
+    app = create_app(
+        ckpt,
+        name,
+        api_key=api_key,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        # Printed here: after a signal uvicorn re-raises it once shut down, which ends us.
+        on_stop=lambda: print("server stopped", file=sys.stderr, flush=True),
+    )
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     device = next(ckpt.model.parameters()).device
@@ -455,4 +469,3 @@ def serve(
     torch.set_grad_enabled(False)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
-    print("server stopped", file=sys.stderr, flush=True)

@@ -153,7 +153,6 @@ class _Seq:
         self.text = StopText(tokenizer, c.stop)
         self.generated = 0
         self.pending = -1  # the token chosen last, fed to the model at the next step
-        self.length = 0  # tokens in the KV cache
         self.done = False
 
     @property
@@ -193,12 +192,13 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab_limit = vocab_limit or model.cfg.vocab_size
-        self.rows = Rows(model)
+        self.rows = Rows(model, max_batch)
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="minillm-engine", daemon=True)
-        self.steps = 0  # batched decoder steps run (a counter for tests and logs)
+        self.steps = 0  # batched decoder steps run
+        self.generated = 0  # tokens chosen, over all rows (GET /health shows both)
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -281,29 +281,30 @@ class Engine:
         token; it joins the batch unless that already ends it."""
         c = seq.choice
         try:
-            device = next(self.model.parameters()).device
-            idx = torch.tensor([c.prompt], dtype=torch.long, device=device)  # (1, T)
-            want_prompt = c.prompt_logprobs is not None
-            cache = self.rows.new_cache(len(c.prompt))
-            logits, _ = self.model(idx, kv_cache=cache, last_only=not want_prompt)  # (1, T|1, V)
             prompt = None
-            if want_prompt:
-                lp = torch.log_softmax(logits[0].float(), dim=-1)  # (T, V)
-                first = [TokenLogprob(c.prompt[0], None)]
-                rest = _logprobs(lp[:-1], idx[0, 1:], c.prompt_logprobs, self.vocab_limit)
-                prompt = (first + rest)[c.hidden :]
+            if c.prompt_logprobs is not None:
+                prompt = self._prompt_logprobs(c)
             if c.max_tokens == 0:
                 seq.done = True
                 self._emit(seq, Event(seq.index, finish_reason="length", prompt=prompt))
                 return
-            last = logits[:, -1].clone()  # (1, V)
-            self._choose([seq], last, prompt)
+            logits = self.rows.prefill(c.prompt)[None]  # (1, V)
+            self._choose([seq], logits, prompt)
             if not seq.done:
-                seq.length = len(c.prompt)
-                self.rows.add(seq, cache)
+                self.rows.add(seq)
         except Exception as e:
             traceback.print_exc()
             self._fail(seq, f"the engine failed on this request: {type(e).__name__}: {e}")
+
+    def _prompt_logprobs(self, c: Choice) -> list[TokenLogprob]:
+        """Each prompt token's log-probability given the ones before it: one forward of the
+        prompt, as `minillm eval` scores text (the first token has no context: None)."""
+        device = next(self.model.parameters()).device
+        idx = torch.tensor([c.prompt], dtype=torch.long, device=device)  # (1, P)
+        logits, _ = self.model(idx)  # (1, P, V)
+        lp = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # (P-1, V)
+        rest = _logprobs(lp, idx[0, 1:], c.prompt_logprobs or 0, self.vocab_limit)
+        return [TokenLogprob(c.prompt[0], None), *rest][c.hidden :]
 
     def _step(self) -> None:
         """One batched decoder step for every active row, then each row's next token."""
@@ -357,6 +358,7 @@ class Engine:
     ) -> None:
         c = seq.choice
         seq.generated += 1
+        self.generated += 1
         seq.pending = token
         reason = None
         if token in c.stop_ids:
