@@ -20,6 +20,7 @@ import importlib.resources
 import json
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -105,6 +106,10 @@ class _Server:
         )
         self.text = TokenText(self.tok)
         self.created = P.now()
+        self._lock = threading.Lock()
+        self._outbox: list[tuple[asyncio.Queue, Event]] = []
+        self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -141,12 +146,28 @@ class _Server:
         """A string prompt is a fresh document, after end-of-text, as in `minillm sample`."""
         return [self.eot, *self.tok.encode(text, add_special_tokens=False).ids]
 
+    def _deliver(self, queue: asyncio.Queue, event: Event) -> None:
+        """On the engine thread: hand the event to the loop. Events of one step (one per row)
+        go over in one wake-up of the loop, not one each."""
+        with self._lock:
+            self._outbox.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._outbox, self._scheduled = self._outbox, [], False
+        for queue, event in batch:
+            queue.put_nowait(event)
+
     def submit(self, job: P.Job) -> tuple[Any, asyncio.Queue]:
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(event: Event) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            self._deliver(queue, event)
 
         stop_id = self.chat_ids["end"] if job.kind == "chat" and self.chat_ids else self.eot
         try:
@@ -222,7 +243,7 @@ class _Server:
     async def stream(self, job: P.Job) -> StreamingResponse:
         ticket, queue = self.submit(job)  # a full queue is a 429 before the stream starts
         return StreamingResponse(
-            self._events(job, ticket, queue),
+            _coalesce(self._events(job, ticket, queue), queue),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -286,6 +307,18 @@ class _Server:
             yield P.sse("[DONE]")
         finally:  # also when the client went away and the response was cancelled
             self.cancel(ticket)
+
+
+async def _coalesce(events: AsyncIterator[str], queue: asyncio.Queue) -> AsyncIterator[str]:
+    """The SSE events, those already ready sent together: one write per batch, not per event."""
+    ready: list[str] = []
+    async for event in events:
+        ready.append(event)
+        if queue.empty():
+            yield "".join(ready)
+            ready.clear()
+    if ready:
+        yield "".join(ready)
 
 
 def _error_response(e: P.APIError) -> JSONResponse:
