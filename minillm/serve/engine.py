@@ -124,8 +124,8 @@ class StopText:
         end = len(self.text)
         if self.stop:
             longest = max(len(s) for s in self.stop)
-            start = max(0, self.sent - longest + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            # A stop string starts in the held-back text: released text never begins one.
+            hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
             if hits:
                 end = min(hits)
                 self.stopped = True
@@ -255,12 +255,18 @@ class Engine:
                     # Cancelled rows still in the queue leave without costing anything.
                     for seq in [s for s in self._waiting if s.ticket.cancelled]:
                         self._waiting.remove(seq)
-                self.rows.remove([s for s in self.rows.seqs if s.ticket.cancelled])
-                for seq in admit:
-                    if not seq.ticket.cancelled:
-                        self._admit(seq)
-                if self.rows.seqs:
-                    self._step()
+                try:
+                    self.rows.remove([s for s in self.rows.seqs if s.ticket.cancelled])
+                    for seq in admit:
+                        if not seq.ticket.cancelled:
+                            self._admit(seq)
+                    if self.rows.seqs:
+                        self._step()
+                except Exception as e:  # a bug outside one row's work: fail the rows, go on
+                    traceback.print_exc()
+                    for seq in list(self.rows.seqs):
+                        self._fail(seq, f"the engine failed: {type(e).__name__}: {e}")
+                    self.rows.remove(list(self.rows.seqs))
         for seq in [*self._waiting, *self.rows.seqs]:
             self._fail(seq, "the server is shutting down")
         self._waiting.clear()
