@@ -33,7 +33,7 @@ $(BIN)/.installed: pyproject.toml
 		echo "no GPU: installing the CPU build $(TORCH_CPU) first"; \
 		$(BIN)/python -m pip install -q $(PIP_TORCH_ARGS) "$(TORCH_CPU)"; \
 	fi
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev,serve]"
 	touch $@
 
 # llama-cpp-python, which tests/test_gguf.py uses to load `minillm export --format gguf` files in

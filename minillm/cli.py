@@ -499,6 +499,59 @@ def chat(
 
 
 @app.command(
+    cls=_Command, short_help="An OpenAI-compatible HTTP server with a chat page (several users)."
+)
+def serve(
+    ckpt: Path = CkptOption,
+    best: bool = BestOption,
+    host: str = typer.Option(
+        "127.0.0.1", "--host", metavar="HOST", help="Address to listen on (0.0.0.0: every one)."
+    ),
+    port: int = typer.Option(8000, "--port", metavar="PORT", help="Port; 0 picks a free one."),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        metavar="KEY",
+        envvar="MINILLM_API_KEY",
+        show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on every endpoint but /health and the page.",
+    ),
+    max_batch: int = typer.Option(
+        16, "--max-batch", metavar="N", help="Most requests (rows) decoded at once."
+    ),
+    max_queue: int = typer.Option(
+        64, "--max-queue", metavar="N", help="Most rows waiting for a slot; past it: 429."
+    ),
+    device: str = DeviceOption,
+) -> None:
+    """Serve a checkpoint over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models)
+    with continuous batching, and a chat page at /. The model's name is the run's name.
+    """
+    try:
+        from minillm.serve.app import serve as run_server
+    except ImportError as e:
+        from rich.markup import escape  # the error line is rich markup: keep "[serve]" as text
+
+        _print_error(
+            escape(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
+        )
+        raise typer.Exit(2) from None
+
+    loaded = _load(ckpt, device, best)
+    name = loaded.path.parent.parent.name if loaded.path.parent.name == "checkpoints" else None
+    _run(
+        run_server,
+        loaded,
+        name or loaded.path.name,
+        host=host,
+        port=port,
+        api_key=api_key or None,
+        max_batch=max_batch,
+        max_queue=max_queue,
+    )
+
+
+@app.command(
     cls=_Command, short_help="Write a Hugging Face Llama folder or a GGUF file (llama.cpp)."
 )
 def export(

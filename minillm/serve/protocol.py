@@ -1,0 +1,524 @@
+"""OpenAI's protocol, as `minillm serve` speaks it: request validation and response shapes.
+
+Offers `APIError` (an OpenAI error object with its HTTP status), `Limits`, `parse_json`,
+`parse_chat` and `parse_completion` (a request body -> `Job`, or an APIError naming the
+parameter at fault), and the builders of OpenAI's response and chunk objects (`chat_response`,
+`chat_chunk`, `completion_response`, `completion_chunk`, `usage`, `sse`).
+
+Validation is written out here rather than left to pydantic so that every refusal is OpenAI's
+`{"error": {"message", "type", "param", "code"}}` with a message that names the parameter, the
+shape clients such as the `openai` package parse and show. Unknown keys are ignored (as vLLM
+does: clients send extras such as `user`); known keys that this server cannot honour (penalties,
+logit_bias, suffix, tools) are refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# The chat template's roles; "developer" is OpenAI's newer name for the system message.
+ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOP = 4  # OpenAI's limit on `stop` sequences
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default cap; OpenAI's is 5 and 20)
+
+
+class APIError(Exception):
+    """An OpenAI-style error: `status` is the HTTP code, `body()` the JSON object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type_,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model and the server allow. The defaults are the run's `sample` section,
+    as `minillm sample` and `minillm chat` use them (vLLM likewise takes a model folder's
+    generation_config.json as its defaults)."""
+
+    model: str
+    context: int
+    vocab_size: int
+    max_n: int
+    default_max_tokens: int
+    default_temperature: float = 1.0
+    default_top_k: int = 0
+    default_top_p: float = 1.0
+
+
+@dataclass
+class Sampling:
+    """One request's sampling settings (the same for all of its choices)."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    logprobs: int | None  # top alternatives per generated token; None = no logprobs
+
+
+@dataclass
+class Job:
+    """A validated request: prompts as token ids (one per choice group), sampling, output form.
+
+    `prompts` holds each distinct prompt once; every prompt gets `n` choices. For completions
+    `prompt_texts` are the texts echoed back (`echo`).
+    """
+
+    kind: str  # "chat" or "completion"
+    prompts: list[list[int]]
+    sampling: Sampling
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    prompt_texts: list[str] = field(default_factory=list)
+    prompt_logprobs: bool = False  # completions: echo with logprobs
+    hidden: list[int] = field(default_factory=list)  # leading ids of each prompt not echoed
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(
+            400, f"the request body is not valid JSON: {e}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
+        type(value), "an array" if isinstance(value, list) else "an object"
+    )
+
+
+def _bad(param: str, what: str) -> APIError:
+    return APIError(400, f"{param}: {what}", param=param, code="invalid_value")
+
+
+def _get(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    """body[key] if it has the type (null = absent); a bool is never a number here."""
+    value = body.get(key)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        names = " or ".join(_kind(k()) if k is not list else "an array" for k in kinds)
+        raise _bad(key, f"expected {names}, got {_kind(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad(key, f"must be a finite number, got {value}")
+    return value
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = float(_get(body, key, float, default))
+    if not lo <= value <= hi:
+        raise _bad(key, f"must be between {lo:g} and {hi:g}, got {value:g}")
+    return value
+
+
+def _model(body: dict[str, Any], limits: Limits) -> None:
+    """404 for a model this server does not serve (absent: the served one)."""
+    name = _get(body, "model", str, limits.model)
+    if name != limits.model:
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist; this server serves `{limits.model}` "
+            "(GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _unsupported(body: dict[str, Any], keys: dict[str, Any]) -> None:
+    """A known key this server cannot honour must be absent or at its neutral value."""
+    for key, neutral in keys.items():
+        value = body.get(key)
+        if value is not None and value != neutral and value != [] and value != {}:
+            raise _bad(key, f"not supported by this server (only {json.dumps(neutral)})")
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP:
+        raise _bad("stop", f"at most {MAX_STOP} sequences, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise _bad(f"stop[{i}]", f"expected a non-empty string, got {_kind(s)}")
+    return stop
+
+
+def _sampling(
+    body: dict[str, Any], limits: Limits, max_tokens_keys: tuple[str, ...], min_tokens: int
+) -> tuple[Sampling, int | None]:
+    """The shared sampling keys; the second value is the explicit max_tokens (None: default)."""
+    max_tokens = None
+    for key in max_tokens_keys:  # the later key wins (max_completion_tokens over max_tokens)
+        value = _get(body, key, int, None)
+        if value is not None:
+            if value < min_tokens:
+                raise _bad(key, f"must be >= {min_tokens}, got {value}")
+            if value > limits.context:
+                raise _bad(
+                    key,
+                    f"must be <= {limits.context} (the model's context length), got {value}",
+                )
+            max_tokens = value
+    temperature = _number(body, "temperature", limits.default_temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", limits.default_top_p, 0.0, 1.0)
+    if top_p <= 0.0:
+        raise _bad("top_p", "must be > 0 (1 = off), got 0")
+    top_k = _get(body, "top_k", int, limits.default_top_k)
+    if top_k < -1:
+        raise _bad("top_k", f"must be >= 0 (0 or -1 = off), got {top_k}")
+    seed = _get(body, "seed", int, None)
+    sampling = Sampling(
+        max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
+        temperature=temperature,
+        top_k=max(top_k, 0),
+        top_p=top_p,
+        seed=seed,
+        stop=_stop(body),
+        logprobs=None,
+    )
+    return sampling, max_tokens
+
+
+def _n(body: dict[str, Any], limits: Limits) -> int:
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= limits.max_n:
+        raise _bad("n", f"must be between 1 and {limits.max_n} (the server's --max-batch), got {n}")
+    return n
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {})
+    include_usage = _get(options, "include_usage", bool, False) if options else False
+    return stream, bool(stream and include_usage)
+
+
+def _fit(
+    sampling: Sampling, explicit: int | None, prompts: list[list[int]], limits: Limits, param: str
+) -> None:
+    """A prompt plus its completion must fit the context; the default max_tokens shrinks to fit
+    (but leaves at least one token to generate)."""
+    longest = max(len(p) for p in prompts)
+    if explicit is None:
+        sampling.max_tokens = min(sampling.max_tokens, limits.context - longest)
+        completion = max(sampling.max_tokens, 1)
+    else:
+        completion = explicit
+    if longest + completion > limits.context:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limits.context} tokens. However, you "
+            f"requested {longest + completion} tokens ({longest} in the {param}, {completion} "
+            f"in the completion). Please reduce the length of the {param} or the completion "
+            "(max_tokens).",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+# ----------------------------------------------------------------------------- the two requests
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """`messages` as the chat template's {role, content}, or a 400 naming the bad element."""
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError(400, "messages: required", param="messages", code="missing_required")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", f"expected a non-empty array of messages, got {_kind(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"expected an object with role and content, got {_kind(m)}")
+        role = m.get("role")
+        if role not in ROLE_ALIASES:
+            raise _bad(
+                f"{where}.role",
+                f"{json.dumps(role)} is not one of system, developer, user, assistant",
+            )
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: only text ones are readable
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"):
+                    raise _bad(f"{where}.content[{j}]", "only {type: text} parts are supported")
+                if not isinstance(part.get("text"), str):
+                    raise _bad(f"{where}.content[{j}].text", "expected a string")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content", f"expected a string, got {_kind(content)}")
+        out.append({"role": ROLE_ALIASES[role], "content": content})
+    return out
+
+
+def parse_chat(body: dict[str, Any], limits: Limits, encode: Any) -> Job:
+    """A /v1/chat/completions body -> Job; encode(messages) gives the prompt ids."""
+    _model(body, limits)
+    messages = chat_messages(body)
+    _unsupported(
+        body,
+        {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "tools": []},
+    )
+    sampling, explicit = _sampling(body, limits, ("max_tokens", "max_completion_tokens"), 1)
+    if _get(body, "logprobs", bool, False):
+        top = _get(body, "top_logprobs", int, 0)
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise _bad("top_logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {top}")
+        sampling.logprobs = top
+    elif body.get("top_logprobs") is not None:
+        raise _bad("top_logprobs", "only with logprobs: true")
+    n = _n(body, limits)
+    stream, include_usage = _stream(body)
+    prompt = encode(messages)
+    _fit(sampling, explicit, [prompt], limits, "messages")
+    return Job("chat", [prompt], sampling, n=n, stream=stream, include_usage=include_usage)
+
+
+def completion_prompts(
+    body: dict[str, Any], limits: Limits, encode: Any, decode: Any
+) -> tuple[list[list[int]], list[str], list[int]]:
+    """`prompt` (a string, strings, token ids or lists of them) -> ids and texts.
+
+    A string starts a fresh document, after end-of-text, as in `minillm sample`; token ids are
+    taken as they are (a client that tokenizes, such as lm-evaluation-harness, decides).
+    Returns the ids, the texts to echo and, per prompt, how many leading ids are not echoed.
+    """
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "prompt: required", param="prompt", code="missing_required")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)
+    ):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad("prompt", "expected a string, an array of strings or of token ids")
+    ids, texts, hidden = [], [], []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            ids.append(encode(p))
+            texts.append(p)
+            hidden.append(1)
+        elif isinstance(p, list) and p and all(_is_id(t) for t in p):
+            bad = [t for t in p if not 0 <= t < limits.vocab_size]
+            if bad:
+                raise _bad(
+                    f"prompt[{i}]", f"token id {bad[0]} is outside 0..{limits.vocab_size - 1}"
+                )
+            ids.append(list(p))
+            texts.append(decode(p))
+            hidden.append(0)
+        else:
+            raise _bad(f"prompt[{i}]", "expected a string or a non-empty array of token ids")
+    return ids, texts, hidden
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def parse_completion(body: dict[str, Any], limits: Limits, encode: Any, decode: Any) -> Job:
+    """A /v1/completions body -> Job; encode(text) / decode(ids) are the tokenizer's."""
+    _model(body, limits)
+    prompts, texts, hidden = completion_prompts(body, limits, encode, decode)
+    _unsupported(
+        body,
+        {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "suffix": ""},
+    )
+    sampling, explicit = _sampling(body, limits, ("max_tokens",), 0)
+    n = _n(body, limits)
+    best_of = _get(body, "best_of", int, n)
+    if best_of != n:
+        raise _bad("best_of", f"only best_of = n ({n}) is supported, got {best_of}")
+    logprobs = _get(body, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise _bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+    sampling.logprobs = logprobs
+    echo = _get(body, "echo", bool, False)
+    stream, include_usage = _stream(body)
+    _fit(sampling, explicit, prompts, limits, "prompt")
+    return Job(
+        "completion",
+        prompts,
+        sampling,
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+        prompt_texts=texts,
+        prompt_logprobs=echo and logprobs is not None,
+        hidden=hidden,
+    )
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _envelope(rid: str, obj: str, model: str, created: int) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def chat_response(
+    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, int]
+) -> dict[str, Any]:
+    """choices: {index, text, finish_reason, logprobs} -> a chat.completion object."""
+    return {
+        **_envelope(rid, "chat.completion", model, created),
+        "choices": [
+            {
+                "index": c["index"],
+                "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": c.get("logprobs"),
+                "finish_reason": c["finish_reason"],
+            }
+            for c in choices
+        ],
+        "usage": use,
+        "system_fingerprint": None,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    index: int,
+    delta: dict[str, Any],
+    finish_reason: str | None = None,
+    logprobs: Any = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
+    chunk = {
+        **_envelope(rid, "chat.completion.chunk", model, created),
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "system_fingerprint": None,
+    }
+    if with_usage:
+        chunk["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked
+    return chunk
+
+
+def usage_chunk(rid: str, obj: str, model: str, created: int, use: dict[str, int]) -> dict:
+    """The last chunk of a stream with include_usage: no choices, the usage."""
+    return {**_envelope(rid, obj, model, created), "choices": [], "usage": use}
+
+
+def completion_response(
+    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        **_envelope(rid, "text_completion", model, created),
+        "choices": [
+            {
+                "index": c["index"],
+                "text": c["text"],
+                "logprobs": c.get("logprobs"),
+                "finish_reason": c["finish_reason"],
+            }
+            for c in choices
+        ],
+        "usage": use,
+        "system_fingerprint": None,
+    }
+
+
+def completion_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: str | None = None,
+    logprobs: Any = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
+    chunk = {
+        **_envelope(rid, "text_completion", model, created),
+        "choices": [
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+        "system_fingerprint": None,
+    }
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n"

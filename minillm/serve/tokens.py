@@ -1,0 +1,89 @@
+"""Tokens as OpenAI's log-probability objects show them: their text, bytes and text offsets.
+
+Offers `TokenText`: `chat_logprobs(infos)` (a chat choice's `logprobs.content`) and
+`completion_logprobs(infos, text_start)` (the legacy `{tokens, token_logprobs, top_logprobs,
+text_offset}`). A byte-level BPE token can hold part of a UTF-8 character, so a token's bytes
+come from the tokenizer's byte alphabet (GPT-2's bytes_to_unicode), not from decoding it alone;
+its text is those bytes decoded with replacement characters, as OpenAI shows such tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from minillm.serve.engine import TokenLogprob
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character alphabet of the 256 bytes, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenText:
+    """Bytes and text of token ids for one tokenizer (special tokens: their name, no bytes)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.special = {int(i): t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one TokenText per server)
+    def token_bytes(self, token: int) -> bytes:
+        if token in self.special:
+            return b""
+        decoder = _byte_decoder()
+        piece = self.tok.id_to_token(token) or ""
+        return bytes(decoder[c] for c in piece if c in decoder)
+
+    def token_str(self, token: int) -> str:
+        if token in self.special:
+            return self.special[token]
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def _entry(self, token: int, logprob: float | None) -> dict[str, Any]:
+        return {
+            "token": self.token_str(token),
+            "logprob": logprob,
+            "bytes": list(self.token_bytes(token)),
+        }
+
+    def chat_logprobs(self, infos: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """OpenAI's chat `logprobs.content` entries."""
+        return [
+            {**self._entry(i.id, i.logprob), "top_logprobs": [self._entry(t, v) for t, v in i.top]}
+            for i in infos
+        ]
+
+    def completion_logprobs(
+        self, infos: list[TokenLogprob], text_start: int, data: bytes = b"", top: bool = True
+    ) -> tuple[dict[str, Any], bytes]:
+        """The legacy logprobs object of these tokens; offsets count characters of the whole
+        text, of which `data` (UTF-8 bytes) comes before them at character `text_start`.
+        Returns the object and `data` extended by these tokens' bytes (for the next call)."""
+        base = len(data.decode("utf-8", errors="ignore"))
+        offsets = []
+        for i in infos:
+            offsets.append(text_start + len(data.decode("utf-8", errors="ignore")) - base)
+            data += self.token_bytes(i.id)
+        return {
+            "tokens": [self.token_str(i.id) for i in infos],
+            "token_logprobs": [i.logprob for i in infos],
+            "top_logprobs": (
+                [
+                    {self.token_str(t): v for t, v in i.top} if i.logprob is not None else None
+                    for i in infos
+                ]
+                if top
+                else None
+            ),
+            "text_offset": offsets,
+        }, data
