@@ -133,12 +133,18 @@ def ensure_data(cfg: Config) -> None:
 
 
 def run_variant(
-    cfg: Config, out_dir: Path, knobs: dict[str, float] | None = None, curve_every: int = 0
+    cfg: Config,
+    out_dir: Path,
+    knobs: dict[str, float] | None = None,
+    curve_every: int = 0,
+    ema_probes: tuple[float, ...] = (),
 ) -> dict[str, Any]:
     """Train `cfg` into out_dir from scratch; time it and evaluate its last checkpoint.
 
     curve_every: also evaluate the whole validation split every this many steps, outside the
     timed steps, into the row's "curve" (step, training seconds so far, val bits/byte).
+    ema_probes: decays of extra weight averages kept beside the run (they change nothing in it)
+    and evaluated at the end only, into the row's "ema_probes" {decay: val bits/byte}.
     """
     knobs = {**BENCH_KNOBS, **(knobs or {})}
     cfg = copy.deepcopy(cfg)
@@ -151,6 +157,7 @@ def run_variant(
     if knobs["zero_init"]:
         zero_residual_projections(trainer.model)
     ema = WeightEMA(trainer.model, knobs["ema"]) if knobs["ema"] else None
+    probes = [WeightEMA(trainer.model, d) for d in ema_probes]
     curve: list[dict[str, float]] = []
     load_before = os.getloadavg()[0]
     losses: list[float] = []
@@ -161,8 +168,8 @@ def run_variant(
     def timed_train_step(micro: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         out = train_step(micro)
-        if ema is not None:
-            ema.update()
+        for average in [ema, *probes] if ema is not None else probes:
+            average.update()
         losses.append(float(out["loss"]))  # a device tensor: reading it waits for the step
         step_s.append(time.perf_counter() - t0)
         if curve_every and len(losses) % curve_every == 0 and len(losses) < tc.max_steps:
@@ -201,6 +208,10 @@ def run_variant(
         ckpt.model.load_state_dict(ema.state)
         result = evaluate_checkpoint(ckpt)
     curve.append({"step": len(losses), "seconds": sum(step_s), "val_bpb": result["bits_per_byte"]})
+    probe_bpb = {}
+    for average in probes:
+        ckpt.model.load_state_dict(average.state)
+        probe_bpb[str(average.decay)] = evaluate_checkpoint(ckpt)["bits_per_byte"]
     tail = losses[-max(1, len(losses) // 10) :]
     return {
         "val_bpb": result["bits_per_byte"],
@@ -210,12 +221,36 @@ def run_variant(
         "params": trainer.model.param_count(),
         "load": (load_before + os.getloadavg()[0]) / 2,
         "curve": curve,
+        "ema_probes": probe_bpb,
         "val_loss": result["loss"],
         "train_loss": sum(tail) / len(tail),
         "wall_s": wall,
         "tokens_per_s": trainer.tokens_seen / max(sum(step_s), 1e-9),
         "optim_share": sum(optim_s) / max(sum(step_s), 1e-9),
     }
+
+
+def pace(cfgs: list[Config], rounds: int, root: Path) -> list[float]:
+    """Median seconds of one training step per config, their steps alternated round-robin in
+    this process so that a shared machine's load falls on all of them alike (ratios are what
+    to read; the first rounds, warm-up, are dropped)."""
+    trainers = []
+    for i, cfg in enumerate(cfgs):
+        cfg = copy.deepcopy(cfg)
+        cfg.train.out_dir = str(root / f"pace{i}")
+        trainers.append(Trainer(cfg, resume=False, force=True, verbose=False))
+    times: list[list[float]] = [[] for _ in trainers]
+    try:
+        for _ in range(rounds + 2):
+            for trainer, ts in zip(trainers, times, strict=True):
+                t0 = time.perf_counter()
+                float(trainer.train_step()["loss"])
+                trainer.step += 1
+                ts.append(time.perf_counter() - t0)
+    finally:
+        for trainer in trainers:
+            trainer.close()
+    return [sorted(ts[2:])[len(ts[2:]) // 2] for ts in times]
 
 
 def format_table(rows: list[tuple[str, dict[str, Any]]], steps: int) -> str:
@@ -267,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", type=Path, help="also write the rows to this file")
     p.add_argument("--curve-every", type=int, default=0, help="also evaluate every N steps")
+    p.add_argument("--pace", type=int, default=0, help="only time N alternated steps each")
+    p.add_argument("--ema-probes", default="", help="comma-separated decays of extra averages")
     p.add_argument("--plot", type=Path, help="write a PNG of val bits/byte against seconds")
     p.add_argument("--records", default="", help="comma-separated --json files for --plot")
     args = p.parse_args(argv)
@@ -285,16 +322,28 @@ def main(argv: list[str] | None = None) -> None:
     chosen += [parse_variant(v) for v in args.variant]
     base_sets, base_knobs = split_knobs([*args.set, f"train.max_steps={args.steps}"])
     ensure_data(load_config(args.config, base_sets))
+    if args.pace:
+        cfgs = [load_config(args.config, [*base_sets, *split_knobs(s)[0]]) for _, s in chosen]
+        with tempfile.TemporaryDirectory(prefix="bench_pace_") as tmp:
+            medians = pace(cfgs, args.pace, Path(tmp))
+        for (name, _), m, cfg in zip(chosen, medians, cfgs, strict=True):
+            tokens = cfg.train.batch_size * cfg.train.grad_accum * cfg.train.seq_len
+            print(f"{name}: {m * 1000:.0f} ms/step ({m / medians[0]:.3f}x the first), "
+                  f"{tokens / m:,.0f} tokens/s")  # fmt: skip
+        return
+    probes = tuple(float(d) for d in args.ema_probes.split(",") if d)
     rows: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         for name, sets in chosen:
             sets, knobs = split_knobs(sets)
             knobs = {k: v for k, v in knobs.items() if v != BENCH_KNOBS[k]}
             cfg = load_config(args.config, [*base_sets, *sets])
-            row = run_variant(cfg, Path(tmp) / name, {**base_knobs, **knobs}, args.curve_every)
+            knobs = {**base_knobs, **knobs}
+            row = run_variant(cfg, Path(tmp) / name, knobs, args.curve_every, probes)
             rows.append((name, row))
             r = rows[-1][1]
-            print(f"{name}: val bits/byte {r['val_bpb']:.4f}, {r['wall_s']:.0f} s", flush=True)
+            print(f"{name}: val bits/byte {r['val_bpb']:.4f}, {r['wall_s']:.0f} s, "
+                  f"load {r['load']:.1f}, EMA probes {r['ema_probes']}", flush=True)  # fmt: skip
     print(f"\n{args.config}, --set {' '.join(base_sets)}\n")
     print(format_table(rows, args.steps))
     records = [{"variant": n, **r} for n, r in rows]

@@ -74,3 +74,15 @@ def test_bench_quality_curves_knobs_and_plot(data_dir: Path, tmp_path: Path) -> 
     assert rows["ema"]["curve"][-1]["val_bpb"] == rows["ema"]["val_bpb"]
     bench.main(["--plot", str(png), "--records", str(out_json)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pace_times_each_config_and_prints_ratios(
+    data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = load_bench()
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(config_to_dict(tiny_config(data_dir))))
+    bench.main([str(config), "--steps", "10", "--pace", "2", "--variants", "adamw-cosine",
+                "--variant", "muon:train.optimizer=muon"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "adamw-cosine: " in out and "(1.000x the first)" in out and "muon: " in out
