@@ -13,7 +13,7 @@ Knobs the trainer does not have yet, prototyped here to measure whether they are
 key (`bench.` entries of a variant or of --set; not config keys):
 
     bench.ema=0.999         evaluate an exponential moving average of the weights, updated after
-                            every step with decay min(ema, (1 + t) / (10 + t)) at step t
+                            every step with decay min(ema, (1 + t) / (2 + t)) at step t
     bench.zero_init=1       zero the projections into the residual stream (attn.wo, ffn.w_down)
                             before the first step
 
@@ -90,7 +90,8 @@ def split_knobs(sets: list[str]) -> tuple[list[str], dict[str, float]]:
 class WeightEMA:
     """An exponential moving average of a model's floating-point state, on the same device.
 
-    The decay warms up as (1 + t) / (10 + t), so the first steps' random weights fade fast.
+    The decay is capped by (1 + t) / (2 + t) after t updates: a plain mean of the weights so
+    far until that reaches `decay` (at 0.99, after 98 steps), so short runs average too.
     """
 
     def __init__(self, model: torch.nn.Module, decay: float) -> None:
@@ -100,7 +101,7 @@ class WeightEMA:
 
     @torch.no_grad()
     def update(self) -> None:
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        d = min(self.decay, (1 + self.updates) / (2 + self.updates))
         for k, v in self.model.state_dict().items():
             if v.is_floating_point():
                 self.state[k].lerp_(v.detach(), 1.0 - d)

@@ -37,13 +37,15 @@ def test_weight_ema_warms_up_then_averages_and_swaps_back(data_dir: Path) -> Non
     model = Transformer(tiny_config(data_dir).model)
     w = model.tok_emb.weight
     start = w.detach().clone()
-    ema = bench.WeightEMA(model, decay=0.5)
+    ema = bench.WeightEMA(model, decay=0.6)
     with torch.no_grad():
         w.add_(1.0)
-    ema.update()  # decay min(0.5, 1/10) = 0.1: 90% of the way to the new weights
-    torch.testing.assert_close(ema.state["tok_emb.weight"], start + 0.9)
+    ema.update()  # decay min(0.6, 1/2): the mean of the start and the new weights
+    torch.testing.assert_close(ema.state["tok_emb.weight"], start + 0.5)
+    ema.update()  # then min(0.6, 2/3) = 0.6
+    torch.testing.assert_close(ema.state["tok_emb.weight"], start + 0.5 * 0.6 + 0.4)
     ema.swap()
-    torch.testing.assert_close(model.tok_emb.weight.detach(), start + 0.9)
+    torch.testing.assert_close(model.tok_emb.weight.detach(), start + 0.7)
     ema.swap()
     torch.testing.assert_close(model.tok_emb.weight.detach(), start + 1.0)
 
