@@ -9,6 +9,19 @@ checkpoint is evaluated over the whole validation split by `minillm eval`'s own 
     python scripts/bench_quality.py configs/tiny.yaml --steps 300 --variants adamw-cosine,muon-wsd \
         --variant "muon-lr03:train.optimizer=muon,train.muon_lr=0.03" --set train.warmup_steps=20
 
+Knobs the trainer does not have yet, prototyped here to measure whether they are worth a config
+key (`bench.` entries of a variant or of --set; not config keys):
+
+    bench.ema=0.999         evaluate an exponential moving average of the weights, updated after
+                            every step with decay min(ema, (1 + t) / (2 + t)) at step t
+    bench.zero_init=1       zero the projections into the residual stream (attn.wo, ffn.w_down)
+                            before the first step
+
+--curve-every N evaluates the whole validation split every N steps too (outside the timed
+steps), and --plot PNG draws val bits/byte against training seconds for every variant (matplotlib,
+an optional dependency of this script only); `--plot PNG --records a.json,b.json` draws earlier
+--json records without training.
+
 Columns: val bits/byte; train loss (mean over the last tenth of the steps); wall seconds of
 `fit` (compile warm-up and the final in-loop evaluation included, the separate evaluation not);
 tokens/s over the training steps alone; the share of step time spent in `optimizer.step` (Muon's
@@ -21,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +67,64 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name, [s for s in sets.split(",") if s]
 
 
+# The knobs prototyped here, with the values that leave training as it is.
+BENCH_KNOBS: dict[str, float] = {"ema": 0.0, "zero_init": 0.0}
+
+
+def split_knobs(sets: list[str]) -> tuple[list[str], dict[str, float]]:
+    """Config overrides on one side, `bench.` knobs (parsed to numbers) on the other."""
+    knobs = dict(BENCH_KNOBS)
+    rest = []
+    for s in sets:
+        key, _, value = s.partition("=")
+        if not key.startswith("bench."):
+            rest.append(s)
+            continue
+        name = key.removeprefix("bench.")
+        if name not in knobs:
+            raise SystemExit(f"{s}: unknown knob; known: {', '.join(BENCH_KNOBS)}")
+        knobs[name] = float(value)
+    return rest, knobs
+
+
+class WeightEMA:
+    """An exponential moving average of a model's floating-point state, on the same device.
+
+    The decay is capped by (1 + t) / (2 + t) after t updates: a plain mean of the weights so
+    far until that reaches `decay` (at 0.99, after 98 steps), so short runs average too.
+    """
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.decay, self.updates = decay, 0
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.model = model
+
+    @torch.no_grad()
+    def update(self) -> None:
+        d = min(self.decay, (1 + self.updates) / (2 + self.updates))
+        for k, v in self.model.state_dict().items():
+            if v.is_floating_point():
+                self.state[k].lerp_(v.detach(), 1.0 - d)
+        self.updates += 1
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the model's weights and the average (call twice to undo)."""
+        for k, v in self.model.state_dict().items():
+            if v.is_floating_point():
+                tmp = v.detach().clone()
+                v.copy_(self.state[k])
+                self.state[k].copy_(tmp)
+
+
+def zero_residual_projections(model: torch.nn.Module) -> None:
+    """Zero attn.wo and ffn.w_down: each block starts as the identity (modded-nanogpt's init)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("attn.wo.weight", "ffn.w_down.weight")):
+                p.zero_()
+
+
 def ensure_data(cfg: Config) -> None:
     """Tokenize as `minillm tokenize` would, unless the shards are already there."""
     try:
@@ -61,8 +133,21 @@ def ensure_data(cfg: Config) -> None:
         write_shards(cfg)
 
 
-def run_variant(cfg: Config, out_dir: Path) -> dict[str, Any]:
-    """Train `cfg` into out_dir from scratch; time it and evaluate its last checkpoint."""
+def run_variant(
+    cfg: Config,
+    out_dir: Path,
+    knobs: dict[str, float] | None = None,
+    curve_every: int = 0,
+    ema_probes: tuple[float, ...] = (),
+) -> dict[str, Any]:
+    """Train `cfg` into out_dir from scratch; time it and evaluate its last checkpoint.
+
+    curve_every: also evaluate the whole validation split every this many steps, outside the
+    timed steps, into the row's "curve" (step, training seconds so far, val bits/byte).
+    ema_probes: decays of extra weight averages kept beside the run (they change nothing in it)
+    and evaluated at the end only, into the row's "ema_probes" {decay: val bits/byte}.
+    """
+    knobs = {**BENCH_KNOBS, **(knobs or {})}
     cfg = copy.deepcopy(cfg)
     tc = cfg.train
     tc.out_dir = str(out_dir)
@@ -70,6 +155,12 @@ def run_variant(cfg: Config, out_dir: Path) -> dict[str, Any]:
     tc.eval_steps = 1  # the trainer's own final evaluation: the real one is below
     tc.log_every = max(tc.log_every, tc.max_steps)
     trainer = Trainer.from_config(cfg, resume=False, force=True, verbose=False)
+    if knobs["zero_init"]:
+        zero_residual_projections(trainer.model)
+    ema = WeightEMA(trainer.model, knobs["ema"]) if knobs["ema"] else None
+    probes = [WeightEMA(trainer.model, d) for d in ema_probes]
+    curve: list[dict[str, float]] = []
+    load_before = os.getloadavg()[0]
     losses: list[float] = []
     step_s: list[float] = []
     optim_s: list[float] = []
@@ -78,9 +169,25 @@ def run_variant(cfg: Config, out_dir: Path) -> dict[str, Any]:
     def timed_train_step(micro: Any = None) -> Any:
         t0 = time.perf_counter()
         out = train_step(micro)
+        for average in [ema, *probes] if ema is not None else probes:
+            average.update()
         losses.append(float(out.loss))  # a device tensor: reading it waits for the step
         step_s.append(time.perf_counter() - t0)
+        if curve_every and len(losses) % curve_every == 0 and len(losses) < tc.max_steps:
+            curve.append({"step": len(losses), "seconds": sum(step_s), "val_bpb": val_now()})
         return out
+
+    def val_now() -> float:
+        """The whole split, as `minillm eval` scores it; the average's when there is one."""
+        eval_steps, tc.eval_steps = tc.eval_steps, 0
+        if ema is not None:
+            ema.swap()
+        try:
+            return trainer.evaluate()["bits_per_byte"]
+        finally:
+            if ema is not None:
+                ema.swap()
+            tc.eval_steps = eval_steps
 
     def timed_optim_step(*args: Any, **kwargs: Any) -> None:
         t0 = time.perf_counter()
@@ -95,16 +202,56 @@ def run_variant(cfg: Config, out_dir: Path) -> dict[str, Any]:
         wall = time.perf_counter() - start
     finally:
         trainer.close()
-    result = evaluate_checkpoint(load_checkpoint(out_dir, trainer.device))
+    ckpt = load_checkpoint(out_dir, trainer.device)
+    result = evaluate_checkpoint(ckpt)
+    raw_bpb = result["bits_per_byte"]
+    if ema is not None:  # what an EMA key would save and export: the average's weights
+        ckpt.model.load_state_dict(ema.state)
+        result = evaluate_checkpoint(ckpt)
+    curve.append({"step": len(losses), "seconds": sum(step_s), "val_bpb": result["bits_per_byte"]})
+    probe_bpb = {}
+    for average in probes:
+        ckpt.model.load_state_dict(average.state)
+        probe_bpb[str(average.decay)] = evaluate_checkpoint(ckpt)["bits_per_byte"]
     tail = losses[-max(1, len(losses) // 10) :]
     return {
         "val_bpb": result["bits_per_byte"],
+        "raw_val_bpb": raw_bpb,
+        "steps": len(losses),
+        "tokens": trainer.tokens_seen,
+        "params": trainer.model.param_count(),
+        "load": (load_before + os.getloadavg()[0]) / 2,
+        "curve": curve,
+        "ema_probes": probe_bpb,
         "val_loss": result["loss"],
         "train_loss": sum(tail) / len(tail),
         "wall_s": wall,
         "tokens_per_s": trainer.tokens_seen / max(sum(step_s), 1e-9),
         "optim_share": sum(optim_s) / max(sum(step_s), 1e-9),
     }
+
+
+def pace(cfgs: list[Config], rounds: int, root: Path) -> list[float]:
+    """Median seconds of one training step per config, their steps alternated round-robin in
+    this process so that a shared machine's load falls on all of them alike (ratios are what
+    to read; the first rounds, warm-up, are dropped)."""
+    trainers = []
+    for i, cfg in enumerate(cfgs):
+        cfg = copy.deepcopy(cfg)
+        cfg.train.out_dir = str(root / f"pace{i}")
+        trainers.append(Trainer.from_config(cfg, resume=False, force=True, verbose=False))
+    times: list[list[float]] = [[] for _ in trainers]
+    try:
+        for _ in range(rounds + 2):
+            for trainer, ts in zip(trainers, times, strict=True):
+                t0 = time.perf_counter()
+                float(trainer.train_step().loss)
+                trainer.step += 1
+                ts.append(time.perf_counter() - t0)
+    finally:
+        for trainer in trainers:
+            trainer.close()
+    return [sorted(ts[2:])[len(ts[2:]) // 2] for ts in times]
 
 
 def format_table(rows: list[tuple[str, dict[str, Any]]], steps: int) -> str:
@@ -122,34 +269,89 @@ def format_table(rows: list[tuple[str, dict[str, Any]]], steps: int) -> str:
     return "\n".join([head, *lines])
 
 
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Val bits/byte against training seconds, one line per record with a curve."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in records:
+        pts = r.get("curve") or [{"seconds": r["wall_s"], "val_bpb": r["val_bpb"]}]
+        xs, ys = [p["seconds"] for p in pts], [p["val_bpb"] for p in pts]
+        ax.plot(xs, ys, marker="o", ms=3, label=f"{r['variant']}: {r['val_bpb']:.3f}")
+    ax.set_xlabel("training seconds (as measured; see each record's load)")
+    ax.set_ylabel("val bits/byte (whole split)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("config", nargs="?", default="configs/tiny.yaml")
-    p.add_argument("--steps", type=int, required=True, help="train.max_steps of every variant")
+    p.add_argument("--steps", type=int, help="train.max_steps of every variant")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated built-ins")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,... (repeatable)")
     p.add_argument("--set", action="append", default=[], help="override for every variant")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", type=Path, help="also write the rows to this file")
+    p.add_argument("--curve-every", type=int, default=0, help="also evaluate every N steps")
+    p.add_argument("--pace", type=int, default=0, help="only time N alternated steps each")
+    p.add_argument("--ema-probes", default="", help="comma-separated decays of extra averages")
+    p.add_argument("--plot", type=Path, help="write a PNG of val bits/byte against seconds")
+    p.add_argument("--records", default="", help="comma-separated --json files for --plot")
     args = p.parse_args(argv)
+    if args.records:
+        if not args.plot:
+            raise SystemExit("--records: only with --plot")
+        files = [Path(f) for f in args.records.split(",") if f]
+        plot([r for f in files for r in json.loads(f.read_text())], args.plot)
+        return
+    if args.steps is None:
+        raise SystemExit("--steps is required (unless --plot with --records)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     chosen = [(n, VARIANTS[n]) for n in args.variants.split(",") if n]
     chosen += [parse_variant(v) for v in args.variant]
-    base_sets = [*args.set, f"train.max_steps={args.steps}"]
+    base_sets, base_knobs = split_knobs([*args.set, f"train.max_steps={args.steps}"])
     ensure_data(load_config(args.config, base_sets))
+    if args.pace:
+        cfgs = [load_config(args.config, [*base_sets, *split_knobs(s)[0]]) for _, s in chosen]
+        with tempfile.TemporaryDirectory(prefix="bench_pace_") as tmp:
+            medians = pace(cfgs, args.pace, Path(tmp))
+        for (name, _), m, cfg in zip(chosen, medians, cfgs, strict=True):
+            tokens = cfg.train.batch_size * cfg.train.grad_accum * cfg.train.seq_len
+            print(f"{name}: {m * 1000:.0f} ms/step ({m / medians[0]:.3f}x the first), "
+                  f"{tokens / m:,.0f} tokens/s")  # fmt: skip
+        return
+    probes = tuple(float(d) for d in args.ema_probes.split(",") if d)
     rows: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         for name, sets in chosen:
+            sets, knobs = split_knobs(sets)
+            knobs = {k: v for k, v in knobs.items() if v != BENCH_KNOBS[k]}
             cfg = load_config(args.config, [*base_sets, *sets])
-            rows.append((name, run_variant(cfg, Path(tmp) / name)))
+            knobs = {**base_knobs, **knobs}
+            row = run_variant(cfg, Path(tmp) / name, knobs, args.curve_every, probes)
+            rows.append((name, row))
             r = rows[-1][1]
-            print(f"{name}: val bits/byte {r['val_bpb']:.4f}, {r['wall_s']:.0f} s", flush=True)
+            print(f"{name}: val bits/byte {r['val_bpb']:.4f}, {r['wall_s']:.0f} s, "
+                  f"load {r['load']:.1f}, EMA probes {r['ema_probes']}", flush=True)  # fmt: skip
     print(f"\n{args.config}, --set {' '.join(base_sets)}\n")
     print(format_table(rows, args.steps))
+    records = [{"variant": n, **r} for n, r in rows]
     if args.json:
-        args.json.write_text(json.dumps([{"variant": n, **r} for n, r in rows], indent=2))
+        args.json.write_text(json.dumps(records, indent=2))
+    if args.plot:
+        plot(records, args.plot)
 
 
 if __name__ == "__main__":
