@@ -42,7 +42,7 @@ def serve(
     with continuous batching, and a chat page at /. The model's name is the run's name.
     """
     try:
-        from minillm.serve.app import serve as run_server
+        from minillm.serve.server import serve as run_server
     except ImportError as e:
         from rich.markup import escape  # the error line is rich markup: keep "[serve]" as text
 
