@@ -469,7 +469,7 @@ def test_serve_without_fastapi_says_what_to_install(monkeypatch: pytest.MonkeyPa
     real_import = builtins.__import__
 
     def no_serve(name, *args, **kwargs):
-        if name == "minillm.serve.app":
+        if name == "minillm.serve.server":
             raise ImportError("No module named 'fastapi'")
         return real_import(name, *args, **kwargs)
 

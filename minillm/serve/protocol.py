@@ -1,9 +1,8 @@
-"""OpenAI's protocol, as `minillm serve` speaks it: request validation and response shapes.
+"""OpenAI's protocol, as `minillm serve` reads it: the requests, validated, and the errors.
 
 Offers `APIError` (an OpenAI error object with its HTTP status), `Limits`, `parse_json`,
 `parse_chat` and `parse_completion` (a request body -> `Job`, or an APIError naming the
-parameter at fault), and the builders of OpenAI's response and chunk objects (`chat_response`,
-`chat_chunk`, `completion_response`, `completion_chunk`, `usage`, `sse`).
+parameter at fault). The response and chunk objects are `minillm.serve.responses`'.
 
 Validation is written out here rather than left to pydantic so that every refusal is OpenAI's
 `{"error": {"message", "type", "param", "code"}}` with a message that names the parameter, the
@@ -16,8 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,10 +102,6 @@ class Job:
     prompt_texts: list[str] = field(default_factory=list)
     prompt_logprobs: bool = False  # completions: echo with logprobs
     hidden: list[int] = field(default_factory=list)  # leading ids of each prompt not echoed
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -404,121 +397,3 @@ def parse_completion(body: dict[str, Any], limits: Limits, encode: Any, decode: 
         prompt_logprobs=echo and logprobs is not None,
         hidden=hidden,
     )
-
-
-# ----------------------------------------------------------------------------- responses
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _envelope(rid: str, obj: str, model: str, created: int) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created, "model": model}
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def chat_response(
-    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, int]
-) -> dict[str, Any]:
-    """choices: {index, text, finish_reason, logprobs} -> a chat.completion object."""
-    return {
-        **_envelope(rid, "chat.completion", model, created),
-        "choices": [
-            {
-                "index": c["index"],
-                "message": {"role": "assistant", "content": c["text"]},
-                "logprobs": c.get("logprobs"),
-                "finish_reason": c["finish_reason"],
-            }
-            for c in choices
-        ],
-        "usage": use,
-        "system_fingerprint": None,
-    }
-
-
-def chat_chunk(
-    rid: str,
-    model: str,
-    created: int,
-    index: int,
-    delta: dict[str, Any],
-    finish_reason: str | None = None,
-    logprobs: Any = None,
-    with_usage: bool = False,
-) -> dict[str, Any]:
-    chunk = {
-        **_envelope(rid, "chat.completion.chunk", model, created),
-        "choices": [
-            {
-                "index": index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "system_fingerprint": None,
-    }
-    if with_usage:
-        chunk["usage"] = None  # OpenAI: null on every chunk but the last when usage is asked
-    return chunk
-
-
-def usage_chunk(rid: str, obj: str, model: str, created: int, use: dict[str, int]) -> dict:
-    """The last chunk of a stream with include_usage: no choices, the usage."""
-    return {**_envelope(rid, obj, model, created), "choices": [], "usage": use}
-
-
-def completion_response(
-    rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, int]
-) -> dict[str, Any]:
-    return {
-        **_envelope(rid, "text_completion", model, created),
-        "choices": [
-            {
-                "index": c["index"],
-                "text": c["text"],
-                "logprobs": c.get("logprobs"),
-                "finish_reason": c["finish_reason"],
-            }
-            for c in choices
-        ],
-        "usage": use,
-        "system_fingerprint": None,
-    }
-
-
-def completion_chunk(
-    rid: str,
-    model: str,
-    created: int,
-    index: int,
-    text: str,
-    finish_reason: str | None = None,
-    logprobs: Any = None,
-    with_usage: bool = False,
-) -> dict[str, Any]:
-    chunk = {
-        **_envelope(rid, "text_completion", model, created),
-        "choices": [
-            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-        "system_fingerprint": None,
-    }
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def sse(obj: dict[str, Any] | str) -> str:
-    """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n"

@@ -1,0 +1,76 @@
+"""The commands that make a run: `minillm tokenize` (the tokenizer and token shards), `minillm
+train` (the model) and `minillm info` (what a config's model costs, before training it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from minillm.cli.group import Command, print_error, run
+from minillm.cli.options import ConfigArgument, SetOption, load_config
+from minillm.cli.root import app
+
+
+@app.command(cls=Command, short_help="Train the tokenizer (if absent) and write the token shards.")
+def tokenize(
+    config: Path = ConfigArgument,
+    set_: list[str] | None = SetOption,
+    retrain: bool = typer.Option(
+        False,
+        "--retrain",
+        help="Train a new tokenizer even if data.tokenizer exists, and start over instead of "
+        "resuming an interrupted run.",
+    ),
+) -> None:
+    """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
+    from minillm.data.shard_writer import write_shards
+    from minillm.data.summary import print_summary
+
+    cfg = load_config(config, set_)
+    summary = run(write_shards, cfg, retrain=retrain)
+    print_summary(summary)
+
+
+@app.command(cls=Command, short_help="Train the model; Ctrl-C checkpoints, rerunning resumes.")
+def train(
+    config: Path = ConfigArgument,
+    set_: list[str] | None = SetOption,
+    resume: bool = typer.Option(
+        True, "--resume/--no-resume", help="Continue from the run's latest checkpoint if any."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="With --no-resume: delete the run's checkpoints and start over."
+    ),
+) -> None:
+    """Train the model of CONFIG; Ctrl-C checkpoints and stops, running it again resumes.
+
+    Under `torchrun --nproc_per_node N -m minillm train CONFIG` it trains with DDP or FSDP.
+    """
+    from minillm.train.trainer import train as run_training
+
+    if force and resume:
+        print_error("--force: only with --no-resume (it deletes the run's checkpoints)")
+        raise typer.Exit(2)
+    cfg = load_config(config, set_)
+    summary = run(run_training, cfg, resume=resume, force=force)
+    if summary.get("interrupted"):
+        raise typer.Exit(130)
+
+
+@app.command(cls=Command, short_help="Parameters, FLOPs per token and a memory estimate.")
+def info(
+    config: Path = ConfigArgument,
+    set_: list[str] | None = SetOption,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Parameters, FLOPs per token and a training-memory estimate (nothing is allocated)."""
+    from minillm.info import model_info, print_info
+
+    cfg = load_config(config, set_)
+    result = run(model_info, cfg)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print_info(result, title=str(config))

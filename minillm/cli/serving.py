@@ -1,0 +1,115 @@
+"""The commands that hand a checkpoint to other programs: `minillm serve` (an OpenAI-compatible
+HTTP server) and `minillm export` (a Hugging Face folder or a GGUF file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from minillm.cli.group import Command, print_error, run
+from minillm.cli.options import BestOption, CkptOption, DeviceOption, load_ckpt
+from minillm.cli.root import app
+
+
+@app.command(
+    cls=Command, short_help="An OpenAI-compatible HTTP server with a chat page (several users)."
+)
+def serve(
+    ckpt: Path = CkptOption,
+    best: bool = BestOption,
+    host: str = typer.Option(
+        "127.0.0.1", "--host", metavar="HOST", help="Address to listen on (0.0.0.0: every one)."
+    ),
+    port: int = typer.Option(8000, "--port", metavar="PORT", help="Port; 0 picks a free one."),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        metavar="KEY",
+        envvar="MINILLM_API_KEY",
+        show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on every endpoint but /health and the page.",
+    ),
+    max_batch: int = typer.Option(
+        16, "--max-batch", metavar="N", help="Most requests (rows) decoded at once."
+    ),
+    max_queue: int = typer.Option(
+        64, "--max-queue", metavar="N", help="Most rows waiting for a slot; past it: 429."
+    ),
+    device: str = DeviceOption,
+) -> None:
+    """Serve a checkpoint over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models)
+    with continuous batching, and a chat page at /. The model's name is the run's name.
+    """
+    try:
+        from minillm.serve.server import serve as run_server
+    except ImportError as e:
+        from rich.markup import escape  # the error line is rich markup: keep "[serve]" as text
+
+        print_error(
+            escape(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
+        )
+        raise typer.Exit(2) from None
+
+    loaded = load_ckpt(ckpt, device, best)
+    name = loaded.path.parent.parent.name if loaded.path.parent.name == "checkpoints" else None
+    run(
+        run_server,
+        loaded,
+        name or loaded.path.name,
+        host=host,
+        port=port,
+        api_key=api_key or None,
+        max_batch=max_batch,
+        max_queue=max_queue,
+    )
+
+
+@app.command(
+    cls=Command, short_help="Write a Hugging Face Llama folder or a GGUF file (llama.cpp)."
+)
+def export(
+    ckpt: Path = CkptOption,
+    best: bool = BestOption,
+    out: Path = typer.Option(
+        ..., "--out", metavar="PATH", help="The folder (hf) or FILE.gguf (gguf) to write."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier export at --out."),
+    fmt: str = typer.Option(
+        "hf",
+        "--format",
+        metavar="FORMAT",
+        help="hf: a transformers folder; gguf: one file for llama.cpp, Ollama, LM Studio.",
+    ),
+    dtype: str | None = typer.Option(
+        None,
+        "--dtype",
+        metavar="DTYPE",
+        help="gguf only: f32 (default, exact), f16 or q8_0 (2-D weights; norms stay f32).",
+    ),
+) -> None:
+    """Write a Hugging Face LlamaForCausalLM folder (config, safetensors weights, tokenizer), or
+    with --format gguf a llama.cpp GGUF file and an Ollama FILE.Modelfile beside it.
+
+    The folder loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained.
+    """
+    if fmt not in ("hf", "gguf"):
+        print_error(f"--format: {fmt!r} is not one of hf, gguf")
+        raise typer.Exit(2)
+    if fmt == "gguf":
+        from minillm.checkpoint.gguf_file import check_gguf_target, export_gguf, modelfile_path
+
+        run(check_gguf_target, out, force, ckpt, dtype or "f32")  # before the (slow) load
+        loaded = load_ckpt(ckpt, "cpu", best)
+        path = run(export_gguf, loaded, out, dtype or "f32", force=force)
+        print(f"wrote {path} and {modelfile_path(path).name}")
+        return
+    if dtype is not None:
+        print_error("--dtype: only with --format gguf (an hf folder is float32)")
+        raise typer.Exit(2)
+    from minillm.checkpoint.hf_folder import check_export_target, export_checkpoint
+
+    run(check_export_target, out, force, ckpt)  # before the (slow) load
+    loaded = load_ckpt(ckpt, "cpu", best)
+    path = run(export_checkpoint, loaded, out, force=force)
+    print(f"wrote {path}")

@@ -1,0 +1,306 @@
+"""What the endpoints of `minillm serve` do with a request once it is parsed into a `Job`.
+
+Offers `Handler`: the served model's tokenizer, limits and engine; it encodes prompts, submits a
+job's choices to the engine (seeded as the CLI seeds them), and answers with the whole OpenAI
+object (`complete`) or a stream of server-sent chunks (`stream`). The model runs on the engine's
+thread, never on the event loop; events cross to the loop in batches, one wake-up per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from minillm.data.chat import chat_ids, encode_prompt
+from minillm.data.tokenizer import eot_id
+from minillm.errors import UserError
+from minillm.infer.sampling import row_seed
+from minillm.serve import protocol as P
+from minillm.serve import responses as R
+from minillm.serve.engine import Choice, Engine, Event, QueueFull
+from minillm.serve.tokens import TokenText
+
+
+def _choices(job: P.Job, stop_id: int) -> list[Choice]:
+    """One Choice per (prompt, sample): choice j * n + k is sample k of prompt j.
+
+    Seeds as the CLI draws them, so that a request with `seed` gives the text the command gives
+    with `--seed`: `minillm sample` gives sample k of a prompt row_seed(seed, k) (k counting
+    earlier rows with the same prompt), `minillm chat` its first reply row_seed(seed, 0), which
+    `generate` then mixes again as its row 0."""
+    s = job.sampling
+    out, seen = [], {}
+    for j, prompt in enumerate(job.prompts):
+        for k in range(job.n):
+            seed = None
+            if s.seed is not None:
+                if job.kind == "chat":
+                    seed = row_seed(row_seed(s.seed, k), 0)
+                else:
+                    occurrence = seen.get(tuple(prompt), 0)
+                    seen[tuple(prompt)] = occurrence + 1
+                    seed = row_seed(s.seed, occurrence)
+            out.append(
+                Choice(
+                    prompt=prompt,
+                    max_tokens=s.max_tokens,
+                    temperature=s.temperature,
+                    top_k=s.top_k,
+                    top_p=s.top_p,
+                    seed=seed,
+                    stop_ids=frozenset([stop_id]),
+                    stop=s.stop,
+                    logprobs=s.logprobs,
+                    prompt_logprobs=s.logprobs if job.prompt_logprobs else None,
+                    hidden=job.hidden[j] if job.hidden else 0,
+                )
+            )
+    return out
+
+
+class Handler:
+    """The state behind the endpoints: the model's tokenizer, limits and engine."""
+
+    def __init__(
+        self, ckpt: Any, name: str, engine: Engine, max_body: int, api_key: str | None
+    ) -> None:
+        self.name, self.engine, self.max_body = name, engine, max_body
+        self.api_key = api_key.encode() if api_key else None
+        self.tok = ckpt.tokenizer
+        self.tok.encode_special_tokens = True  # "<|end|>" typed in a message is text
+        self.eot = eot_id(self.tok)
+        try:
+            self.chat_ids: dict[str, int] | None = chat_ids(self.tok)
+        except UserError:
+            self.chat_ids = None  # a tokenizer from before the chat tokens: completions only
+        cfg = ckpt.config
+        self.limits = P.Limits(
+            model=name,
+            context=cfg.model.max_seq_len,
+            vocab_size=self.tok.get_vocab_size(),
+            max_n=engine.max_batch,
+            default_max_tokens=cfg.sample.max_new_tokens,
+            default_temperature=cfg.sample.temperature,
+            default_top_k=cfg.sample.top_k,
+            default_top_p=cfg.sample.top_p,
+        )
+        self.text = TokenText(self.tok)
+        self.created = R.now()
+        self._lock = threading.Lock()
+        self._outbox: list[tuple[asyncio.Queue, Event]] = []
+        self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        """The JSON body, refused with 413 past max_body bytes before it is all read."""
+        length = request.headers.get("content-length", "")
+        too_big = P.APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_body} bytes",
+            code="request_too_large",
+        )
+        if length.isdigit() and int(length) > self.max_body:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            chunks.append(chunk)
+        return P.parse_json(b"".join(chunks))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.chat_ids is None:
+            raise P.APIError(
+                400,
+                f"`{self.name}` has no chat template (its tokenizer lacks the chat tokens): "
+                "use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
+        return encode_prompt(self.tok, messages, self.chat_ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """A string prompt is a fresh document, after end-of-text, as in `minillm sample`."""
+        return [self.eot, *self.tok.encode(text, add_special_tokens=False).ids]
+
+    def _deliver(self, queue: asyncio.Queue, event: Event) -> None:
+        """On the engine thread: hand the event to the loop. Events of one step (one per row)
+        go over in one wake-up of the loop, not one each."""
+        with self._lock:
+            self._outbox.append((queue, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._outbox, self._scheduled = self._outbox, [], False
+        for queue, event in batch:
+            queue.put_nowait(event)
+
+    def submit(self, job: P.Job) -> tuple[Any, asyncio.Queue]:
+        self._loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:  # on the engine thread
+            self._deliver(queue, event)
+
+        stop_id = self.chat_ids["end"] if job.kind == "chat" and self.chat_ids else self.eot
+        try:
+            ticket = self.engine.submit(_choices(job, stop_id), sink)
+        except QueueFull as e:
+            raise P.APIError(
+                429, str(e), code="rate_limit_exceeded", type_="rate_limit_error"
+            ) from None
+        return ticket, queue
+
+    def cancel(self, ticket: Any) -> None:
+        ticket.cancel()
+        self.engine.wake()
+
+    def prompt_tokens(self, job: P.Job) -> int:
+        return sum(len(p) for p in job.prompts)
+
+    # ------------------------------------------------------------------ plain responses
+
+    async def complete(self, request: Request, job: P.Job) -> dict[str, Any]:
+        """Wait for every choice; the OpenAI object. A client gone meanwhile cancels them."""
+        ticket, queue = self.submit(job)
+        n = len(ticket.choices)
+        texts, reasons = [""] * n, [None] * n
+        tokens: list[list] = [[] for _ in range(n)]
+        prompts: list[Any] = [None] * n
+        used = [0] * n
+        try:
+            while any(r is None for r in reasons):
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError() from None
+                    continue
+                if event.error is not None:
+                    raise P.APIError(500, event.error, type_="server_error")
+                i = event.index
+                texts[i] += event.text
+                tokens[i] += event.tokens
+                if event.prompt is not None:
+                    prompts[i] = event.prompt
+                used[i] = max(used[i], event.completion_tokens)
+                reasons[i] = event.finish_reason
+        finally:
+            self.cancel(ticket)  # a no-op for rows that finished
+        rid, use = R.new_id("chatcmpl" if job.kind == "chat" else "cmpl"), None
+        use = R.usage(self.prompt_tokens(job), sum(used))
+        choices = []
+        for i in range(n):
+            c = {"index": i, "text": texts[i], "finish_reason": reasons[i], "logprobs": None}
+            if job.kind == "chat" and job.sampling.logprobs is not None:
+                c["logprobs"] = {"content": self.text.chat_logprobs(tokens[i])}
+            elif job.kind == "completion":
+                c.update(self._completion_choice(job, i, texts[i], tokens[i], prompts[i]))
+            choices.append(c)
+        build = R.chat_response if job.kind == "chat" else R.completion_response
+        return build(rid, self.name, R.now(), choices, use)
+
+    def _completion_choice(
+        self, job: P.Job, i: int, text: str, tokens: list, prompt: list | None
+    ) -> dict[str, Any]:
+        """A completion choice's text (the prompt first with echo) and legacy logprobs."""
+        echo = job.prompt_texts[i // job.n] if job.echo else ""
+        out: dict[str, Any] = {"text": echo + text}
+        if job.sampling.logprobs is not None:
+            infos = (prompt or []) + tokens if job.echo else tokens
+            out["logprobs"], _ = self.text.completion_logprobs(infos, 0)
+        return out
+
+    # ------------------------------------------------------------------ streams
+
+    async def stream(self, job: P.Job) -> StreamingResponse:
+        ticket, queue = self.submit(job)  # a full queue is a 429 before the stream starts
+        return StreamingResponse(
+            _coalesce(self._events(job, ticket, queue), queue),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _events(self, job: P.Job, ticket: Any, queue: asyncio.Queue) -> AsyncIterator[str]:
+        chat = job.kind == "chat"
+        rid, created = R.new_id("chatcmpl" if chat else "cmpl"), R.now()
+        n = len(ticket.choices)
+        used = [0] * n
+        data = [b""] * n  # completions with logprobs: each choice's bytes so far (offsets)
+        shown = [0] * n  # characters sent per choice
+        started = [False] * n  # completions with echo: the prompt was sent
+        wu = job.include_usage
+
+        def chunk(i: int, text: str = "", reason: str | None = None, lp: Any = None, **d: Any):
+            if chat:
+                delta = dict(d)
+                if text:
+                    delta["content"] = text
+                return R.sse(R.chat_chunk(rid, self.name, created, i, delta, reason, lp, wu))
+            return R.sse(R.completion_chunk(rid, self.name, created, i, text, reason, lp, wu))
+
+        try:
+            if chat:
+                for i in range(n):
+                    yield chunk(i, role="assistant", content="")
+            left = n
+            while left:
+                event = await queue.get()
+                if event.error is not None:
+                    error = P.APIError(500, event.error, type_="server_error")
+                    yield R.sse(error.body())
+                    break
+                i = event.index
+                used[i] = max(used[i], event.completion_tokens)
+                lp = None
+                if job.echo and not started[i]:  # the echoed prompt first, in its own chunk
+                    started[i] = True
+                    echo, plp = job.prompt_texts[i // job.n], None
+                    if job.sampling.logprobs is not None:
+                        plp, data[i] = self.text.completion_logprobs(event.prompt or [], 0)
+                    if echo or plp is not None:
+                        yield chunk(i, echo, lp=plp)
+                    shown[i] = len(echo)
+                if job.sampling.logprobs is not None and event.tokens:
+                    if chat:
+                        lp = {"content": self.text.chat_logprobs(event.tokens)}
+                    else:
+                        lp, data[i] = self.text.completion_logprobs(event.tokens, shown[i], data[i])
+                if event.text or lp is not None:
+                    yield chunk(i, event.text, lp=lp)
+                    shown[i] += len(event.text)
+                if event.finish_reason is not None:
+                    left -= 1
+                    yield chunk(i, reason=event.finish_reason)
+            else:  # every choice finished (no error): the usage, if asked
+                if job.include_usage:
+                    obj = "chat.completion.chunk" if chat else "text_completion"
+                    use = R.usage(self.prompt_tokens(job), sum(used))
+                    yield R.sse(R.usage_chunk(rid, obj, self.name, created, use))
+            yield R.sse("[DONE]")
+        finally:  # also when the client went away and the response was cancelled
+            self.cancel(ticket)
+
+
+async def _coalesce(events: AsyncIterator[str], queue: asyncio.Queue) -> AsyncIterator[str]:
+    """The SSE events, those already ready sent together: one write per batch, not per event."""
+    ready: list[str] = []
+    async for event in events:
+        ready.append(event)
+        if queue.empty():
+            yield "".join(ready)
+            ready.clear()
+    if ready:
+        yield "".join(ready)
