@@ -225,3 +225,22 @@ def test_design_config_lists_every_key() -> None:
         assert listed is not None, name
         keys = [k.strip() for k in listed.group(1).split(",")]
         assert keys == [f.name for f in dataclasses.fields(cls)], name
+
+
+def test_where_things_live_names_every_module() -> None:
+    """docs/architecture.md's tree names every module of the package, under its own package."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    tree = text.split("## Where things live", 1)[1].split("```", 2)[1]
+    # Each top-level entry ("  data/ ...") owns the indented lines below it.
+    blocks = re.split(r"\n  (?=\S)", "\n" + tree.split("minillm/", 1)[1])
+    owned = {b.split()[0]: b for b in blocks if b.strip()}
+    missing = []
+    for path in sorted((ROOT / "minillm").rglob("*.py")):
+        rel = path.relative_to(ROOT / "minillm")
+        if rel.name == "__init__.py" or "__pycache__" in rel.parts:
+            continue
+        key = f"{rel.parts[0]}/" if len(rel.parts) > 1 else rel.name
+        block = owned.get(key, "") or next((b for k, b in owned.items() if k.startswith(key)), "")
+        if not re.search(rf"(?<![\w.]){re.escape(rel.name)}\b", block):
+            missing.append(str(rel))
+    assert not missing, f"docs/architecture.md 'Where things live' does not name: {missing}"
