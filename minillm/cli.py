@@ -172,10 +172,10 @@ def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise typer.Exit(130) from None
 
 
-def _config(path: Path, overrides: list[str] | None):  # noqa: ANN202
+def _config(path: Path, overrides: list[str] | None, require_model: bool = True):  # noqa: ANN202
     from minillm.train.run import load_train_config
 
-    return _run(load_train_config, path, overrides or [])
+    return _run(load_train_config, path, overrides or [], require_model=require_model)
 
 
 # Commands are listed in `--help` in the order they are defined here: the pipeline's order.
@@ -196,7 +196,7 @@ def tokenize(
     from minillm.data.shard_writer import write_shards
     from minillm.data.summary import print_summary
 
-    cfg = _config(config, set_)
+    cfg = _config(config, set_, require_model=False)  # tokenize reads the data section only
     summary = _run(write_shards, cfg, retrain=retrain)
     print_summary(summary)
 
