@@ -28,7 +28,7 @@ def tokenize(
     from minillm.data.shard_writer import write_shards
     from minillm.data.summary import print_summary
 
-    cfg = load_config(config, set_)
+    cfg = load_config(config, set_, require_model=False)  # tokenize reads the data section only
     summary = run(write_shards, cfg, retrain=retrain)
     print_summary(summary)
 

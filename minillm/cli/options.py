@@ -52,11 +52,12 @@ TopPOption = typer.Option(
 )
 
 
-def load_config(path: Path, overrides: list[str] | None) -> Any:
-    """CONFIG with its --set overrides, resolved as training resolves it (a user error: exit 2)."""
+def load_config(path: Path, overrides: list[str] | None, require_model: bool = True) -> Any:
+    """CONFIG with its --set overrides, resolved as training resolves it (a user error: exit 2).
+    require_model=False: a config without a model section is accepted (tokenize reads data)."""
     from minillm.train.run import load_train_config
 
-    return run(load_train_config, path, overrides or [])
+    return run(load_train_config, path, overrides or [], require_model=require_model)
 
 
 def load_ckpt(ckpt: Path, device: str, best: bool = False) -> Any:

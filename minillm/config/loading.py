@@ -173,13 +173,23 @@ def override_keys(overrides: typing.Iterable[str]) -> set[str]:
     return keys
 
 
+# What `require_model=False` puts in place of an absent model section: the smallest valid model,
+# with a context that no train.seq_len exceeds. Only `minillm tokenize` asks for it, and it reads
+# the data section alone; nothing is built or trained from this model.
+_NO_MODEL = {"d_model": 2, "n_layer": 1, "n_head": 1, "max_seq_len": 2**31 - 1}
+
+
 def config_from_dict(
-    raw: Any, file: str | None = None, overridden: typing.Collection[str] = ()
+    raw: Any,
+    file: str | None = None,
+    overridden: typing.Collection[str] = (),
+    require_model: bool = True,
 ) -> Config:
     """Build and validate a Config from plain data (the parsed YAML); errors name `file`.
 
     An error about a key in `overridden` (see `override_keys`) names `--set` instead of `file`:
-    the user typed that value on the command line, not in the file.
+    the user typed that value on the command line, not in the file. `require_model=False`
+    accepts a config without a model section (for a command that reads only the data section).
     """
     try:
         if not isinstance(raw, dict):
@@ -189,6 +199,8 @@ def config_from_dict(
                 hint = did_you_mean(str(key), SECTIONS)
                 raise ConfigError(key, f"unknown section{hint} (valid: {', '.join(SECTIONS)})")
         raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+        if "model" not in raw and not require_model:
+            raw["model"] = dict(_NO_MODEL)
         if "model" not in raw:
             raise ConfigError("model", "section is required (or train.init_from to take a model's)")
         # The embedding table defaults to the tokenizer's size.

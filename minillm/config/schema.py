@@ -283,7 +283,8 @@ class TrainConfig(_Section):
     init_from: str = _f(
         "",
         help="A Hugging Face Llama folder, a minillm run directory or a checkpoint to start from "
-        "(its model and tokenizer are used; the model section may then be left out).",
+        "(its model and tokenizer are used: the model section may then be left out, and an "
+        "empty data.tokenizer becomes its tokenizer).",
     )
     doc_mask: bool | None = _f(
         None,

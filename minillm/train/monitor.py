@@ -149,6 +149,7 @@ class Watched(Protocol):
     device: torch.device
     precision: str
     tf32: bool
+    init_label: str | None  # init_from's weights, as loaded (None: from the seed, or resumed)
     dist: DistInfo
     step: int
     is_main: bool
@@ -199,6 +200,6 @@ def banner(trainer: Watched, peak: float, peak_source: str) -> str:
         f"global batch {tc.batch_size}x{tc.grad_accum}x{trainer.dist.world_size} seqs of "
         f"{tc.seq_len} = {trainer.tokens_per_step:,} tokens/step; "
         f"peak {peak / 1e9:.0f} GFLOP/s for MFU ({peak_source}); run dir {trainer.run_dir}"
-        + (f"; weights from {tc.init_from}" if tc.init_from and not trainer.resumed else "")
+        + (f"; weights from {trainer.init_label}" if trainer.init_label else "")
         + f"\n{describe(trainer.model, tc)}"
     )

@@ -3,7 +3,7 @@ checkpoints (minillm.checkpoint stores and loads them).
 
 Offers `resume_point` (which checkpoint a `minillm train` continues from, or None to start
 afresh), `resume_differences(old, new) -> (refused, changed)`, `schedule_change` (the warning for
-a resume that redraws the learning rate of steps already taken) and the key sets they use.
+a resume whose new schedule makes the learning rate jump) and the key sets they use.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ SCHEDULE_KEYS = {
 
 
 # Keys that shape the learning-rate schedule (some arrive with other issues; absent ones never
-# differ). A resume that changes them redraws the curve over the steps already taken.
+# differ). A resume that changes them redraws the curve, and may make the lr jump.
 LR_SCHEDULE_KEYS = (
     "train.lr",
     "train.min_lr",
@@ -78,30 +78,52 @@ def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], lis
     return refused, changed
 
 
-def schedule_change(old: dict[str, Any], new: Config, step: int) -> str | None:
-    """A warning when resuming at `step` gives steps 0..step-1 another learning rate than the run
-    used (raising max_steps re-stretches the cosine, so the lr jumps back up); else None.
+# How far the resume step's lr may sit from where the run's own schedule has it before the resume
+# warns: a 1% difference changes nothing a user would notice, a redrawn cosine moves it far more.
+LR_JUMP_TOLERANCE = 0.01
 
-    `old` is the config dict saved with the checkpoint. Names the keys that changed.
+
+def _distinct(*values: float) -> list[str]:
+    """The values at the fewest significant digits (3 or more) that tell unequal ones apart."""
+    for digits in range(3, 10):
+        text = [f"{v:.{digits}g}" for v in values]
+        if all((a == b) == (x == y) for a, x in zip(text, values) for b, y in zip(text, values)):
+            return text
+    return [repr(v) for v in values]
+
+
+def schedule_change(old: dict[str, Any], new: Config, step: int) -> str | None:
+    """A warning when resuming at `step` makes the learning rate jump: the new schedule gives
+    step `step` an lr more than LR_JUMP_TOLERANCE away from the one the run's own schedule gives
+    it (raising max_steps re-stretches the cosine, so the lr jumps back up); else None.
+
+    The schedule's own change from step-1 to step is no jump, and neither is a difference over
+    steps already taken that the resume step does not feel (a resume at step 0, a run with
+    nothing left to train). `old` is the config dict saved with the checkpoint. Names the keys
+    that changed.
     """
     try:
         old_train = config_from_dict(old).train
     except ConfigError:
         return None
-    if all(schedule_lr(t, old_train) == schedule_lr(t, new.train) for t in range(step)):
-        return None  # also a resume at step 0
+    if step <= 0 or step >= new.train.max_steps:
+        return None
+    was = schedule_lr(step - 1, old_train)
+    expected, now = schedule_lr(step, old_train), schedule_lr(step, new.train)
+    if abs(now - expected) <= LR_JUMP_TOLERANCE * max(abs(expected), abs(was)):
+        return None
     before, after = _flatten(old), _flatten(config_to_dict(new))
     keys = [
         f"{k} ({before.get(k)!r} -> {after.get(k)!r})"
         for k in LR_SCHEDULE_KEYS
         if before.get(k) != after.get(k)
     ]
-    was, now = schedule_lr(step - 1, old_train), schedule_lr(step, new.train)
+    was_s, expected_s, now_s = _distinct(was, expected, now)
     return (
-        f"resuming at step {step} with {', '.join(keys) or 'another schedule'} changes the "
-        f"learning rate of the steps already taken: the lr goes from {was:.3g} at step "
-        f"{step - 1} to {now:.3g} at step {step} (the schedule is redrawn over the new run, "
-        "not extended)"
+        f"resuming at step {step} with {', '.join(keys) or 'another schedule'} makes the "
+        f"learning rate jump: the lr goes from {was_s} at step {step - 1} to {now_s} at step "
+        f"{step}, where the run's schedule has {expected_s} (the schedule is redrawn over the "
+        "new run, not extended)"
     )
 
 
@@ -123,9 +145,10 @@ def resume_point(
     Starting over a run that has checkpoints needs `resume=False` and `force`; then (where
     `clear`, i.e. on rank 0) its checkpoints and TensorBoard files are deleted. A checkpoint whose
     architecture or tokenizer differs from `cfg` is refused, naming the keys, and so is one whose
-    state.json model config disagrees with its weights'. A change to the learning rate of steps
-    already taken is warned about. `latest`: the run's newest intact checkpoint when the caller
-    has already looked it up (`ckpt.find_latest` checks its sha256: once per run is enough).
+    state.json model config disagrees with its weights'. A new schedule that makes the learning
+    rate jump at the resume step is warned about. `latest`: the run's newest intact checkpoint
+    when the caller has already looked it up (`ckpt.find_latest` checks its sha256: once per
+    run is enough).
     """
     ckpt_root = run_dir / ckpt.CKPT_DIR
     if not ckpt.list_checkpoints(ckpt_root):

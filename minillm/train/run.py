@@ -8,10 +8,10 @@ sha, the data and its packing, the starting weights, the checkpoint to resume fr
 
 `train.init_from` is resolved here and not in `minillm.config` (a leaf of the layers). It names a
 Hugging Face Llama folder, or a minillm run directory (its newest intact checkpoint) or one
-checkpoint: the model and the tokenizer are then the run's. For a minillm run an empty
-`data.tokenizer` becomes the run's tokenizer (and an absent `data.vocab_size` its size), so `minillm
+checkpoint: the model and the tokenizer are then the run's (or the folder's). An empty
+`data.tokenizer` becomes that tokenizer (and an absent `data.vocab_size` its size), so `minillm
 tokenize` makes the fine-tuning shards with the vocabulary the model was trained on (every tokenizer
-reserves the chat tokens).
+minillm trains reserves the chat tokens). A bad `train.init_from` is a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from minillm.config import (
     read_raw_config,
 )
 from minillm.data.meta import load_meta, open_split, stale_data_keys
-from minillm.data.tokenizer import tokenizer_sha256
+from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from minillm.errors import ConfigError, UserError, warn
 from minillm.runtime.device import (
     autocast_context,
@@ -68,14 +68,19 @@ class InitSource:
     path: str
     model: ModelConfig
     tokenizer_file: Path
-    vocab_size: int | None  # a minillm run's data.vocab_size (None for an HF folder)
+    vocab_size: int  # the size of that tokenizer (a run's data.vocab_size)
     minillm: bool
 
-    def load_weights(self) -> dict[str, torch.Tensor]:
-        """The float32 state_dict (a checkpoint's is integrity-checked first)."""
-        if self.minillm:
-            return ckpt.load_model_state(ckpt.resolve_checkpoint(self.path))
-        return import_hf_folder(self.path)[1]
+    def load_weights(self) -> tuple[dict[str, torch.Tensor], str]:
+        """The float32 state_dict (a checkpoint's is integrity-checked first) and where it came
+        from, for the banner: `runs/x (step_000400)` for a run directory (its newest intact
+        checkpoint), else the checkpoint or Hugging Face folder as given."""
+        if not self.minillm:
+            return import_hf_folder(self.path)[1], self.path
+        found = ckpt.resolve_checkpoint(self.path)
+        given_one = (Path(self.path) / ckpt.STATE_FILE).is_file()
+        label = self.path if given_one else f"{self.path} ({found.name})"
+        return ckpt.load_model_state(found), label
 
 
 def _is_minillm(path: str | Path) -> bool:
@@ -84,14 +89,30 @@ def _is_minillm(path: str | Path) -> bool:
     return (p / ckpt.CKPT_DIR).is_dir() or (p / ckpt.STATE_FILE).is_file()
 
 
-def init_source(path: str) -> InitSource:
+def init_source(path: str, file: str | None = None) -> InitSource:
     """The model config and tokenizer of a minillm run's newest checkpoint (or of one
-    checkpoint), or of a Hugging Face Llama folder."""
+    checkpoint), or of a Hugging Face Llama folder.
+
+    What is wrong with it (no such folder, no checkpoint yet, not a model folder, no tokenizer)
+    is a ConfigError `<file>: train.init_from: <what>`.
+    """
+    try:
+        return _init_source(path)
+    except UserError as e:
+        raise ConfigError("train.init_from", str(e), file) from None
+
+
+def _init_source(path: str) -> InitSource:
     if not _is_minillm(path):
-        return InitSource(
-            path, hf_model_config(path), Path(path) / ckpt.TOKENIZER_FILE, None, False
-        )
-    found = ckpt.resolve_checkpoint(path, verify=False)
+        model = hf_model_config(path)
+        tok = Path(path) / ckpt.TOKENIZER_FILE
+        if not tok.is_file():
+            raise UserError(
+                f"{path}: no {ckpt.TOKENIZER_FILE} (minillm needs the fast tokenizer file of "
+                "the model)"
+            )
+        return InitSource(path, model, tok, load_tokenizer(tok).get_vocab_size(), False)
+    found = ckpt.resolve_checkpoint(path, verify=False)  # the config only; load_weights verifies
     cfg = config_from_dict(ckpt.read_state(found)["config"], file=str(found / ckpt.STATE_FILE))
     # A run directory's own copy (stable while its checkpoints get pruned), else the checkpoint's.
     tok = found.parent.parent / ckpt.TOKENIZER_FILE
@@ -102,22 +123,30 @@ def init_source(path: str) -> InitSource:
     return InitSource(path, cfg.model, tok, cfg.data.vocab_size, True)
 
 
-def load_train_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+def load_train_config(
+    path: str | Path, overrides: list[str] | None = None, require_model: bool = True
+) -> Config:
     """`load_config`, except that a config without a model section takes train.init_from's
-    (and, from a minillm run, an empty data.tokenizer the run's): `minillm tokenize` and `info`
-    see the model the run will train. The run itself applies init_from in `prepare_run`."""
+    (and an empty data.tokenizer init_from's tokenizer): `minillm tokenize` and `info` see the
+    model the run will train. The run itself applies init_from in `prepare_run`.
+
+    `require_model=False` (`minillm tokenize`, which reads only the data section) accepts a
+    config with neither a model section nor init_from.
+    """
     raw = read_raw_config(path, overrides)
+    overridden = override_keys(overrides or [])
     train = raw.get("train")
     init_from = train.get("init_from") if isinstance(train, dict) else None
     if init_from:
-        source = init_source(init_from)
+        where = "--set" if "train.init_from" in overridden else str(path)
+        source = init_source(str(init_from), file=where)
         if "model" not in raw:
             raw["model"] = dataclasses.asdict(source.model)
         data = raw.setdefault("data", {})
-        if source.minillm and isinstance(data, dict) and not data.get("tokenizer"):
+        if isinstance(data, dict) and not data.get("tokenizer"):
             data["tokenizer"] = str(source.tokenizer_file)
             data.setdefault("vocab_size", source.vocab_size)  # the size of that tokenizer
-    return config_from_dict(raw, str(path), override_keys(overrides or []))
+    return config_from_dict(raw, str(path), overridden, require_model=require_model)
 
 
 def _with_init_model(cfg: Config, source: InitSource, warn_: bool) -> Config:
@@ -196,6 +225,7 @@ class Run:
     val_tokens: np.ndarray
     packing: Packing
     init_weights: dict[str, torch.Tensor] | None  # init_from's weights; None: from the seed
+    init_label: str | None  # where they came from: `runs/x (step_000400)`, or the HF folder
     resume_from: Path | None  # the checkpoint to continue from; None: a fresh start
     probes: TrainingProbes | None
     lock: RunLock | None
@@ -251,9 +281,10 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
                 ensure_writable_dir(run_dir, "train.out_dir")
             lock = RunLock(run_dir).acquire() if main else None
             source = init_source(tc.init_from) if tc.init_from else None
+            init_weights, init_label = None, None
             if source is not None:
                 cfg = _with_init_model(cfg, source, warn_=main)
-            init_weights = source.load_weights() if source is not None else None
+                init_weights, init_label = source.load_weights()
             tokenizer_file = source.tokenizer_file if source else cfg.data.tokenizer_path
             tf32 = enable_tf32(device)
             # The newest intact checkpoint, looked up (and its sha256 checked) once: both the
@@ -307,6 +338,7 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
         val_tokens=val_tokens,
         packing=packing,
         init_weights=init_weights if resume_from is None else None,
+        init_label=init_label if resume_from is None else None,
         resume_from=resume_from,
         probes=probes,
         lock=lock,

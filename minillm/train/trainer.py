@@ -97,7 +97,7 @@ class Trainer:
         self.batches = batches or self._train_batches
         self.run_dir, self.dist, self.device = run.run_dir, run.dist, run.device
         self.precision, self.is_main, self.verbose = run.precision, run.is_main, run.verbose
-        self.tf32 = run.tf32
+        self.tf32, self.init_label = run.tf32, run.init_label
         self.probes, self.packing = run.probes, run.packing
         tc = self.cfg.train
         seed_everything(tc.seed)  # the same initial weights on every rank

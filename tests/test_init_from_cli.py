@@ -1,0 +1,132 @@
+"""`train.init_from` and the config loading around it, through the CLI (issue 27): fine-tuning
+from an exported Hugging Face folder with no model section and no data.tokenizer, init_from errors
+that name the key, the banner naming the checkpoint it loaded, `tokenize` without a model section,
+and the warmup warning of `minillm train`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from minillm.cli import app
+from minillm.data.tokenizer import tokenizer_sha256
+from tests.tiny_run import SHAKESPEARE, make_run
+
+runner = CliRunner()
+
+TRAIN = dict(batch_size=2, seq_len=16, max_steps=2, warmup_steps=1, eval_every=2, eval_steps=1,
+             ckpt_every=2, log_every=1, device="cpu", precision="fp32")  # fmt: skip
+
+
+def error_line(result) -> str:  # noqa: ANN001
+    """The one `error:` line of a failed command (exit 2, nothing else on stderr)."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def write_config(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
+def corpus(root: Path) -> Path:
+    path = root / "corpus.txt"
+    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny run (one checkpoint, step 10) and its export to a Hugging Face folder."""
+    root = tmp_path_factory.mktemp("init-from")
+    run_dir, _, _ = make_run(root)
+    result = runner.invoke(app, ["export", "--ckpt", str(run_dir), "--out", str(root / "hf")])
+    assert result.exit_code == 0, result.output
+    return run_dir, root / "hf"
+
+
+def test_fine_tuning_an_hf_folder_takes_its_tokenizer(exported, tmp_path: Path) -> None:
+    """Only data.source and train.init_from: tokenize reuses the folder's tokenizer and train
+    accepts the shards (before: a new BPE of data.vocab_size 4096, refused by the model)."""
+    _, hf = exported
+    cfg = write_config(tmp_path / "sft.yaml", {
+        "data": {"source": str(corpus(tmp_path)), "out_dir": str(tmp_path / "tok")},
+        "train": {"init_from": str(hf), "out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    result = runner.invoke(app, ["tokenize", str(cfg)])
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
+    assert meta["tokenizer_sha256"] == tokenizer_sha256(hf / "tokenizer.json")
+    assert meta["vocab_size"] == 300  # the folder's tokenizer, not data.vocab_size's default
+    assert not (tmp_path / "tok" / "tokenizer.json").exists()
+    result = runner.invoke(app, ["train", str(cfg)])
+    assert result.exit_code == 0, result.output
+    assert f"weights from {hf}" in result.output
+    assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()
+
+
+def test_the_banner_names_the_checkpoint_it_loaded(exported, tmp_path: Path) -> None:
+    run_dir, _ = exported
+    cfg = write_config(tmp_path / "ft.yaml", {
+        "data": {"source": str(corpus(tmp_path)), "out_dir": str(tmp_path / "tok")},
+        "train": {"init_from": str(run_dir), "out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    assert runner.invoke(app, ["tokenize", str(cfg)]).exit_code == 0
+    result = runner.invoke(app, ["train", str(cfg)])
+    assert result.exit_code == 0, result.output
+    assert f"weights from {run_dir} (step_000010)" in result.output
+
+
+@pytest.mark.parametrize("case", ["no-checkpoint", "not-a-model", "missing"])
+def test_init_from_errors_name_the_key(tmp_path: Path, case: str) -> None:
+    target = tmp_path / case
+    if case == "no-checkpoint":
+        (target / "checkpoints").mkdir(parents=True)
+    elif case == "not-a-model":
+        target.mkdir()
+        (target / "notes.txt").write_text("hello")
+    cfg = write_config(tmp_path / "ft.yaml", {
+        "data": {"source": str(corpus(tmp_path)), "out_dir": str(tmp_path / "tok")},
+        "train": {"init_from": str(target), "out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    what = {"no-checkpoint": "no checkpoint yet", "not-a-model": "not a Hugging Face model folder",
+            "missing": "no such folder"}[case]  # fmt: skip
+    for command in ("tokenize", "train"):
+        line = error_line(runner.invoke(app, [command, str(cfg)]))
+        assert line.startswith(f"error: {cfg}: train.init_from: {target}: "), line
+        assert what in line
+    # Given on the command line, the error blames --set.
+    line = error_line(runner.invoke(app, ["train", str(cfg), "--set", f"train.init_from={target}"]))
+    assert line.startswith(f"error: --set: train.init_from: {target}: "), line
+
+
+def test_tokenize_needs_no_model_section_but_train_does(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "data.yaml", {
+        "data": {"source": str(corpus(tmp_path)), "vocab_size": 300,
+                 "out_dir": str(tmp_path / "tok")},
+        "train": {"out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    result = runner.invoke(app, ["tokenize", str(cfg)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "tok" / "meta.json").read_text())["vocab_size"] == 300
+    line = error_line(runner.invoke(app, ["train", str(cfg)]))
+    assert f"{cfg}: model: section is required" in line
+
+
+def test_train_warns_of_a_warmup_as_long_as_the_run(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "warm.yaml", {
+        "model": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 16},
+        "data": {"source": str(corpus(tmp_path)), "vocab_size": 300,
+                 "out_dir": str(tmp_path / "tok")},
+        "train": {"out_dir": str(tmp_path / "run"), **TRAIN, "warmup_steps": 2},
+    })  # fmt: skip
+    assert runner.invoke(app, ["tokenize", str(cfg)]).exit_code == 0
+    result = runner.invoke(app, ["train", str(cfg)])
+    assert result.exit_code == 0, result.output
+    assert "warning: train.warmup_steps=2 >= train.max_steps=2" in result.stderr
