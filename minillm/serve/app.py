@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.serve import protocol as P
@@ -31,6 +32,32 @@ OPEN_PATHS = ("/health", "/")  # the page is static; it sends the key with its A
 
 def _error_response(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+class _Authorize:
+    """ASGI middleware: every path but OPEN_PATHS wants `Authorization: Bearer KEY` (401).
+
+    Plain ASGI, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware relays every
+    streamed chunk through an extra task and memory stream, a cost per SSE event."""
+
+    def __init__(self, app: Any, key: bytes) -> None:
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization", "")
+            scheme, _, key = given.partition(" ")
+            if not (
+                scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.key)
+            ):
+                error = P.APIError(
+                    401,
+                    "Incorrect or missing API key: send `Authorization: Bearer KEY`",
+                    code="invalid_api_key",
+                )
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -67,23 +94,8 @@ def create_app(
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.handler = handler
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next: Any) -> Any:
-        if handler.api_key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            scheme, _, key = given.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                key.strip().encode(), handler.api_key
-            )
-            if not ok:
-                return _error_response(
-                    P.APIError(
-                        401,
-                        "Incorrect or missing API key: send `Authorization: Bearer KEY`",
-                        code="invalid_api_key",
-                    )
-                )
-        return await call_next(request)
+    if handler.api_key is not None:
+        app.add_middleware(_Authorize, key=handler.api_key)
 
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, e: P.APIError) -> JSONResponse:
