@@ -102,3 +102,11 @@ def run_trainer(cfg: Config, stop_at: int | None = None, **kw: Any) -> Any:
 def weights(trainer: Any) -> dict[str, Any]:
     """A copy of the trainer's model weights."""
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def error_line(result) -> str:  # noqa: ANN001
+    """The one `error:` line of a failed command (exit 2, nothing else on stderr)."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]

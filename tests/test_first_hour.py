@@ -13,19 +13,12 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import save_checkpoint
 from minillm.cli import app
+from tests.helpers import error_line
 from tests.tiny_run import SHAKESPEARE, make_run
 
 runner = CliRunner()
 
 HELLO = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
-
-
-def error_line(result) -> str:  # noqa: ANN001
-    """The one `error:` line of a failed command (exit 2, nothing else on stderr)."""
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

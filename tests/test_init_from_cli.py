@@ -14,20 +14,13 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.data.tokenizer import tokenizer_sha256
+from tests.helpers import error_line
 from tests.tiny_run import SHAKESPEARE, make_run
 
 runner = CliRunner()
 
 TRAIN = dict(batch_size=2, seq_len=16, max_steps=2, warmup_steps=1, eval_every=2, eval_steps=1,
              ckpt_every=2, log_every=1, device="cpu", precision="fp32")  # fmt: skip
-
-
-def error_line(result) -> str:  # noqa: ANN001
-    """The one `error:` line of a failed command (exit 2, nothing else on stderr)."""
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 def write_config(path: Path, raw: dict) -> Path:

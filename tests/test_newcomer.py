@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from minillm.cli import app
+from tests.helpers import error_line
 
 runner = CliRunner()
 
@@ -22,14 +23,6 @@ def conf(tmp_path: Path, text: str = CONF) -> str:
     path = tmp_path / "grimm.yaml"
     path.write_text(text)
     return str(path)
-
-
-def error_line(result) -> str:  # noqa: ANN001
-    """The one `error:` line of a failed command (exit 2, nothing else on stderr)."""
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------- 3: --set typos
