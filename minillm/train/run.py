@@ -281,10 +281,8 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
                 ensure_writable_dir(run_dir, "train.out_dir")
             lock = RunLock(run_dir).acquire() if main else None
             source = init_source(tc.init_from) if tc.init_from else None
-            init_weights, init_label = None, None
             if source is not None:
                 cfg = _with_init_model(cfg, source, warn_=main)
-                init_weights, init_label = source.load_weights()
             tokenizer_file = source.tokenizer_file if source else cfg.data.tokenizer_path
             tf32 = enable_tf32(device)
             # The newest intact checkpoint, looked up (and its sha256 checked) once: both the
@@ -313,6 +311,11 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
                 run_dir, cfg, tokenizer_file, sha, dist.world_size, resume=resume, force=force,
                 clear=main, verbose=verbose, latest=latest,
             )  # fmt: skip
+            # The starting weights only for a fresh run: a resume takes its own checkpoint's, so
+            # init_from's are neither read nor hashed then.
+            init_weights, init_label = None, None
+            if source is not None and resume_from is None:
+                init_weights, init_label = source.load_weights()
             fsdp = dist.enabled and cfg.train.parallel == "fsdp"
             probes = TrainingProbes.create(
                 cfg, tokenizer_file, device, autocast_context(device, precision),
@@ -337,8 +340,8 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
         train_tokens=train_tokens,
         val_tokens=val_tokens,
         packing=packing,
-        init_weights=init_weights if resume_from is None else None,
-        init_label=init_label if resume_from is None else None,
+        init_weights=init_weights,
+        init_label=init_label,
         resume_from=resume_from,
         probes=probes,
         lock=lock,
