@@ -12,10 +12,12 @@ checkpoint is evaluated over the whole validation split by `minillm eval`'s own 
 Knobs the trainer does not have yet, prototyped here to measure whether they are worth a config
 key (`bench.` entries of a variant or of --set; not config keys):
 
-    bench.ema=0.999         evaluate an exponential moving average of the weights, updated after
-                            every step with decay min(ema, (1 + t) / (2 + t)) at step t
     bench.zero_init=1       zero the projections into the residual stream (attn.wo, ffn.w_down)
                             before the first step
+
+An average of the weights is the trainer's own key, `train.ema_decay`: the row then scores the
+average (what the checkpoint saves) and also reports the raw weights' score; `--ema-probes`
+keeps further averages beside a run, which change nothing in it.
 
 --curve-every N evaluates the whole validation split every N steps too (outside the timed
 steps), and --plot PNG draws val bits/byte against training seconds for every variant (matplotlib,
@@ -42,12 +44,13 @@ from typing import Any
 
 import torch
 
-from minillm.checkpoint.store import load_checkpoint
+from minillm.checkpoint.store import load_checkpoint, load_trainer_state
 from minillm.config import Config, load_config
 from minillm.data.meta import load_meta
 from minillm.data.shard_writer import write_shards
 from minillm.errors import UserError
 from minillm.infer.evaluate import evaluate_checkpoint
+from minillm.train.ema import WeightEMA
 from minillm.train.trainer import Trainer
 
 # The variants of the issue, in the order of the table; AdamW + cosine (today's default) first.
@@ -68,7 +71,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 # The knobs prototyped here, with the values that leave training as it is.
-BENCH_KNOBS: dict[str, float] = {"ema": 0.0, "zero_init": 0.0}
+BENCH_KNOBS: dict[str, float] = {"zero_init": 0.0}
 
 
 def split_knobs(sets: list[str]) -> tuple[list[str], dict[str, float]]:
@@ -87,34 +90,10 @@ def split_knobs(sets: list[str]) -> tuple[list[str], dict[str, float]]:
     return rest, knobs
 
 
-class WeightEMA:
-    """An exponential moving average of a model's floating-point state, on the same device.
-
-    The decay is capped by (1 + t) / (2 + t) after t updates: a plain mean of the weights so
-    far until that reaches `decay` (at 0.99, after 98 steps), so short runs average too.
-    """
-
-    def __init__(self, model: torch.nn.Module, decay: float) -> None:
-        self.decay, self.updates = decay, 0
-        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.model = model
-
-    @torch.no_grad()
-    def update(self) -> None:
-        d = min(self.decay, (1 + self.updates) / (2 + self.updates))
-        for k, v in self.model.state_dict().items():
-            if v.is_floating_point():
-                self.state[k].lerp_(v.detach(), 1.0 - d)
-        self.updates += 1
-
-    @torch.no_grad()
-    def swap(self) -> None:
-        """Exchange the model's weights and the average (call twice to undo)."""
-        for k, v in self.model.state_dict().items():
-            if v.is_floating_point():
-                tmp = v.detach().clone()
-                v.copy_(self.state[k])
-                self.state[k].copy_(tmp)
+def average_state(model: torch.nn.Module, ema: WeightEMA) -> dict[str, torch.Tensor]:
+    """The model's state dict with the average in place of its parameters."""
+    names = [name for name, _ in model.named_parameters()]
+    return {**model.state_dict(), **dict(zip(names, ema.average, strict=True))}
 
 
 def zero_residual_projections(model: torch.nn.Module) -> None:
@@ -157,7 +136,6 @@ def run_variant(
     trainer = Trainer.from_config(cfg, resume=False, force=True, verbose=False)
     if knobs["zero_init"]:
         zero_residual_projections(trainer.model)
-    ema = WeightEMA(trainer.model, knobs["ema"]) if knobs["ema"] else None
     probes = [WeightEMA(trainer.model, d) for d in ema_probes]
     curve: list[dict[str, float]] = []
     load_before = os.getloadavg()[0]
@@ -169,7 +147,7 @@ def run_variant(
     def timed_train_step(micro: Any = None) -> Any:
         t0 = time.perf_counter()
         out = train_step(micro)
-        for average in [ema, *probes] if ema is not None else probes:
+        for average in probes:
             average.update()
         losses.append(float(out.loss))  # a device tensor: reading it waits for the step
         step_s.append(time.perf_counter() - t0)
@@ -178,15 +156,11 @@ def run_variant(
         return out
 
     def val_now() -> float:
-        """The whole split, as `minillm eval` scores it; the average's when there is one."""
+        """The whole split, as `minillm eval` scores it (the average under train.ema_decay)."""
         eval_steps, tc.eval_steps = tc.eval_steps, 0
-        if ema is not None:
-            ema.swap()
         try:
             return trainer.evaluate()["bits_per_byte"]
         finally:
-            if ema is not None:
-                ema.swap()
             tc.eval_steps = eval_steps
 
     def timed_optim_step(*args: Any, **kwargs: Any) -> None:
@@ -203,15 +177,15 @@ def run_variant(
     finally:
         trainer.close()
     ckpt = load_checkpoint(out_dir, trainer.device)
-    result = evaluate_checkpoint(ckpt)
+    result = evaluate_checkpoint(ckpt)  # under train.ema_decay, the average
     raw_bpb = result["bits_per_byte"]
-    if ema is not None:  # what an EMA key would save and export: the average's weights
-        ckpt.model.load_state_dict(ema.state)
-        result = evaluate_checkpoint(ckpt)
+    if trainer.ema is not None:  # the raw weights, kept in the trainer state
+        ckpt.model.load_state_dict(load_trainer_state(ckpt.path)["ema"]["weights"])
+        raw_bpb = evaluate_checkpoint(ckpt)["bits_per_byte"]
     curve.append({"step": len(losses), "seconds": sum(step_s), "val_bpb": result["bits_per_byte"]})
     probe_bpb = {}
     for average in probes:
-        ckpt.model.load_state_dict(average.state)
+        ckpt.model.load_state_dict(average_state(ckpt.model, average))
         probe_bpb[str(average.decay)] = evaluate_checkpoint(ckpt)["bits_per_byte"]
     tail = losses[-max(1, len(losses) // 10) :]
     return {

@@ -1,4 +1,4 @@
-"""scripts/bench_quality.py: its prototyped knobs (weight EMA, zero-init), curves and --plot."""
+"""scripts/bench_quality.py: its prototyped knob (zero-init), the EMA rows, curves and --plot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from minillm.config import config_to_dict
@@ -25,29 +24,11 @@ def load_bench():
 
 def test_split_knobs_separates_config_keys_from_bench_knobs() -> None:
     bench = load_bench()
-    sets, knobs = bench.split_knobs(["train.lr=1e-3", "bench.ema=0.99", "bench.zero_init=1"])
+    sets, knobs = bench.split_knobs(["train.lr=1e-3", "bench.zero_init=1"])
     assert sets == ["train.lr=1e-3"]
-    assert knobs == {"ema": 0.99, "zero_init": 1.0}
+    assert knobs == {"zero_init": 1.0}
     with pytest.raises(SystemExit, match="bench.nope=1: unknown knob"):
         bench.split_knobs(["bench.nope=1"])
-
-
-def test_weight_ema_warms_up_then_averages_and_swaps_back(data_dir: Path) -> None:
-    bench = load_bench()
-    model = Transformer(tiny_config(data_dir).model)
-    w = model.tok_emb.weight
-    start = w.detach().clone()
-    ema = bench.WeightEMA(model, decay=0.6)
-    with torch.no_grad():
-        w.add_(1.0)
-    ema.update()  # decay min(0.6, 1/2): the mean of the start and the new weights
-    torch.testing.assert_close(ema.state["tok_emb.weight"], start + 0.5)
-    ema.update()  # then min(0.6, 2/3) = 0.6
-    torch.testing.assert_close(ema.state["tok_emb.weight"], start + 0.5 * 0.6 + 0.4)
-    ema.swap()
-    torch.testing.assert_close(model.tok_emb.weight.detach(), start + 0.7)
-    ema.swap()
-    torch.testing.assert_close(model.tok_emb.weight.detach(), start + 1.0)
 
 
 def test_zero_residual_projections_zeroes_only_the_output_projections(data_dir: Path) -> None:
@@ -67,7 +48,7 @@ def test_bench_quality_curves_knobs_and_plot(data_dir: Path, tmp_path: Path) -> 
     config.write_text(yaml.safe_dump(config_to_dict(tiny_config(data_dir))))
     out_json, png = tmp_path / "rows.json", tmp_path / "curves.png"
     bench.main([str(config), "--steps", "4", "--variants", "adamw-cosine", "--curve-every", "2",
-                "--variant", "ema:bench.ema=0.9", "--json", str(out_json)])  # fmt: skip
+                "--variant", "ema:train.ema_decay=0.9", "--json", str(out_json)])  # fmt: skip
     rows = {r["variant"]: r for r in json.loads(out_json.read_text())}
     assert [p["step"] for p in rows["adamw-cosine"]["curve"]] == [2, 4]
     # Same seed and batches: the EMA run's raw weights are the plain run's; its average differs.

@@ -271,6 +271,13 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = _f((0.9, 0.95), help="AdamW betas.")
     adam_eps: float = _f(1e-8, help="AdamW epsilon.")
     grad_clip: float = _f(1.0, help="Clip the global gradient norm to this (0 = no clipping).")
+    ema_decay: float = _f(
+        0.0,
+        help="Decay of an exponential moving average of the weights, updated after every "
+        "optimizer step (a plain mean of the steps so far until that reaches the decay). The "
+        "average is what the run evaluates and saves as the checkpoint's model (eval, sample, "
+        "export read it); the raw weights stay in the trainer state. 0 = off.",
+    )
     eval_every: int = _f(250, help="Evaluate every this many steps (0 = only at the end).")
     eval_steps: int = _f(20, help="Validation batches per evaluation (0 = the whole split).")
     ckpt_every: int = _f(500, help="Checkpoint every this many steps (0 = only at the end).")
@@ -320,6 +327,8 @@ class TrainConfig(_Section):
         self._non_negative("muon_weight_decay")
         if not 0.0 < self.decay_fraction <= 1.0:
             self._fail("decay_fraction", f"must be in (0, 1], got {self.decay_fraction}")
+        if not 0.0 <= self.ema_decay < 1.0:
+            self._fail("ema_decay", f"must be in [0, 1), got {self.ema_decay}")
         if not 0.0 <= self.muon_momentum < 1.0:
             self._fail("muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
         self._positive("keep_last", "log_every", "max_bad_steps")

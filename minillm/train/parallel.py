@@ -1,6 +1,7 @@
 """How the model is wrapped for the run: DDP or FSDP2 under torchrun, torch.compile if asked.
 
-Offers `wrap_model`, `no_sync`, `full_state` and `load_full_state`. Checkpoints always hold full,
+Offers `wrap_model`, `no_sync`, `full_state`, `load_full_state` and their model-only forms
+`full_model_state`, `load_full_model_state`. Checkpoints always hold full,
 unsharded tensors keyed by parameter name (torch.distributed.checkpoint's "full state dict"),
 whatever the wrapping, so single-device, DDP and FSDP runs read each other's checkpoints.
 """
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -101,3 +104,14 @@ def load_full_state(
         optim_state_dict=optim_sd,
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded, CPU) model state, copied: later changes to the weights leave it be."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def load_full_model_state(model: torch.nn.Module, model_sd: dict[str, torch.Tensor]) -> None:
+    """Load a full model state into a plain, DDP-wrapped or sharded model."""
+    set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))

@@ -2,7 +2,9 @@
 
 Offers `save_checkpoint(trainer, is_best)` (weights, optimizer, grad scaler, every rank's RNG,
 the counters; a collective under FSDP) and `restore_checkpoint(trainer, path)`. The files and
-their layout are minillm.checkpoint.store's.
+their layout are minillm.checkpoint.store's. Under train.ema_decay the model file holds the
+average of the weights (what eval, sample and export read) and the trainer state holds the raw
+weights and the average's update count beside the optimizer's moments.
 """
 
 from __future__ import annotations
@@ -19,8 +21,14 @@ from minillm.config import Config, config_to_dict
 from minillm.errors import warn
 from minillm.runtime.device import rng_state, set_rng_state
 from minillm.train.distributed import DistInfo, all_gather_objects, all_reduce_sum
+from minillm.train.ema import WeightEMA
 from minillm.train.optim import Optimizers
-from minillm.train.parallel import full_state, load_full_state
+from minillm.train.parallel import (
+    full_model_state,
+    full_state,
+    load_full_model_state,
+    load_full_state,
+)
 from minillm.train.run import Run
 
 
@@ -31,6 +39,7 @@ class Checkpointed(Protocol):
     cfg: Config
     model: torch.nn.Module
     optimizer: Optimizers
+    ema: WeightEMA | None
     scaler: torch.amp.GradScaler | None
     dist: DistInfo
     device: torch.device
@@ -60,6 +69,11 @@ def save_checkpoint(trainer: Checkpointed, is_best: bool = False) -> Path | None
                  f"(the last good one: {t.last_ckpt or 'none'})")  # fmt: skip
         return None
     model_sd, optim_sd = full_state(t.model, t.optimizer)
+    raw_sd = None
+    if t.ema is not None:
+        raw_sd = model_sd
+        with t.ema.swapped():
+            model_sd = full_model_state(t.model)
     rngs = all_gather_objects(rng_state())  # index = rank
     if not t.is_main:
         return None
@@ -73,6 +87,8 @@ def save_checkpoint(trainer: Checkpointed, is_best: bool = False) -> Path | None
         "bad_in_a_row": t.bad_in_a_row,
         "skipped_steps": t.skipped_steps,
     }
+    if t.ema is not None:
+        trainer_state["ema"] = {"updates": t.ema.updates, "weights": raw_sd}
     state = {
         "tokens_seen": t.tokens_seen,
         "best_val_loss": t.best_val if math.isfinite(t.best_val) else None,
@@ -110,7 +126,15 @@ def restore_checkpoint(trainer: Checkpointed, path: Path) -> None:
     state = ckpt.read_state(path)
     weights = ckpt.load_model_state(path)
     trainer_state = ckpt.load_trainer_state(path)
+    saved_ema = trainer_state.get("ema")
+    if saved_ema is not None and t.ema is not None:  # the model file holds the average
+        load_full_model_state(t.model, weights)
+        t.ema.reset(updates=int(saved_ema["updates"]))
+    if saved_ema is not None:  # training goes on from the raw weights, with or without one
+        weights = saved_ema["weights"]
     load_full_state(t.model, t.optimizer, weights, trainer_state["optimizer"])
+    if saved_ema is None and t.ema is not None:  # an average begun at this resume
+        t.ema.reset()
     if t.scaler is not None and trainer_state.get("scaler"):
         t.scaler.load_state_dict(trainer_state["scaler"])
     rngs = trainer_state.get("rng", [])

@@ -40,6 +40,7 @@ from minillm.runtime.files import atomic_copy, atomic_write_text
 from minillm.runtime.progress import format_duration
 from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.train.distributed import all_reduce_sum, barrier
+from minillm.train.ema import WeightEMA
 from minillm.train.monitor import Meter, Monitor, open_monitor
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.parallel import no_sync, wrap_model
@@ -107,6 +108,8 @@ class Trainer:
             load_weights_into(self.model, run.init_weights, tc.init_from)
         self.model.to(self.device)
         self.train_model = wrap_model(self.model, self.cfg, self.device, self.precision, self.dist)
+        # After the wrapping: under FSDP2 the average is of this rank's shards.
+        self.ema = WeightEMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.optimizer = build_optimizer(self.model, tc, self.device)
         self.scaler = make_grad_scaler(self.device, self.precision)
         self.autocast = autocast_context(self.device, self.precision)
@@ -185,6 +188,8 @@ class Trainer:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+            if self.ema is not None:  # a skipped step moves neither the weights nor the average
+                self.ema.update()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.detach(), finite
 
@@ -223,9 +228,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation, checkpoints
 
+    def averaged(self) -> contextlib.AbstractContextManager:
+        """Inside, the model holds the weights a checkpoint saves: the average under
+        train.ema_decay, else its own."""
+        return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+
     def evaluate(self) -> dict[str, float]:
-        """Loss, perplexity and bits per byte over the first eval_steps validation batches,
-        computed by `minillm eval`'s own evaluation (each rank takes its share)."""
+        """Loss, perplexity and bits per byte of the weights a checkpoint saves, over the first
+        eval_steps validation batches, computed by `minillm eval`'s own evaluation (each rank
+        takes its share)."""
+        with self.averaged():
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         tc, packing = self.cfg.train, self.packing
         total, n = evaluate_tokens(
             self.model,
@@ -329,13 +344,15 @@ class Trainer:
         if is_best:
             self.best_val = self.last_eval["loss"]
         if self.probes is not None:
-            self.probes.score_tasks(self.model, self.step, monitor)
+            with self.averaged():
+                self.probes.score_tasks(self.model, self.step, monitor)
         return is_best
 
     def _probe(self, monitor: Monitor) -> None:
         """Samples of the model at the steps train.sample_every asks for."""
         if self.probes is not None and self.probes.due(self.step):
-            self.probes.write_samples(self.model, self.step, monitor)
+            with self.averaged():
+                self.probes.write_samples(self.model, self.step, monitor)
 
     def _checkpoint(self, stop: StopSignal, is_best: bool = False) -> None:
         with stop.finishing(f"writing the checkpoint of step {self.step}"):
