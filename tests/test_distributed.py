@@ -139,3 +139,25 @@ def test_muon_under_ddp_follows_the_single_process_and_fsdp_refuses_it(workdir: 
     assert "train.optimizer: muon cannot run under train.parallel: fsdp" in proc.stderr
     # torchrun prints its own traceback for a failed worker; the workers print one line each.
     assert "minillm/train/" not in proc.stderr
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_weight_average_under_torchrun_is_the_single_process_one(
+    workdir: Path, parallel: str
+) -> None:
+    from minillm.checkpoint.store import load_trainer_state
+
+    ema = "train.ema_decay=0.8"
+    out = f"ema_{parallel}"
+    if not (workdir / "ema_single").is_dir():
+        single(workdir, "train.grad_accum=4", "train.out_dir=ema_single", ema)
+    torchrun(workdir, f"train.parallel={parallel}", f"train.out_dir={out}", ema)
+    got = workdir / out / "checkpoints" / "step_000006"
+    ref = workdir / "ema_single" / "checkpoints" / "step_000006"
+    for name, tensor in load_model_state(ref).items():  # the average, every rank's shards in it
+        torch.testing.assert_close(load_model_state(got)[name], tensor, rtol=1e-4, atol=1e-6)
+    raw = load_trainer_state(got)["ema"]["weights"]
+    for name, tensor in load_model_state(
+        workdir / "single" / "checkpoints" / "step_000006"
+    ).items():
+        torch.testing.assert_close(raw[name], tensor, rtol=1e-4, atol=1e-6)
