@@ -134,6 +134,7 @@ def run_variant(
     tc.eval_steps = 1  # the trainer's own final evaluation: the real one is below
     tc.log_every = max(tc.log_every, tc.max_steps)
     trainer = Trainer.from_config(cfg, resume=False, force=True, verbose=False)
+    tc = trainer.cfg.train  # the run's own config (prepare_run resolves it into a new one)
     if knobs["zero_init"]:
         zero_residual_projections(trainer.model)
     probes = [WeightEMA(trainer.model, d) for d in ema_probes]

@@ -59,6 +59,21 @@ def test_bench_quality_curves_knobs_and_plot(data_dir: Path, tmp_path: Path) -> 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_curve_point_scores_the_whole_validation_split(data_dir: Path, tmp_path: Path) -> None:
+    bench = load_bench()
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(config_to_dict(tiny_config(data_dir))))
+    rows = {}
+    for steps in (2, 4):  # a constant lr: the first two steps do not depend on max_steps
+        out_json = tmp_path / f"rows{steps}.json"
+        args = ["--steps", str(steps), "--variants", "", "--curve-every", "2", "--json"]
+        bench.main([str(config), *args, str(out_json), "--variant", "c:train.schedule=constant"])
+        rows[steps] = json.loads(out_json.read_text())[0]
+    # Step 2 of the longer run, scored in the loop = the 2-step run's checkpoint scored by eval.
+    assert rows[4]["curve"][0]["step"] == 2
+    assert rows[4]["curve"][0]["val_bpb"] == pytest.approx(rows[2]["val_bpb"], rel=1e-6)
+
+
 def test_pace_times_each_config_and_prints_ratios(
     data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
