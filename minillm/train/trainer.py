@@ -336,16 +336,16 @@ class Trainer:
         tc = self.cfg.train
         if not ((tc.eval_every and self.step % tc.eval_every == 0) or self.step == tc.max_steps):
             return False
-        self.last_eval = self.evaluate()
-        monitor.scalars({f"val/{k}": v for k, v in self.last_eval.items()}, self.step)
-        monitor.print(f"step {self.step}: val loss {self.last_eval['loss']:.4f}, "
-                      f"bits/byte {self.last_eval['bits_per_byte']:.4f}")  # fmt: skip
+        with self.averaged():  # one swap for the validation loss and the task scores
+            self.last_eval = self._evaluate()
+            monitor.scalars({f"val/{k}": v for k, v in self.last_eval.items()}, self.step)
+            monitor.print(f"step {self.step}: val loss {self.last_eval['loss']:.4f}, "
+                          f"bits/byte {self.last_eval['bits_per_byte']:.4f}")  # fmt: skip
+            if self.probes is not None:
+                self.probes.score_tasks(self.model, self.step, monitor)
         is_best = self.last_eval["loss"] < self.best_val
         if is_best:
             self.best_val = self.last_eval["loss"]
-        if self.probes is not None:
-            with self.averaged():
-                self.probes.score_tasks(self.model, self.step, monitor)
         return is_best
 
     def _probe(self, monitor: Monitor) -> None:
