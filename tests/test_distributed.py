@@ -161,3 +161,32 @@ def test_weight_average_under_torchrun_is_the_single_process_one(
         workdir / "single" / "checkpoints" / "step_000006"
     ).items():
         torch.testing.assert_close(raw[name], tensor, rtol=1e-4, atol=1e-6)
+
+
+LEFT_THREADS = """\
+import os, sys
+from minillm.config import load_config
+from minillm.train.trainer import train
+
+train(load_config("cfg.yaml", sys.argv[1:]), resume=False, force=True)
+tasks = os.listdir("/proc/self/task")
+print("threads:", sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc for thread names")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_training_leaves_no_gloo_threads_for_the_interpreter_shutdown(
+    workdir: Path, parallel: str
+) -> None:
+    # A process group kept alive until Python shuts down has its worker threads free a tensor
+    # then, which aborts the rank (SIGABRT) after a run that succeeded: now and then, not always.
+    # That it is gone when `train` returns is what can be checked every time.
+    (workdir / "left_threads.py").write_text(LEFT_THREADS)
+    args = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "left_threads.py"]
+    args += [f"train.parallel={parallel}", f"train.out_dir=threads_{parallel}"]
+    proc = run(args, workdir)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("threads:")]
+    assert len(lines) == 2  # one per rank
+    for line in lines:
+        assert "gloo" not in line, line

@@ -1,7 +1,7 @@
 """How the model is wrapped for the run: DDP or FSDP2 under torchrun, torch.compile if asked.
 
-Offers `wrap_model`, `no_sync`, `full_state`, `load_full_state` and their model-only forms
-`full_model_state`, `load_full_model_state`. Checkpoints always hold full,
+Offers `wrap_model`, `no_sync`, `release_groups`, `full_state`, `load_full_state` and their
+model-only forms `full_model_state`, `load_full_model_state`. Checkpoints always hold full,
 unsharded tensors keyed by parameter name (torch.distributed.checkpoint's "full state dict"),
 whatever the wrapping, so single-device, DDP and FSDP runs read each other's checkpoints.
 """
@@ -80,6 +80,22 @@ def shard_model(model: torch.nn.Module, precision: str) -> None:
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+
+
+def release_groups(model: torch.nn.Module) -> None:
+    """After the process group is destroyed: make FSDP2's device mesh let go of its groups.
+
+    DTensor's caches keep the mesh alive for the life of the process, and the mesh its groups,
+    so gloo's worker threads would run on into the interpreter's shutdown and abort the process
+    there when they free a tensor. Without those references the group's destructor joins them
+    at the next collection. Nothing to do for a plain or DDP model.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            # A private field; where a torch lacks it, this is a no-op.
+            getattr(p.device_mesh, "_pg_registry", {}).clear()
 
 
 def full_state(

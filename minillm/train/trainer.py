@@ -15,6 +15,7 @@ so a resumed run continues bit for bit.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +44,7 @@ from minillm.train.distributed import all_reduce_sum, barrier
 from minillm.train.ema import WeightEMA
 from minillm.train.monitor import Meter, Monitor, open_monitor
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
-from minillm.train.parallel import no_sync, wrap_model
+from minillm.train.parallel import no_sync, release_groups, wrap_model
 from minillm.train.prefetch import Prefetcher
 from minillm.train.run import Run, prepare_run
 from minillm.train.state import restore_checkpoint, save_checkpoint
@@ -392,6 +393,7 @@ class Trainer:
     def close(self) -> None:
         """Release the run lock and leave the process group (idempotent)."""
         self.run.close()
+        release_groups(self.model)
 
 
 def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, Any]:
@@ -405,3 +407,9 @@ def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, An
         return result
     finally:
         trainer.close()
+        # DDP holds the process group in reference cycles, which Python would collect only while
+        # the interpreter shuts down: gloo's worker threads, still running then, abort the
+        # process when they free a tensor (they need the GIL of a dying interpreter). Collect
+        # them now: the group's destructor joins its threads while Python is whole.
+        del trainer
+        gc.collect()
