@@ -12,8 +12,10 @@ checkpoint is evaluated over the whole validation split by `minillm eval`'s own 
 Knobs the trainer does not have yet, prototyped here to measure whether they are worth a config
 key (`bench.` entries of a variant or of --set; not config keys):
 
-    bench.zero_init=1       zero the projections into the residual stream (attn.wo, ffn.w_down)
-                            before the first step
+    bench.attn_dropout=P    dropout on the attention weights P instead of model.dropout (0: only
+                            the embedding and residual branches drop; SDPA keeps its fast kernel)
+
+(`bench.zero_init`, prototyped here first, is the trainer's `train.zero_init_residual` now.)
 
 An average of the weights is the trainer's own key, `train.ema_decay`: the row then scores the
 average (what the checkpoint saves) and also reports the raw weights' score; `--ema-probes`
@@ -71,7 +73,7 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 # The knobs prototyped here, with the values that leave training as it is.
-BENCH_KNOBS: dict[str, float] = {"zero_init": 0.0}
+BENCH_KNOBS: dict[str, float] = {"attn_dropout": -1.0}  # -1: model.dropout
 
 
 def split_knobs(sets: list[str]) -> tuple[list[str], dict[str, float]]:
@@ -96,12 +98,11 @@ def average_state(model: torch.nn.Module, ema: WeightEMA) -> dict[str, torch.Ten
     return {**model.state_dict(), **dict(zip(names, ema.average, strict=True))}
 
 
-def zero_residual_projections(model: torch.nn.Module) -> None:
-    """Zero attn.wo and ffn.w_down: each block starts as the identity (modded-nanogpt's init)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("attn.wo.weight", "ffn.w_down.weight")):
-                p.zero_()
+def apply_knobs(model: torch.nn.Module, knobs: dict[str, float]) -> None:
+    """The prototyped knobs, on the model before its first step."""
+    if knobs["attn_dropout"] >= 0:
+        for block in model.blocks:
+            block.attn.dropout = knobs["attn_dropout"]
 
 
 def ensure_data(cfg: Config) -> None:
@@ -135,8 +136,7 @@ def run_variant(
     tc.log_every = max(tc.log_every, tc.max_steps)
     trainer = Trainer.from_config(cfg, resume=False, force=True, verbose=False)
     tc = trainer.cfg.train  # the run's own config (prepare_run resolves it into a new one)
-    if knobs["zero_init"]:
-        zero_residual_projections(trainer.model)
+    apply_knobs(trainer.model, knobs)
     probes = [WeightEMA(trainer.model, d) for d in ema_probes]
     curve: list[dict[str, float]] = []
     load_before = os.getloadavg()[0]
@@ -206,15 +206,18 @@ def run_variant(
     }
 
 
-def pace(cfgs: list[Config], rounds: int, root: Path) -> list[float]:
-    """Median seconds of one training step per config, their steps alternated round-robin in
-    this process so that a shared machine's load falls on all of them alike (ratios are what
-    to read; the first rounds, warm-up, are dropped)."""
+def pace(
+    cfgs: list[Config], rounds: int, root: Path, knobs: list[dict[str, float]] | None = None
+) -> list[float]:
+    """Median seconds of one training step per config (and its knobs), their steps alternated
+    round-robin in this process so that a shared machine's load falls on all of them alike
+    (ratios are what to read; the first rounds, warm-up, are dropped)."""
     trainers = []
     for i, cfg in enumerate(cfgs):
         cfg = copy.deepcopy(cfg)
         cfg.train.out_dir = str(root / f"pace{i}")
         trainers.append(Trainer.from_config(cfg, resume=False, force=True, verbose=False))
+        apply_knobs(trainers[-1].model, {**BENCH_KNOBS, **(knobs[i] if knobs else {})})
     times: list[list[float]] = [[] for _ in trainers]
     try:
         for _ in range(rounds + 2):
@@ -300,8 +303,12 @@ def main(argv: list[str] | None = None) -> None:
     ensure_data(load_config(args.config, base_sets))
     if args.pace:
         cfgs = [load_config(args.config, [*base_sets, *split_knobs(s)[0]]) for _, s in chosen]
+        knobs = [
+            {**base_knobs, **{k: v for k, v in split_knobs(s)[1].items() if v != BENCH_KNOBS[k]}}
+            for _, s in chosen
+        ]
         with tempfile.TemporaryDirectory(prefix="bench_pace_") as tmp:
-            medians = pace(cfgs, args.pace, Path(tmp))
+            medians = pace(cfgs, args.pace, Path(tmp), knobs)
         for (name, _), m, cfg in zip(chosen, medians, cfgs, strict=True):
             tokens = cfg.train.batch_size * cfg.train.grad_accum * cfg.train.seq_len
             print(f"{name}: {m * 1000:.0f} ms/step ({m / medians[0]:.3f}x the first), "

@@ -1,4 +1,4 @@
-"""scripts/bench_quality.py: its prototyped knob (zero-init), the EMA rows, curves and --plot."""
+"""scripts/bench_quality.py: its prototyped knob (attention dropout), EMA rows, curves, --plot."""
 
 from __future__ import annotations
 
@@ -24,20 +24,22 @@ def load_bench():
 
 def test_split_knobs_separates_config_keys_from_bench_knobs() -> None:
     bench = load_bench()
-    sets, knobs = bench.split_knobs(["train.lr=1e-3", "bench.zero_init=1"])
+    sets, knobs = bench.split_knobs(["train.lr=1e-3", "bench.attn_dropout=0"])
     assert sets == ["train.lr=1e-3"]
-    assert knobs == {"zero_init": 1.0}
+    assert knobs == {"attn_dropout": 0.0}
     with pytest.raises(SystemExit, match="bench.nope=1: unknown knob"):
         bench.split_knobs(["bench.nope=1"])
 
 
-def test_zero_residual_projections_zeroes_only_the_output_projections(data_dir: Path) -> None:
+def test_attn_dropout_drops_the_attention_weights_only(data_dir: Path) -> None:
     bench = load_bench()
-    model = Transformer(tiny_config(data_dir).model)
-    bench.zero_residual_projections(model)
-    for name, p in model.named_parameters():
-        zeroed = name.endswith(("attn.wo.weight", "ffn.w_down.weight"))
-        assert bool((p == 0).all()) == zeroed, name
+    model = Transformer(tiny_config(data_dir, model={"dropout": 0.2}).model)
+    bench.apply_knobs(model, {"attn_dropout": -1.0})  # the default: model.dropout everywhere
+    assert [b.attn.dropout for b in model.blocks] == [0.2, 0.2]
+    bench.apply_knobs(model, {"attn_dropout": 0.0})
+    assert [b.attn.dropout for b in model.blocks] == [0.0, 0.0]
+    assert [b.ffn.drop.p for b in model.blocks] == [0.2, 0.2]
+    assert [b.attn.resid_drop.p for b in model.blocks] == [0.2, 0.2]
 
 
 @pytest.mark.slow

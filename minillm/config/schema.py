@@ -278,6 +278,13 @@ class TrainConfig(_Section):
         "average is what the run evaluates and saves as the checkpoint's model (eval, sample, "
         "export read it); the raw weights stay in the trainer state. 0 = off.",
     )
+    zero_init_residual: bool = _f(
+        False,
+        help="Start the projections into the residual stream (attn.wo, ffn.w_down) at zero, so "
+        "every block starts as the identity and grows from its gradient (modded-nanogpt's init); "
+        "false: normal(0, 0.02/sqrt(2 n_layer)). A fresh run's start only: init_from and a "
+        "resume bring their own weights.",
+    )
     eval_every: int = _f(250, help="Evaluate every this many steps (0 = only at the end).")
     eval_steps: int = _f(20, help="Validation batches per evaluation (0 = the whole split).")
     ckpt_every: int = _f(500, help="Checkpoint every this many steps (0 = only at the end).")

@@ -248,13 +248,18 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         """normal(0, 0.02); projections into the residual stream scaled by 1/sqrt(2 n_layer)."""
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        residual = set(map(id, self.residual_projections()))
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
-            elif name.endswith(("attn.wo.weight", "ffn.w_down.weight")):
+            elif id(p) in residual:
                 nn.init.normal_(p, mean=0.0, std=resid_std)
             else:
                 nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def residual_projections(self) -> list[nn.Parameter]:
+        """The weights that write into the residual stream: each block's attn.wo and ffn.w_down."""
+        return [w for b in self.blocks for w in (b.attn.wo.weight, b.ffn.w_down.weight)]
 
     @property
     def head_weight(self) -> torch.Tensor:

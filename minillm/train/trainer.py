@@ -107,6 +107,10 @@ class Trainer:
         self.model.activation_checkpointing = tc.activation_checkpointing
         if run.init_weights is not None:
             load_weights_into(self.model, run.init_weights, tc.init_from)
+        elif tc.zero_init_residual:  # a resume loads its own weights below
+            with torch.no_grad():
+                for w in self.model.residual_projections():
+                    w.zero_()
         self.model.to(self.device)
         self.train_model = wrap_model(self.model, self.cfg, self.device, self.precision, self.dist)
         # After the wrapping: under FSDP2 the average is of this rank's shards.

@@ -1,0 +1,55 @@
+"""train.zero_init_residual: a fresh run's blocks start as the identity; resumes and init_from keep
+their own weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minillm.train.trainer import Trainer
+from tests.helpers import run_config, run_trainer, weights
+
+
+def started(cfg) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer.close()
+    return weights(trainer)
+
+
+def test_the_projections_into_the_residual_stream_start_at_zero(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    plain = started(run_config(data_dir, tmp_path / "plain"))
+    zero = started(run_config(data_dir, tmp_path / "zero", zero_init_residual=True))
+    residual = [k for k in plain if k.endswith(("attn.wo.weight", "ffn.w_down.weight"))]
+    assert len(residual) == 2 * 2  # two blocks
+    for name, tensor in plain.items():
+        if name in residual:
+            assert not zero[name].any() and tensor.abs().sum() > 0, name
+        else:  # the same seed, the same draws for every other weight
+            assert torch.equal(zero[name], tensor), name
+
+
+def test_they_grow_from_the_gradient_and_a_resume_does_not_zero_them_again(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    straight = run_trainer(run_config(data_dir, tmp_path / "a", zero_init_residual=True))
+    for w in straight.model.residual_projections():
+        assert w.abs().sum() > 0
+    cfg = run_config(data_dir, tmp_path / "b", zero_init_residual=True, ckpt_every=4)
+    run_trainer(cfg, stop_at=4)
+    resumed = run_trainer(cfg)
+    assert resumed.run.resume_from is not None
+    for name, tensor in weights(straight).items():
+        assert torch.equal(weights(resumed)[name], tensor), name
+
+
+def test_init_from_brings_its_own_projections(data_dir: Path, tmp_path: Path) -> None:
+    source = run_trainer(run_config(data_dir, tmp_path / "src", max_steps=2))
+    cfg = run_config(
+        data_dir, tmp_path / "ft", zero_init_residual=True, init_from=str(tmp_path / "src")
+    )
+    got = started(cfg)
+    for name, tensor in weights(source).items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=0)
