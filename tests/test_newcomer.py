@@ -375,6 +375,36 @@ def test_the_mfu_peak_is_probed_once_per_machine_and_shown(
     assert "peak 1000 GFLOP/s for MFU (train.peak_flops);" in result.stdout
 
 
+def test_a_peak_probed_on_a_busy_machine_is_probed_again_when_a_run_beats_it(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import torch
+
+    from minillm.runtime import perf
+
+    monkeypatch.setenv("MINILLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(perf, "PROBE_SECONDS", 0.2)
+    cache = tmp_path / "cache" / "peak_flops.json"
+    key = perf._machine_key(torch.device("cpu"), torch.float32)
+    cache.parent.mkdir()
+    cache.write_text(json.dumps({key: 1e6, "another machine": 5.0}))  # 1 MFLOP/s: far too low
+    config = str(run.parent / "cfg.yaml")
+    outputs = []
+    for name in ("a", "b"):
+        args = ["--set", f"train.out_dir={tmp_path / name}", "--set", "train.max_steps=2"]
+        result = invoke(["train", config, *args, "--set", "train.log_every=1"])
+        assert result.exit_code == 0, result.output
+        outputs.append(result.stdout)
+    note = "against the cached peak of 0 GFLOP/s, probed on a busy machine: probed again"
+    assert note in outputs[0]
+    assert outputs[0].count("probed again") == 1  # once a run, not at every log line
+    assert "probed again" not in outputs[1]  # the new peak was cached
+    saved = json.loads(cache.read_text())
+    assert saved[key] > 1e9 and saved["another machine"] == 5.0
+
+
 # ----------------------------------------------------------------------------- 9: housekeeping
 
 ROOT = Path(__file__).resolve().parent.parent

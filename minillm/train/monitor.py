@@ -7,7 +7,9 @@ that writes; other ranks get a silent one.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,7 +20,7 @@ from minillm.config import Config, dump_config
 from minillm.errors import warn
 from minillm.model import Transformer
 from minillm.model.param_groups import describe
-from minillm.runtime.perf import peak_flops
+from minillm.runtime.perf import peak_flops, reprobe_peak
 from minillm.runtime.progress import Progress, format_duration
 from minillm.train.distributed import DistInfo
 
@@ -93,8 +95,15 @@ class Monitor:
 class Meter:
     """Tokens per second and MFU over the steps since the last log line."""
 
-    def __init__(self, flops_per_token: int, peak: float, world_size: int) -> None:
+    def __init__(
+        self,
+        flops_per_token: int,
+        peak: float,
+        world_size: int,
+        reprobe: Callable[[], float] | None = None,
+    ) -> None:
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
+        self.reprobe = reprobe  # for a probed peak: probe again (once), returns the new peak
         self.reset()
 
     def reset(self) -> None:
@@ -116,6 +125,19 @@ class Meter:
         if not self.peak:
             return math.nan
         return mfu(self.flops_per_token, self.tokens_per_sec, self.peak * self.world_size)
+
+    def recheck_peak(self) -> str | None:
+        """MFU above 100% means the probed peak read too low (a busy machine when it was
+        probed): probe once more, keep the higher (cached) and say so; else None."""
+        if self.reprobe is None or not self.mfu > 1.0:
+            return None
+        reprobe, self.reprobe = self.reprobe, None
+        before, old = self.mfu, self.peak
+        self.peak = max(old, reprobe())
+        return (
+            f"MFU {100 * before:.0f}% against the cached peak of {old / 1e9:.0f} GFLOP/s, "
+            f"probed on a busy machine: probed again, {self.peak / 1e9:.0f} GFLOP/s (cached)"
+        )
 
     def scalars(self, loss: float, lr: float, grad_norm: float, skipped: int) -> dict[str, float]:
         """The TensorBoard scalars of a logging step."""
@@ -173,7 +195,10 @@ def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
     peak, peak_source = 0.0, ""
     if trainer.is_main:
         peak, peak_source = peak_flops(trainer.device, trainer.precision, tc.peak_flops)
-    meter = Meter(trainer.flops_per_token, peak, trainer.dist.world_size)
+    reprobe = None
+    if peak_source.startswith("probed"):
+        reprobe = functools.partial(reprobe_peak, trainer.device, trainer.precision)
+    meter = Meter(trainer.flops_per_token, peak, trainer.dist.world_size, reprobe)
     if trainer.verbose:
         monitor.print(banner(trainer, meter.peak, peak_source))
         if tc.warmup_steps >= tc.max_steps and trainer.step < tc.max_steps:

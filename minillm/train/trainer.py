@@ -308,6 +308,9 @@ class Trainer:
         go to TensorBoard and the progress line; returns what the progress line shows."""
         log = self.step % self.cfg.train.log_every == 0 or self.step == end
         if log:
+            note = meter.recheck_peak()
+            if note and self.verbose:
+                monitor.print(note)
             loss, grad_norm = float(result.loss), float(result.grad_norm)
             monitor.scalars(meter.scalars(loss, result.lr, grad_norm, self.skipped_steps),
                             self.step)  # fmt: skip
