@@ -31,7 +31,7 @@ def test_the_projections_into_the_residual_stream_start_at_zero(
             assert torch.equal(zero[name], tensor), name
 
 
-def test_they_grow_from_the_gradient_and_a_resume_does_not_zero_them_again(
+def test_they_grow_from_the_gradient_and_a_run_resumes_bit_for_bit(
     data_dir: Path, tmp_path: Path
 ) -> None:
     straight = run_trainer(run_config(data_dir, tmp_path / "a", zero_init_residual=True))

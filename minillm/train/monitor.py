@@ -195,8 +195,10 @@ def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
     peak, peak_source = 0.0, ""
     if trainer.is_main:
         peak, peak_source = peak_flops(trainer.device, trainer.precision, tc.peak_flops)
-    reprobe = None
-    if peak_source.startswith("probed"):
+    reprobe, fp32 = None, trainer.precision == "fp32"
+    # A CPU's fp32 probe is what an fp32 run's FLOP/s can be held against (bf16 there may run on
+    # units the probe does not use); on a GPU the run's memory may leave no room for a probe.
+    if peak_source.startswith("probed") and trainer.device.type == "cpu" and fp32:
         reprobe = functools.partial(reprobe_peak, trainer.device, trainer.precision)
     meter = Meter(trainer.flops_per_token, peak, trainer.dist.world_size, reprobe)
     if trainer.verbose:

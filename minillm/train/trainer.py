@@ -80,6 +80,8 @@ class Trainer:
             self._build(run, batches)
         except BaseException:
             run.close(failed=True)
+            self._let_go_of_the_group()
+            gc.collect()  # while Python is whole: see train()
             raise
 
     @classmethod
@@ -400,7 +402,14 @@ class Trainer:
     def close(self) -> None:
         """Release the run lock and leave the process group (idempotent)."""
         self.run.close()
-        release_groups(self.model)
+        self._let_go_of_the_group()
+
+    def _let_go_of_the_group(self) -> None:
+        """Drop what still holds the process group, DDP's wrapper and FSDP2's mesh, so that the
+        next collection frees it (see train()); the plain model stays for whoever reads it."""
+        if hasattr(self, "model"):
+            release_groups(self.model)
+            self.train_model = self.model
 
 
 def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, Any]:
@@ -417,6 +426,7 @@ def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, An
         # DDP holds the process group in reference cycles, which Python would collect only while
         # the interpreter shuts down: gloo's worker threads, still running then, abort the
         # process when they free a tensor (they need the GIL of a dying interpreter). Collect
-        # them now: the group's destructor joins its threads while Python is whole.
+        # them now (close() let go of the wrapper, so this works even while an exception's
+        # traceback keeps the trainer): the group's destructor joins its threads.
         del trainer
         gc.collect()
