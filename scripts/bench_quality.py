@@ -98,8 +98,19 @@ def average_state(model: torch.nn.Module, ema: WeightEMA) -> dict[str, torch.Ten
     return {**model.state_dict(), **dict(zip(names, ema.average, strict=True))}
 
 
+def load_variant(
+    config: Path, base_sets: list[str], base_knobs: dict[str, float], sets: list[str]
+) -> tuple[Config, dict[str, float]]:
+    """A variant's config and knobs: its own knobs over --set's, where it sets them."""
+    sets, knobs = split_knobs(sets)
+    own = {k: v for k, v in knobs.items() if v != BENCH_KNOBS[k]}
+    return load_config(config, [*base_sets, *sets]), {**base_knobs, **own}
+
+
 def apply_knobs(model: torch.nn.Module, knobs: dict[str, float]) -> None:
-    """The prototyped knobs, on the model before its first step."""
+    """The prototyped knobs (those not given: as they leave training), on the model before its
+    first step."""
+    knobs = {**BENCH_KNOBS, **knobs}
     if knobs["attn_dropout"] >= 0:
         for block in model.blocks:
             block.attn.dropout = knobs["attn_dropout"]
@@ -127,7 +138,6 @@ def run_variant(
     ema_probes: decays of extra weight averages kept beside the run (they change nothing in it)
     and evaluated at the end only, into the row's "ema_probes" {decay: val bits/byte}.
     """
-    knobs = {**BENCH_KNOBS, **(knobs or {})}
     cfg = copy.deepcopy(cfg)
     tc = cfg.train
     tc.out_dir = str(out_dir)
@@ -136,7 +146,7 @@ def run_variant(
     tc.log_every = max(tc.log_every, tc.max_steps)
     trainer = Trainer.from_config(cfg, resume=False, force=True, verbose=False)
     tc = trainer.cfg.train  # the run's own config (prepare_run resolves it into a new one)
-    apply_knobs(trainer.model, knobs)
+    apply_knobs(trainer.model, knobs or {})
     probes = [WeightEMA(trainer.model, d) for d in ema_probes]
     curve: list[dict[str, float]] = []
     load_before = os.getloadavg()[0]
@@ -217,7 +227,7 @@ def pace(
         cfg = copy.deepcopy(cfg)
         cfg.train.out_dir = str(root / f"pace{i}")
         trainers.append(Trainer.from_config(cfg, resume=False, force=True, verbose=False))
-        apply_knobs(trainers[-1].model, {**BENCH_KNOBS, **(knobs[i] if knobs else {})})
+        apply_knobs(trainers[-1].model, knobs[i] if knobs else {})
     times: list[list[float]] = [[] for _ in trainers]
     try:
         for _ in range(rounds + 2):
@@ -302,11 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     base_sets, base_knobs = split_knobs([*args.set, f"train.max_steps={args.steps}"])
     ensure_data(load_config(args.config, base_sets))
     if args.pace:
-        cfgs = [load_config(args.config, [*base_sets, *split_knobs(s)[0]]) for _, s in chosen]
-        knobs = [
-            {**base_knobs, **{k: v for k, v in split_knobs(s)[1].items() if v != BENCH_KNOBS[k]}}
-            for _, s in chosen
-        ]
+        variants = [load_variant(args.config, base_sets, base_knobs, s) for _, s in chosen]
+        cfgs, knobs = [c for c, _ in variants], [k for _, k in variants]
         with tempfile.TemporaryDirectory(prefix="bench_pace_") as tmp:
             medians = pace(cfgs, args.pace, Path(tmp), knobs)
         for (name, _), m, cfg in zip(chosen, medians, cfgs, strict=True):
@@ -318,10 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:
         for name, sets in chosen:
-            sets, knobs = split_knobs(sets)
-            knobs = {k: v for k, v in knobs.items() if v != BENCH_KNOBS[k]}
-            cfg = load_config(args.config, [*base_sets, *sets])
-            knobs = {**base_knobs, **knobs}
+            cfg, knobs = load_variant(args.config, base_sets, base_knobs, sets)
             row = run_variant(cfg, Path(tmp) / name, knobs, args.curve_every, probes)
             rows.append((name, row))
             r = rows[-1][1]

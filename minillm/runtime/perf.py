@@ -151,9 +151,7 @@ def peak_flops(device: torch.device, precision: str, configured: float = 0.0) ->
     PROBE_SECONDS, made once per machine and then read from `peak_cache_file()`."""
     if configured:
         return configured, "train.peak_flops"
-    # On a CPU the probe runs in fp32 whatever the precision: bf16 there is emulated, and
-    # a 2048^2 bf16 probe would take many seconds.
-    dtype = PRECISION_DTYPES[precision] if device.type != "cpu" else torch.float32
+    dtype = _probe_dtype(device, precision)
     known = known_peak_flops(device, dtype)
     if known:
         return known, "datasheet"
@@ -170,8 +168,13 @@ def reprobe_peak(device: torch.device, precision: str) -> float:
     For a run whose model FLOP/s exceed the cached peak (MFU above 100%): that probe ran on a
     busy machine, and only ever read too low.
     """
-    dtype = PRECISION_DTYPES[precision] if device.type != "cpu" else torch.float32
-    return _probe_and_cache(device, dtype)
+    return _probe_and_cache(device, _probe_dtype(device, precision))
+
+
+def _probe_dtype(device: torch.device, precision: str) -> torch.dtype:
+    """On a CPU the probe runs in fp32 whatever the precision: bf16 there is emulated, and a
+    2048^2 bf16 probe would take many seconds."""
+    return PRECISION_DTYPES[precision] if device.type != "cpu" else torch.float32
 
 
 def _read_cache(path: Path) -> dict[str, float]:

@@ -195,10 +195,11 @@ def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
     peak, peak_source = 0.0, ""
     if trainer.is_main:
         peak, peak_source = peak_flops(trainer.device, trainer.precision, tc.peak_flops)
-    reprobe, fp32 = None, trainer.precision == "fp32"
+    reprobe = None
     # A CPU's fp32 probe is what an fp32 run's FLOP/s can be held against (bf16 there may run on
     # units the probe does not use); on a GPU the run's memory may leave no room for a probe.
-    if peak_source.startswith("probed") and trainer.device.type == "cpu" and fp32:
+    cpu_fp32 = trainer.device.type == "cpu" and trainer.precision == "fp32"
+    if peak_source.startswith("probed") and cpu_fp32:
         reprobe = functools.partial(reprobe_peak, trainer.device, trainer.precision)
     meter = Meter(trainer.flops_per_token, peak, trainer.dist.world_size, reprobe)
     if trainer.verbose:
