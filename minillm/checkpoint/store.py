@@ -266,10 +266,17 @@ def _best_checkpoint(run_dir: Path, verify: bool) -> Path:
                 "drop --best for the latest"
             )
         raise CheckpointError(f"{run_dir}: no checkpoint yet{_training_note(run_dir)}")
+    # A damaged best checkpoint is no reason to stop: the newest intact one is a flag away.
+    instead = "; or leave out --best to use the newest intact checkpoint"
     if not (ckpt_root / name / STATE_FILE).is_file():
-        raise CheckpointError(f"{ckpt_root / 'BEST'}: names {name!r}, which is not a checkpoint")
+        raise CheckpointError(
+            f"{ckpt_root / 'BEST'}: names {name!r}, which is not a checkpoint{instead}"
+        )
     if verify:
-        verify_checkpoint(ckpt_root / name)
+        try:
+            verify_checkpoint(ckpt_root / name)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}{instead}") from None
     return ckpt_root / name
 
 
