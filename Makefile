@@ -33,7 +33,11 @@ $(BIN)/.installed: pyproject.toml
 		echo "no GPU: installing the CPU build $(TORCH_CPU) first"; \
 		$(BIN)/python -m pip install -q $(PIP_TORCH_ARGS) "$(TORCH_CPU)"; \
 	fi
-	$(BIN)/python -m pip install -q -e ".[dev,serve]"
+	@# setuptools says "Editable installation. !! Please be careful with folders ... !!" as a
+	@# warning, which pip >= 25 prints even with -q: a note with nothing to act on, filtered by
+	@# its first words (after a user's own PYTHONWARNINGS, so that this filter wins).
+	PYTHONWARNINGS="$${PYTHONWARNINGS:+$$PYTHONWARNINGS,}ignore:Editable installation" \
+		$(BIN)/python -m pip install -q -e ".[dev,serve]"
 	touch $@
 
 # llama-cpp-python, which tests/test_gguf.py uses to load `minillm export --format gguf` files in
