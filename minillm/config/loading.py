@@ -1,16 +1,23 @@
 """Reading a config: YAML, `--set` overrides, type conversion, did-you-mean suggestions.
 
 Offers `load_config(path, overrides)`, `read_raw_config`, `config_from_dict`, `config_to_dict`,
-`dump_config`, `apply_override`, `override_keys` and `did_you_mean`. Precedence is dataclass
-defaults < YAML < `--set key=value`; every YAML value is converted to the field's declared type
-(PyYAML reads `3e-4` as a string).
+`dump_config`, `apply_override`, `override_keys`, `did_you_mean` and `in_current_folder` (for
+the missing-path message). Precedence is dataclass defaults < YAML < `--set key=value`; every YAML
+value is converted to the field's declared type (PyYAML reads `3e-4` as a string).
+
+Paths in a config are relative to the current folder, not to the config file (as every command
+line path is). A path given in the file that is missing there but exists from the config file's
+folder (or one or two above it: a project's root) is an error that names both, on any command,
+before anything is read or written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -35,13 +42,25 @@ def _type_name(tp: Any) -> str:
         args = typing.get_args(tp)
         names = " or ".join(_type_name(a) for a in args if a is not type(None))
         return names + (" or null" if type(None) in args else "")
-    if origin is tuple:
-        return "a list of " + ", ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:  # a fixed length: "a list of 2 numbers"
+        args = typing.get_args(tp)
+        if len(set(args)) == 1:
+            return f"a list of {len(args)} {_plural(_type_name(args[0]))}"
+        return f"a list of {len(args)} values: " + ", ".join(_type_name(a) for a in args)
     if origin is list:
-        return "a list of " + _type_name(typing.get_args(tp)[0]).removeprefix("a ") + "s"
+        return "a list of " + _plural(_type_name(typing.get_args(tp)[0]))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, str(tp)
     )
+
+
+def _plural(name: str) -> str:
+    """`a number` -> `numbers`, `an integer` -> `integers` (a list's items)."""
+    if " or " not in name:
+        for article in ("a ", "an "):
+            if name.startswith(article):
+                return name.removeprefix(article) + "s"
+    return f"values, each {name}"  # true or false, one of ..., X or null
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
@@ -280,14 +299,85 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply `section.key=value` overrides, convert types and validate.
 
     An empty `train.out_dir` becomes `runs/<config file stem>`. A config whose model comes from
-    `train.init_from` is read with `minillm.train.run.load_train_config` instead.
+    `train.init_from` is read with `minillm.checkpoint.init_from.load_run_config` instead.
     """
     raw = read_raw_config(path, overrides)
     return config_from_dict(raw, str(path), override_keys(overrides or []))
 
 
+PATH_RULE = "paths in a config are relative to the current folder, not to the config file"
+
+# The keys naming a file or folder that is read. A missing data.source may be a hub dataset name
+# and a missing data.tokenizer is what `tokenize` writes, so those two are only checked against
+# the config file's folder; the others must exist for any run.
+_PATH_KEYS = {
+    "data.source": False,
+    "data.tokenizer": False,
+    "train.init_from": True,
+    "train.eval_tasks": True,
+}
+
+
+def in_current_folder(path: str | Path) -> str:
+    """` in <the current folder> (<the rule>)` for the error about a relative config path that
+    is missing (`no such file or folder` + this); "" for an absolute one."""
+    if Path(path).expanduser().is_absolute():
+        return ""
+    return f" in {Path.cwd()} (the current folder: {PATH_RULE})"
+
+
+def _exists(path: str) -> bool:
+    if any(c in path for c in "*?["):  # a data.source glob
+        return bool(glob.glob(path, recursive=True))
+    return os.path.exists(path)
+
+
+def _bases(file: Path) -> list[Path]:
+    """Where a user may have meant a config's relative paths to start: the config file's folder
+    and the two above it (a project's root above its configs/), less the current folder and the
+    folders above it, which read the same path the same way."""
+    cwd = Path.cwd().resolve()
+    folder = file.parent
+    bases = []
+    for base in [folder, *folder.parents][:3]:
+        if base.resolve() == cwd or base.resolve() in cwd.parents:
+            break
+        bases.append(base)
+    return bases
+
+
+def _check_paths(raw: dict[str, Any], file: Path, overridden: typing.Collection[str]) -> None:
+    """Stop at a relative path of the file that is missing from the current folder but exists
+    from the config file's folder or one above it (every key), or nowhere (the keys that must
+    exist)."""
+    bases = _bases(file)
+    for dotted, must_exist in _PATH_KEYS.items():
+        if dotted in overridden:  # typed on the command line: relative to the current folder
+            continue
+        section, key = dotted.split(".")
+        values = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
+        for value in values if isinstance(values, list) else [values]:
+            if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+                continue  # the schema checks the type; absolute paths read the same anywhere
+            if _exists(value):
+                continue
+            message = f"{value}: no such file or folder{in_current_folder(value)}"
+            base = next((b for b in bases if _exists(str(b / value))), None)
+            if base is not None:
+                there = os.path.relpath(base / value)
+                raise ConfigError(
+                    dotted,
+                    f"{message}; {there} exists: run from {os.path.relpath(base)}, or use that "
+                    "path",
+                    str(file),
+                )
+            if must_exist:
+                raise ConfigError(dotted, message, str(file))
+
+
 def read_raw_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The YAML file as plain data with the overrides applied, before types and checks."""
+    """The YAML file as plain data with the overrides applied, before types and checks (but
+    after the check of its paths: see the module's docstring)."""
     path = Path(path)
     file = str(path)
     try:
@@ -311,6 +401,7 @@ def read_raw_config(path: str | Path, overrides: list[str] | None = None) -> dic
         )
     for override in overrides or []:
         apply_override(raw, override)
+    _check_paths(raw, path, override_keys(overrides or []))
     train = raw.get("train")
     if train is None or (isinstance(train, dict) and not train.get("out_dir")):
         raw["train"] = dict(train or {}, out_dir=str(Path("runs") / path.stem))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.config import DataConfig
+from minillm.config.loading import in_current_folder
 from minillm.data.corpus import Corpus, TextCorpus, error_reason, first_line
 from minillm.data.table import TableCorpus, jsonl_problem
 from minillm.errors import ConfigError
@@ -57,7 +58,9 @@ def _resolve_files(source: str, fmt: str) -> list[Path] | None:
             if os.path.isfile(m)
         )
         if not files:
-            raise _fail(source, "data.source", "no files match this pattern")
+            raise _fail(
+                source, "data.source", f"no files match this pattern{in_current_folder(source)}"
+            )
     else:
         path = Path(source).expanduser()
         if path.is_dir():
@@ -85,7 +88,7 @@ def _resolve_files(source: str, fmt: str) -> list[Path] | None:
         elif _looks_like_hub(source):
             return None
         else:
-            raise _fail(source, "data.source", "no such file or folder")
+            raise _fail(source, "data.source", f"no such file or folder{in_current_folder(source)}")
     for f in files:
         try:
             open(f, "rb").close()
