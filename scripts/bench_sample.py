@@ -30,7 +30,7 @@ import transformers
 from bench_train import build_models  # scripts/ is on sys.path when run as a script
 
 from minillm.config import ModelConfig
-from minillm.infer.generate import generate
+from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer
 
 SHAPES = {
@@ -71,9 +71,7 @@ def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeat
     )
 
     def run_ours() -> int:
-        out = generate(
-            ours, [prompt[0].tolist()], max_new_tokens=new, temperature=0.0, ignore_eos=True
-        )
+        out = generate(ours, [prompt[0].tolist()], SamplingParams.greedy(new))
         return len(out[0])
 
     def run_hf() -> int:
@@ -90,7 +88,7 @@ def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeat
         return out.shape[1] - prompt_len
 
     # Same weights, same greedy tokens: a check that the comparison is fair.
-    got = generate(ours, [prompt[0].tolist()], max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    got = generate(ours, [prompt[0].tolist()], SamplingParams.greedy(32))
     with torch.inference_mode():
         ref = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
     same = got[0] == ref[0, prompt_len:].tolist()
@@ -143,9 +141,9 @@ def profile_ours(shape: ModelConfig, prompt_len: int, new: int) -> None:
     """Where minillm's decode time goes: the top operators of one generate call."""
     ours, _ = build_pair(shape)
     prompt = list(range(1, prompt_len + 1))
-    generate(ours, [prompt], max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    generate(ours, [prompt], SamplingParams.greedy(8))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        generate(ours, [prompt], max_new_tokens=new, temperature=0.0, ignore_eos=True)
+        generate(ours, [prompt], SamplingParams.greedy(new))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

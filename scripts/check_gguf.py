@@ -24,7 +24,7 @@ import torch
 from minillm.checkpoint.gguf_file import export_gguf
 from minillm.checkpoint.store import load_checkpoint
 from minillm.data.tokenizer import eot_id
-from minillm.infer.generate import generate
+from minillm.infer.engine import SamplingParams, generate
 
 
 def main() -> int:
@@ -69,7 +69,7 @@ def main() -> int:
 
         prompt = ids[: args.prompt_tokens]
         n = ctx - len(prompt)
-        mine = generate(loaded.model, [prompt], max_new_tokens=n, temperature=0.0)[0]
+        mine = generate(loaded.model, [prompt], SamplingParams.greedy(n))[0]
         llm.reset()
         theirs_new = list(itertools.islice(llm.generate(prompt, temp=0.0), n))
         same_text = mine == theirs_new

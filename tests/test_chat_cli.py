@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.data.chat import chat_ids, encode_prompt
-from minillm.infer.chat import ChatSettings, chat_checkpoint
-from minillm.infer.generate import generate
+from minillm.infer.chat import chat_checkpoint
+from minillm.infer.engine import SamplingParams, generate
 from tests import tiny_run
 
 runner = CliRunner()
@@ -29,14 +29,9 @@ def greedy_reply(loaded, messages: list[dict[str, str]], max_new: int) -> str:
     tok = loaded.tokenizer
     ids = chat_ids(tok)
     prompt = encode_prompt(tok, messages, ids)
-    new = generate(
-        loaded.model,
-        [prompt],
-        max_new_tokens=max_new,
-        temperature=0.0,
-        eot_id=ids["end"],
-        vocab_limit=tok.get_vocab_size(),  # the padded embedding rows are no tokens
-    )[0]
+    params = SamplingParams.greedy(max_new, stop_ids=frozenset([ids["end"]]))
+    # vocab_limit: the padded embedding rows are no tokens
+    new = generate(loaded.model, [prompt], params, vocab_limit=tok.get_vocab_size())[0]
     return tok.decode(new[:-1] if new and new[-1] == ids["end"] else new)
 
 
@@ -55,8 +50,8 @@ def test_chat_message_prints_only_the_reply(run) -> None:
 def test_piped_lines_are_turns_of_one_conversation(run) -> None:
     _, loaded = run
     out = io.StringIO()
-    settings = ChatSettings(temperature=0.0, max_new_tokens=6)
-    chat_checkpoint(loaded, settings, stdin=io.StringIO("first\n\nsecond\n"), out=out)
+    params = SamplingParams.greedy(6)
+    chat_checkpoint(loaded, params, stdin=io.StringIO("first\n\nsecond\n"), out=out)
     lines = out.getvalue().split("\n")[:-1]
     assert len(lines) == 2  # the empty line is no turn
     first = greedy_reply(loaded, [{"role": "user", "content": "first"}], 6)
@@ -74,7 +69,7 @@ def test_a_long_history_keeps_to_the_context(run) -> None:
     out = io.StringIO()
     lines = "".join(f"turn number {i} of a long talk\n" for i in range(12))
     chat_checkpoint(
-        loaded, ChatSettings(temperature=0.0, max_new_tokens=8), io.StringIO(lines), out
+        loaded, SamplingParams.greedy(8), stdin=io.StringIO(lines), out=out
     )
     assert len(out.getvalue().split("\n")[:-1]) == 12
 
@@ -193,8 +188,7 @@ def test_terminal_conversation_streams_resets_and_leaves(run, monkeypatch) -> No
 
     monkeypatch.setattr("builtins.input", fake_input)
     out, err = io.StringIO(), io.StringIO()
-    settings = ChatSettings(temperature=0.0, max_new_tokens=5)
-    chat_checkpoint(loaded, settings, stdin=Terminal(), out=out, err=err)
+    chat_checkpoint(loaded, SamplingParams.greedy(5), stdin=Terminal(), out=out, err=err)
     replies = out.getvalue().split("assistant> ")[1:]
     assert len(replies) == 3 and "a new conversation" in err.getvalue()
     first = greedy_reply(loaded, [{"role": "user", "content": "hello"}], 5)

@@ -12,14 +12,14 @@ from tiny_run import make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
 from minillm.checkpoint.hf_folder import export_checkpoint, import_hf_folder
+from minillm.checkpoint.init_from import load_run_config
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.data.tokenizer import EOT, eot_id
-from minillm.errors import CheckpointError, UserError
-from minillm.infer.generate import generate
+from minillm.errors import CheckpointError, ConfigError, UserError
+from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer
 from minillm.model.hf_names import hf_config_dict
-from minillm.train.run import load_train_config
 
 TEXT = "First Citizen:\nBefore we proceed — Grüße, 日本語 🙂 <|endoftext|> the end."
 
@@ -87,7 +87,7 @@ def test_greedy_generation_equals_hf_generate(exported) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     eot = eot_id(loaded.tokenizer)
     prompts = [[eot, 40, 41, 42, 43, 44, 45, 46], [eot, 100, 7]]
-    ours = generate(loaded.model, prompts, max_new_tokens=30, temperature=0.0, eot_id=eot)
+    ours = generate(loaded.model, prompts, SamplingParams.greedy(30, stop_ids=frozenset([eot])))
     for prompt, got in zip(prompts, ours):
         with torch.no_grad():
             ref = hf.generate(
@@ -363,7 +363,7 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     from tiny_run import write_shards
 
     from minillm.config import load_config
-    from minillm.train.trainer import Trainer
+    from tests.helpers import make_trainer
 
     run_dir, cfg, net = make_run(tmp_path / "a")
     hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
@@ -375,10 +375,10 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     }  # fmt: skip
     path = tmp_path / "init.yaml"
     path.write_text(yaml.safe_dump(raw))
-    new = load_train_config(path)  # no model section: the folder's config.json gives it
+    new = load_run_config(path)  # no model section: the folder's config.json gives it
     assert Transformer(new.model).param_count() == net.param_count()
     write_shards(new, [TEXT * 20, "Second document, long enough to train on. " * 20] * 3)
-    trainer = Trainer.from_config(new, verbose=False)
+    trainer = make_trainer(new, verbose=False)
     try:
         got = trainer.model.state_dict()
         assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())
@@ -388,9 +388,14 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     raw["model"] = dict(d_model=32, n_layer=1, n_head=2)  # a model section that is not used
     raw["train"]["out_dir"] = str(tmp_path / "run3")
     path.write_text(yaml.safe_dump(raw))
-    Trainer.from_config(load_config(path), verbose=False).close()
+    with_model = load_run_config(path)
     err = capsys.readouterr().err
     assert "model.d_model, model.n_layer, model.n_head" in err and "not used" in err
+    assert with_model.model == new.model  # the folder's, not the section's
+    make_trainer(with_model, verbose=False).close()
+    # A config built without load_run_config keeps its own model: refused, naming the keys.
+    with pytest.raises(ConfigError, match="train.init_from: .*model.d_model, model.n_layer"):
+        make_trainer(load_config(path), verbose=False)
 
 
 def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_path: Path) -> None:
@@ -400,7 +405,7 @@ def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_pa
 
     from minillm.data.tokenizer import tokenizer_sha256
     from minillm.runtime.files import sha256_file
-    from minillm.train.trainer import Trainer
+    from tests.helpers import make_trainer
 
     run_dir, cfg, _ = make_run(tmp_path)
     hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
@@ -412,4 +417,4 @@ def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_pa
     new.data.tokenizer = str(exported)
     new.train.init_from, new.train.out_dir = str(hf_dir), str(tmp_path / "run2")
     new.train.device, new.train.max_steps = "cpu", 1
-    Trainer.from_config(new, verbose=False).close()  # no "shards were made with another tokenizer"
+    make_trainer(new, verbose=False).close()  # no "shards were made with another tokenizer"

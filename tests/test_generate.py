@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,17 +14,16 @@ from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.config import ModelConfig
 from minillm.data.tokenizer import eot_id
-from minillm.infer.generate import (
-    TextStreamer,
+from minillm.infer.engine import Engine, SamplingParams, generate, window_length
+from minillm.infer.sampling import (
     apply_temperature,
-    generate,
     row_seed,
     sample_from_probs,
     sample_next,
     top_k_filter,
     top_p_filter,
-    window_length,
 )
+from minillm.infer.text_stream import TextStreamer
 
 INF = math.inf
 
@@ -105,6 +103,11 @@ def test_row_seeds_are_distinct_and_stable() -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
+def sp(n: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, **kw):
+    """SamplingParams with every setting given (no run defaults here)."""
+    return SamplingParams(n, temperature, top_k, top_p, **kw)
+
+
 class CountingModel(torch.nn.Module):
     """A mock: the next token is always last token + 1 (mod V), whatever the cache holds."""
 
@@ -114,63 +117,61 @@ class CountingModel(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.calls: list[tuple[int, int]] = []
 
-    def forward(self, idx, attention_mask=None, kv_cache=None, last_only=False):
+    def forward(self, idx):
         self.calls.append(tuple(idx.shape))
         nxt = (idx[:, -1] + 1) % self.cfg.vocab_size
         logits = torch.nn.functional.one_hot(nxt, self.cfg.vocab_size).float()[:, None] * 10
         return logits, None
 
-    @staticmethod
-    def decoder(model, kv_cache):
-        """generate's `make_decoder` for this mock: each step is a forward of one token."""
 
-        def step(tokens):
-            return model(tokens[:, None], kv_cache=kv_cache)[0][:, -1]
+class CountingDecoder:
+    """The Engine's stepper for the mock: each prefill or step is one forward of it."""
 
-        return SimpleNamespace(step=step)
+    def __init__(self, model: CountingModel, cache) -> None:
+        self.model, self.cache = model, cache
+
+    def prefill(self, row: int, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        self.cache.clear_row(row)
+        logits = self.model(ids[None])[0][0]
+        return logits if all_logits else logits[-1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens[:, None])[0][:, -1]
 
 
-MOCK = {"make_decoder": CountingModel.decoder}
+MOCK = {"decoder": CountingDecoder}
 
 
-def test_rows_stop_at_end_of_text_and_the_batch_stops_when_all_have() -> None:
+def test_rows_stop_at_a_stop_id_and_leave_the_batch() -> None:
     model = CountingModel()
+    engine = Engine(model, **MOCK)
+    rows = engine.submit([[1], [9, 10]], sp(6, stop_ids=frozenset([4])))
     seen: list[tuple[int, int]] = []
-    out = generate(
-        model,
-        [[1], [9, 10]],
-        max_new_tokens=6,
-        temperature=0.0,
-        eot_id=4,
-        on_token=lambda r, t: seen.append((r, t)),
-        make_decoder=CountingModel.decoder,
-    )
-    assert out == [[2, 3, 4], [11, 12, 13, 14, 15, 0]]
+    engine.run(lambda e: seen.append((rows.index(e.row), e.token)))
+    assert [r.tokens for r in rows] == [[2, 3, 4], [11, 12, 13, 14, 15, 0]]
+    assert [r.finish_reason for r in rows] == ["stop", "length"]
     assert seen[:4] == [(0, 2), (1, 11), (0, 3), (1, 12)]
-    assert len(model.calls) == 6  # prefill + 5 steps: the last token needs no forward
+    # each prompt prefilled alone, then 5 steps (the last token needs no forward); row 0 left
+    # after its stop id, so the last three steps ran one row
+    assert model.calls == [(1, 1), (1, 2), (2, 1), (2, 1), (1, 1), (1, 1), (1, 1)]
     model = CountingModel()
-    out = generate(model, [[1]], max_new_tokens=8, temperature=0.0, eot_id=4, **MOCK)
+    out = generate(model, [[1]], sp(8, stop_ids=frozenset([4])), **MOCK)
     assert out == [[2, 3, 4]] and len(model.calls) == 3  # stops as soon as every row is done
-    out = generate(CountingModel(), [[1]], max_new_tokens=5, temperature=0.0, eot_id=4,
-                   ignore_eos=True, **MOCK)  # fmt: skip
+    out = generate(CountingModel(), [[1]], sp(5), **MOCK)  # no stop ids: --ignore-eos
     assert out == [[2, 3, 4, 5, 6]]
+
+
+def test_identical_prompts_are_prefilled_once() -> None:
+    model = CountingModel()
+    out = generate(model, [[3, 4], [7], [3, 4]], sp(2, 1.0, seed=1), n=2, **MOCK)
+    assert len(out) == 6 and model.calls[:2] == [(1, 2), (1, 1)]  # two prefills for 6 rows
 
 
 def test_vocab_limit_keeps_the_padded_embedding_rows_out() -> None:
     # The mock wants 15 next; ids >= 15 are off-limits, so greedy falls back to id 0.
-    out = generate(
-        CountingModel(), [[14]], max_new_tokens=1, temperature=0.0, vocab_limit=15, **MOCK
-    )
+    out = generate(CountingModel(), [[14]], sp(1), vocab_limit=15, **MOCK)
     assert out == [[0]]
-    sampled = generate(
-        CountingModel(),
-        [[3]] * 8,
-        max_new_tokens=12,
-        temperature=50.0,
-        seed=0,
-        vocab_limit=6,
-        **MOCK,
-    )
+    sampled = generate(CountingModel(), [[3]] * 8, sp(12, 50.0, seed=0), vocab_limit=6, **MOCK)
     assert {t for row in sampled for t in row} == set(range(6))
 
 
@@ -186,10 +187,10 @@ PROMPTS = [[5, 17, 42, 99, 7, 8, 120], [3], [250, 11, 12]]
 
 def test_same_seed_same_tokens_other_seed_other_tokens(run) -> None:
     model = run[1].model
-    kw = dict(max_new_tokens=20, temperature=1.0, top_k=50, top_p=0.95, ignore_eos=True)
-    a = generate(model, PROMPTS, seed=123, **kw)
-    b = generate(model, PROMPTS, seed=123, **kw)
-    c = generate(model, PROMPTS, seed=124, **kw)
+    kw = dict(temperature=1.0, top_k=50, top_p=0.95)
+    a = generate(model, PROMPTS, sp(20, seed=123, **kw))
+    b = generate(model, PROMPTS, sp(20, seed=123, **kw))
+    c = generate(model, PROMPTS, sp(20, seed=124, **kw))
     assert a == b and a != c
     assert all(len(row) == 20 for row in a)
 
@@ -197,38 +198,77 @@ def test_same_seed_same_tokens_other_seed_other_tokens(run) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_batched_equals_one_at_a_time(run, temperature: float) -> None:
     model = run[1].model
-    kw = dict(max_new_tokens=25, temperature=temperature, top_k=40, top_p=0.9, ignore_eos=True)
-    batched = generate(model, PROMPTS, seed=7, **kw)
+    params = sp(25, temperature, top_k=40, top_p=0.9, seed=7)
+    batched = generate(model, PROMPTS, params)
     for r, prompt in enumerate(PROMPTS):
-        alone = generate(model, [prompt], seed=7, **kw)
+        alone = generate(model, [prompt], params)
         assert alone[0] == batched[r], f"row {r}"
     if temperature > 0:  # the rows really are sampled, not all greedy
-        greedy = generate(model, PROMPTS, **dict(kw, temperature=0.0))
+        greedy = generate(model, PROMPTS, sp(25, 0.0))
         assert greedy != batched
+
+
+def test_rows_join_and_leave_mid_batch_with_their_own_settings(run) -> None:
+    # A server's day: rows with different settings join while others run and leave at
+    # different steps (stop ids, lengths, a cancel); each row's tokens are those it gets alone.
+    model, tok = run[1].model, run[1].tokenizer
+    eot = eot_id(tok)
+    plan = [  # (prompt, params, step at which it joins)
+        (PROMPTS[0], sp(18, 0.0), 0),
+        (PROMPTS[1], sp(9, 1.0, top_k=20, seed=4), 0),
+        (PROMPTS[2], sp(30, 0.7, top_p=0.8, seed=9, stop_ids=frozenset([eot])), 3),
+        (PROMPTS[1], sp(12, 1.3, seed=5), 5),
+        (PROMPTS[0], sp(6, 0.0), 11),
+    ]
+    engine = Engine(model, tok, max_batch=3)
+    rows, step = [], 0
+    cancelled = None
+    while len(rows) < len(plan) or engine.busy():
+        for prompt, params, join in plan[len(rows) :]:
+            if join > step:
+                break
+            rows += engine.submit([prompt], params)
+        if cancelled is None and len(rows) > 3 and len(rows[3].tokens) == 4:
+            cancelled = rows[3]  # it leaves early: its tokens so far are its first ones
+            engine.cancel(cancelled)
+        for event in engine.step():
+            assert event.error is None
+        step += 1
+    assert len(engine.active) == 0 and engine.cache.nbytes() == 0
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.tokens) == 4
+    for row, (prompt, params, _) in zip(rows, plan, strict=True):
+        alone = generate(model, [prompt], params, tokenizer=tok)[0]
+        if row is cancelled:
+            assert row.tokens == alone[: len(row.tokens)]
+        else:
+            assert row.tokens == alone and row.finish_reason in ("stop", "length")
 
 
 def test_generation_limits_are_user_errors(run) -> None:
     from minillm.errors import UserError
 
     model = run[1].model
-    with pytest.raises(UserError, match="prompt of 65 tokens exceeds the model's context of 64"):
-        generate(model, [[1] * 65], max_new_tokens=1, temperature=0.0)
+    with pytest.raises(ValueError, match="prompt of 65 tokens for a context of 64"):
+        generate(model, [[1] * 65], sp(1))
     with pytest.raises(UserError, match="top-p"):
-        generate(model, [[1]], max_new_tokens=2, top_p=0.0)
-    with pytest.raises(UserError, match="at least one token"):
-        generate(model, [[]], max_new_tokens=2)
+        SamplingParams(2, top_p=0.0).resolve(run[1].config.sample)
+    with pytest.raises(ValueError, match="prompt of 0 tokens"):
+        generate(model, [[]], sp(2))
+    with pytest.raises(ValueError, match="resolve"):
+        generate(model, [[1]], SamplingParams(2))
 
 
 def test_a_prompt_samples_the_same_text_at_any_position_of_the_batch(run) -> None:
     model = run[1].model
-    kw = dict(max_new_tokens=15, temperature=1.0, seed=3, ignore_eos=True)
-    first = generate(model, [PROMPTS[0], PROMPTS[1]], **kw)
-    second = generate(model, [PROMPTS[1], PROMPTS[0]], **kw)
+    params = sp(15, 1.0, seed=3)
+    first = generate(model, [PROMPTS[0], PROMPTS[1]], params)
+    second = generate(model, [PROMPTS[1], PROMPTS[0]], params)
     assert first == second[::-1]
     # Repeats of one prompt are its samples 0, 1, ...: they differ, and keep their order.
-    repeated = generate(model, [PROMPTS[1], PROMPTS[0], PROMPTS[1]], **kw)
+    repeated = generate(model, [PROMPTS[1], PROMPTS[0], PROMPTS[1]], params)
     assert repeated[:2] == second and repeated[2] != repeated[0]
-    assert repeated[2] == generate(model, [PROMPTS[1]], **dict(kw, seed=[row_seed(3, 1)]))[0]
+    assert repeated[2] == generate(model, [PROMPTS[1]], params, n=2)[1]
+    assert row_seed(3, 1) != row_seed(3, 0)
 
 
 @pytest.mark.parametrize(
@@ -251,17 +291,46 @@ def greedy_by_full_forward(model, prompt: list[int], n: int, vocab: int | None =
 
 
 def test_generation_slides_past_the_context_rows_stay_independent(run) -> None:
+    # Row 0 outgrows the context while row 1 does not yet: only the sliding row is refilled,
+    # and each equals nanoGPT's window-by-window forward.
     model = run[1].model  # max_seq_len 64
     prompts = [[5, 17, 42, 99, 7, 8, 120] * 7, [3]]  # 49 tokens and 1
     slides: list[int] = []
-    kw = dict(max_new_tokens=120, temperature=0.0, ignore_eos=True)
-    batched = generate(model, prompts, on_slide=lambda: slides.append(1), **kw)
-    assert [len(row) for row in batched] == [120, 120] and slides == [1]
+    engine = Engine(model, on_slide=lambda row: slides.append(len(row.prompt)))
+    rows = engine.submit(prompts, sp(120))
+    engine.run()
+    assert [len(row.tokens) for row in rows] == [120, 120]
+    assert slides[:2] == [49, 49] and slides.count(1) == 2  # row 0 slid first, twice
     for r, prompt in enumerate(prompts):
-        assert batched[r] == greedy_by_full_forward(model, prompt, 120), f"row {r}"
-    kw = dict(max_new_tokens=100, temperature=0.8, seed=11, ignore_eos=True)
-    sampled = generate(model, prompts, **kw)
-    assert [generate(model, [p], **kw)[0] for p in prompts] == sampled
+        assert rows[r].tokens == greedy_by_full_forward(model, prompt, 120), f"row {r}"
+    params = sp(100, 0.8, seed=11)
+    sampled = generate(model, prompts, params)
+    assert [generate(model, [p], params)[0] for p in prompts] == sampled
+
+
+def test_echo_logprobs_come_from_the_prefill_and_equal_eval(run) -> None:
+    # The prompt's log-probabilities from the one prefill that fills the cache: the numbers a
+    # full forward (what `minillm eval` computes) gives, and no second forward of the prompt.
+    model = run[1].model
+    prompt = PROMPTS[0]
+    calls = []
+    hook = model.register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+    try:
+        engine = Engine(model)
+        (row,) = engine.submit([prompt], sp(3, logprobs=2, prompt_logprobs=2))
+        events = []
+        engine.run(events.append)
+    finally:
+        hook.remove()
+    assert calls == [(1, len(prompt))]  # the prefill; the steps use the Decoder
+    with torch.inference_mode():
+        full = torch.log_softmax(model(torch.tensor([prompt]))[0][0], dim=-1)
+    got = events[0].prompt
+    assert got[0].logprob is None and [t.id for t in got] == prompt
+    for t, info in enumerate(got[1:]):
+        assert info.logprob == pytest.approx(float(full[t, prompt[t + 1]]), abs=1e-5)
+        assert [i for i, _ in info.top] == full[t].topk(2).indices.tolist()
+    assert [e.logprob.id for e in events] == row.tokens
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -300,7 +369,7 @@ def test_cli_sample_streams_the_prompt_and_is_reproducible(run) -> None:
     tok = loaded.tokenizer
     eot = eot_id(tok)
     ids = [eot, *tok.encode("ROMEO:").ids]
-    expected = generate(loaded.model, [ids], max_new_tokens=12, temperature=0.0, eot_id=eot)
+    expected = generate(loaded.model, [ids], sp(12, stop_ids=frozenset([eot])))
     assert greedy.stdout == "ROMEO:" + tok.decode(expected[0]) + "\n"
 
 
@@ -329,8 +398,7 @@ def test_cli_every_prompt_gets_max_new_tokens_and_its_own_text(run) -> None:
     alone = invoke(*common, "--prompt", "A").stdout
     assert blocks[0].rstrip("\n") == alone.rstrip("\n")
     ids = [eot_id(tok), *tok.encode("A").ids]
-    kw = dict(temperature=0.0, ignore_eos=True, vocab_limit=tok.get_vocab_size())
-    expected = generate(loaded.model, [ids], max_new_tokens=30, **kw)
+    expected = generate(loaded.model, [ids], sp(30), vocab_limit=tok.get_vocab_size())
     assert blocks[0].rstrip("\n") == "A" + tok.decode(expected[0]) and len(expected[0]) == 30
     assert "cut to" not in both.stderr
 

@@ -30,7 +30,7 @@ from minillm.cli import app
 from minillm.data.chat import END, encode_prompt
 from minillm.data.tokenizer import EOT, eot_id, train_tokenizer
 from minillm.errors import CheckpointError
-from minillm.infer.generate import generate
+from minillm.infer.engine import SamplingParams, generate
 
 needs_llama_cpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
@@ -304,7 +304,7 @@ def test_llama_cpp_greedy_continuation_is_ours(exported) -> None:
     loaded, files = exported
     ids = _prompt(loaded, 20)
     n = loaded.config.model.max_seq_len - len(ids)  # to the end of the context
-    ours = generate(loaded.model, [ids], max_new_tokens=n, temperature=0.0)[0]
+    ours = generate(loaded.model, [ids], SamplingParams.greedy(n))[0]
     llm = _llama(files["f32"], type_k=0, type_v=0)
     theirs = list(itertools.islice(llm.generate(ids, temp=0.0, repeat_penalty=1.0), n))
     assert len(ours) == n > 30 and theirs == ours

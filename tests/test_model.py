@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from minillm.config import ModelConfig
-from minillm.infer.generate import generate
+from minillm.infer.engine import SamplingParams, generate
 from minillm.model import KVCache, Transformer
 from minillm.model.decode import Decoder
 from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
@@ -162,47 +162,73 @@ def test_packed_documents_attend_only_within_their_document() -> None:
     torch.testing.assert_close(got[0, 9:], alone_b[0], atol=1e-5, rtol=0)
 
 
-def test_kv_cache_with_left_padding_matches_rows_decoded_alone() -> None:
+def test_kv_cache_rows_at_different_lengths_match_rows_decoded_alone() -> None:
+    # Each row filled alone (cache.rows), then every row advanced together by the module
+    # forward, each at its own position: the logits of rows decoded alone.
     ours, _, cfg = make_pair(n_kv_head=2)
-    seqs = [torch.randint(1, cfg.vocab_size, (n,)) for n in (10, 4)]
-    T = 10
-    idx = torch.zeros(2, T, dtype=torch.long)
-    mask = torch.zeros(2, T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        idx[i, T - len(s) :], mask[i, T - len(s) :] = s, 1
-    nxt = torch.randint(1, cfg.vocab_size, (2, 5))
+    seqs = [torch.randint(1, cfg.vocab_size, (n,)) for n in (10, 4, 1)]
+    nxt = torch.randint(1, cfg.vocab_size, (3, 5))
     with torch.no_grad():
-        cache = KVCache(cfg, batch_size=2, max_len=T + 5)
-        ours(idx, attention_mask=mask, kv_cache=cache)
+        cache = KVCache(cfg, batch_size=3, max_len=17)
+        for r, s in enumerate(seqs):
+            ours(s[None], kv_cache=cache.rows(r, r + 1))
+        assert cache.lengths == [10, 4, 1]
         steps = torch.cat([ours(nxt[:, t : t + 1], kv_cache=cache)[0] for t in range(5)], dim=1)
+        two = ours(torch.stack([nxt[0, :2], nxt[1, :2]]), kv_cache=cache.rows(0, 2))[0]  # T > 1
         for i, s in enumerate(seqs):
-            alone, _ = ours(torch.cat([s, nxt[i]])[None])
-            torch.testing.assert_close(steps[i], alone[0, len(s) :], atol=1e-5, rtol=0)
+            alone, _ = ours(torch.cat([s, nxt[i], nxt[i, :2]])[None])
+            n = len(s)
+            torch.testing.assert_close(steps[i], alone[0, n : n + 5], atol=1e-5, rtol=0)
+            if i < 2:
+                torch.testing.assert_close(two[i], alone[0, n + 5 :], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="attention_mask cannot be combined with a KV cache"):
+        ours(nxt, attention_mask=torch.ones_like(nxt), kv_cache=KVCache(cfg, 3))
+
+
+def test_kv_cache_grows_with_what_is_in_flight() -> None:
+    # No max_batch x context reservation: storage follows the rows and tokens in use, and a
+    # cache whose rows have all left holds nothing.
+    _, _, cfg = make_pair(n_kv_head=2)  # max_seq_len 64
+    cache = KVCache(cfg)
+    assert cache.nbytes() == 0 and cache.batch_size == 0
+    cache.add_rows(2)
+    cache.append(5)
+    per_slot = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 4  # k and v, fp32
+    assert cache.lengths == [5, 5] and cache.nbytes() == 2 * 5 * per_slot
+    cache.append(1, range(1, 2))  # row 1 alone: doubling, not one slot at a time
+    assert cache.lengths == [5, 6] and cache.nbytes() == 2 * 10 * per_slot
+    cache.pop_row()
+    cache.pop_row()
+    cache.release()
+    assert cache.nbytes() == 0
+    with pytest.raises(ValueError, match="full"):
+        KVCache(cfg, 1).append(65)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
-    # The decoding fast path against the module forward, token by token, on a left-padded batch
-    # (rows at different RoPE positions, padding masked) and on a plain one.
+    # The decoding fast path against the module forward, token by token, on rows at different
+    # lengths (each at its own RoPE position, stale slots masked) and on rows at one length.
     ours, _, cfg = make_pair(**CASES[case])
     idx = torch.randint(1, cfg.vocab_size, (3, 9))
     nxt = torch.randint(1, cfg.vocab_size, (3, 12))
-    for mask in (None, torch.arange(9).expand(3, 9) >= torch.tensor([[0], [3], [8]])):
+    for lengths in ((9, 9, 9), (9, 6, 1)):
         with torch.inference_mode():
             ref_cache, cache = KVCache(cfg, 3, 21), KVCache(cfg, 3, 21)
-            ours(idx, attention_mask=mask, kv_cache=ref_cache)
-            ours(idx, attention_mask=mask, kv_cache=cache)
+            for r, n in enumerate(lengths):
+                ours(idx[r : r + 1, :n], kv_cache=ref_cache.rows(r, r + 1))
+                ours(idx[r : r + 1, :n], kv_cache=cache.rows(r, r + 1))
             decoder = Decoder(ours, cache)
             for t in range(12):
                 ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
                 got = decoder.step(nxt[:, t])
                 torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-            assert cache.pos == ref_cache.pos == 21
-            assert torch.equal(cache.n_seen, ref_cache.n_seen)
+            assert cache.lengths == ref_cache.lengths == [n + 12 for n in lengths]
             torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-6, rtol=0)
             torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-6, rtol=0)
-            with pytest.raises(ValueError, match="full"):
-                decoder.step(nxt[:, 0])
+            if lengths[0] == 9:
+                with pytest.raises(ValueError, match="full"):
+                    decoder.step(nxt[:, 0])
     with pytest.raises(RuntimeError, match="inference"):
         Decoder(ours, KVCache(cfg, 3, 4)).step(nxt[:, 0])
 
@@ -247,9 +273,9 @@ def test_cache_overflow_and_dropout_are_refused() -> None:
     with pytest.raises(ValueError, match="eval"):
         Decoder(dropped.train(), KVCache(dropped.cfg, 1, 4))
     with pytest.raises(ValueError, match="eval"):
-        generate(dropped.train(), [[1, 2]], max_new_tokens=2, temperature=0.0)
+        generate(dropped.train(), [[1, 2]], SamplingParams.greedy(2))
     Decoder(dropped.eval(), KVCache(dropped.cfg, 1, 4))  # eval mode: no dropout to miss
-    assert len(generate(dropped, [[1, 2]], max_new_tokens=2, temperature=0.0)[0]) == 2
+    assert len(generate(dropped, [[1, 2]], SamplingParams.greedy(2))[0]) == 2
 
 
 def test_rope_rotation_matrix_equals_apply_rope() -> None:

@@ -389,16 +389,18 @@ def test_openai_client_sees_the_error(server: Server) -> None:
 
 def test_engine_queue_limit_and_failure_of_one_request(tmp_path: Path) -> None:
     from minillm.checkpoint.store import load_checkpoint
-    from minillm.serve.engine import Choice, Engine, QueueFull
+    from minillm.infer.engine import SamplingParams
+    from minillm.serve.worker import EngineThread, QueueFull
 
     run, _, _ = make_run(tmp_path)
     ckpt = load_checkpoint(run)
-    engine = Engine(ckpt.model, ckpt.tokenizer, max_batch=2, max_queue=3)
+    engine = EngineThread(ckpt.model, ckpt.tokenizer, max_batch=2, max_queue=3)
     events: dict[str, list] = {"bad": [], "good": []}
-    bad = engine.submit([Choice([1, 10**6], max_tokens=3)], events["bad"].append)
-    good = engine.submit([Choice([1, 2, 3], max_tokens=3)] * 2, events["good"].append)
+    three = SamplingParams.greedy(3)
+    bad = engine.submit([[1, 10**6]], three, 1, events["bad"].append)
+    good = engine.submit([[1, 2, 3]], three, 2, events["good"].append)
     with pytest.raises(QueueFull):  # three rows wait; the engine is not started yet
-        engine.submit([Choice([1], max_tokens=1)], lambda e: None)
+        engine.submit([[1]], SamplingParams.greedy(1), 1, lambda e: None)
     engine.start()
     deadline = time.monotonic() + 30
     while (len(events["good"]) < 6 or not events["bad"]) and time.monotonic() < deadline:
@@ -407,7 +409,7 @@ def test_engine_queue_limit_and_failure_of_one_request(tmp_path: Path) -> None:
     assert [e.error is not None for e in events["bad"]] == [True]  # an id past the embedding
     assert [e.finish_reason for e in events["good"]].count("length") == 2
     assert all(e.error is None for e in events["good"]) and bad.cancelled is False
-    assert good.choices[0].max_tokens == 3
+    assert len(good.rows) == 2 and all(len(r.tokens) == 3 for r in good.rows)
 
 
 # ----------------------------------------------------------------------------- the chat page

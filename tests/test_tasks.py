@@ -15,7 +15,7 @@ from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
-from minillm.infer.generate import generate
+from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.task_format import ExactMatch, MultipleChoice, Task, read_task
 from minillm.infer.task_scoring import (
     answer_matches,
@@ -180,8 +180,8 @@ def test_exact_match_scores_greedy_replies_to_the_end_token(run) -> None:
     examples = []
     for i, q in enumerate(questions):
         prompt = chat_prompt_ids(tok, (("user", q),), "t.jsonl")
-        (reply,) = generate(model, [prompt], max_new_tokens=6, temperature=0.0, eot_id=end,
-                            vocab_limit=tok.get_vocab_size())  # fmt: skip
+        params = SamplingParams.greedy(6, stop_ids=frozenset([end]))
+        (reply,) = generate(model, [prompt], params, vocab_limit=tok.get_vocab_size())
         stop = [k for k, t in enumerate(reply) if t in (end, eot)]
         text = tok.decode(reply[: stop[0]] if stop else reply)
         # Even rows expect the greedy reply (with whitespace around it), odd rows something else.
@@ -205,8 +205,8 @@ def test_eval_exact_match_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     end, eot = tok.token_to_id("<|end|>"), eot_id(tok)
     messages = (("system", "Be brief."), ("user", "Speak, speak."))
     prompt = chat_prompt_ids(tok, messages, "t.jsonl")
-    (reply,) = generate(model, [prompt], max_new_tokens=cfg.sample.max_new_tokens,
-                        temperature=0.0, eot_id=end, vocab_limit=tok.get_vocab_size())  # fmt: skip
+    params = SamplingParams.greedy(cfg.sample.max_new_tokens, stop_ids=frozenset([end]))
+    (reply,) = generate(model, [prompt], params, vocab_limit=tok.get_vocab_size())
     stop = [k for k, t in enumerate(reply) if t in (end, eot)]
     text = tok.decode(reply[: stop[0]] if stop else reply)
     turns = [{"role": r, "content": c} for r, c in messages]
@@ -322,14 +322,13 @@ def test_exact_match_on_a_model_without_chat_tokens_is_one_line(
 def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from minillm.train.trainer import Trainer
-    from tests.helpers import prepared_config
+    from tests.helpers import make_trainer, prepared_config
 
     task = write_jsonl(tmp_path / "cloze.jsonl", MC_ROWS)
     train = dict(max_steps=4, eval_every=2, ckpt_every=0, eval_tasks=[str(task)], sample_every=2,
                  sample_prompts=["ROMEO:", "All:"], sample_max_new_tokens=5)  # fmt: skip
     cfg = prepared_config(tmp_path, train=train)
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         trainer.fit()
     finally:
@@ -356,15 +355,14 @@ def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
 def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path, row, message) -> None:
     import tiny_run
 
-    from minillm.train.trainer import Trainer
-    from tests.helpers import prepared_config
+    from tests.helpers import make_trainer, prepared_config
 
     task = write_jsonl(tmp_path / "bad.jsonl", [row])
     (tmp_path / "tokens").mkdir()  # a tokenizer from before the chat tokens, reused by tokenize
     (tmp_path / "tokens" / "tokenizer.json").write_text(tiny_run.legacy_tokenizer_json())
     cfg = prepared_config(tmp_path, train=dict(eval_tasks=[str(task)]))
     with pytest.raises(UserError, match=message):
-        Trainer.from_config(cfg, verbose=False)
+        make_trainer(cfg, verbose=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

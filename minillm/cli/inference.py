@@ -191,21 +191,13 @@ def sample(
 
     Each prompt starts a fresh document (after end-of-text). All rows run as one batch.
     """
-    from minillm.infer.generate import SampleSettings, read_prompts, sample_checkpoint
+    from minillm.infer.engine import SamplingParams
+    from minillm.infer.sample import read_prompts, sample_checkpoint
 
     texts = run(read_prompts, prompt, prompt_file)
-    settings = SampleSettings(
-        prompts=texts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        num_samples=num_samples,
-        ignore_eos=ignore_eos,
-    )
+    params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
     loaded = load_ckpt(ckpt, device, best)
-    run(sample_checkpoint, loaded, settings)
+    run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
 
 
 @app.command(
@@ -240,16 +232,9 @@ def chat(
     With --message, print the one reply and exit. From a pipe, each input line is the next user
     turn and each reply is printed on one line.
     """
-    from minillm.infer.chat import ChatSettings, chat_checkpoint
+    from minillm.infer.chat import chat_checkpoint
+    from minillm.infer.engine import SamplingParams
 
-    settings = ChatSettings(
-        system=system,
-        message=message,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-    )
+    params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
     loaded = load_ckpt(ckpt, device, best)
-    run(chat_checkpoint, loaded, settings)
+    run(chat_checkpoint, loaded, params, system, message)

@@ -1,7 +1,8 @@
 """The pure parts of sampling: filters, the draw, per-row seeds, the range checks.
 
 Offers `apply_temperature`, `top_k_filter`, `top_p_filter`, `sample_from_probs`, `sample_next`,
-`row_seed` and `check_sampling`; the loop that uses them is `minillm.infer.generate`.
+`fresh_seed`, `row_seed` and `check_sampling`; the loop that uses them is
+`minillm.infer.engine`.
 
 Shape legend: B rows, V vocabulary.
 """
@@ -87,10 +88,15 @@ def sample_next(
     return sample_from_probs(probs, uniforms)
 
 
+def fresh_seed() -> int:
+    """A random seed for a run given none: short enough to print and pass back (--seed, JSON)."""
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
 def row_seed(seed: int, row: int) -> int:
     """A well-mixed 63-bit seed for draw stream `row` of a run seeded with `seed`.
 
-    `generate` gives sample k of a prompt the stream k (see there), not its position in a batch.
+    The decoding core gives sample k of a prompt the stream k, not its position in a batch.
     """
     state = np.random.SeedSequence([seed & 0xFFFF_FFFF_FFFF_FFFF, row]).generate_state(2)
     return int((int(state[0]) << 32 | int(state[1])) & 0x7FFF_FFFF_FFFF_FFFF)

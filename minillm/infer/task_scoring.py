@@ -3,7 +3,7 @@
 Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
 `multiple_choice_metrics`, `score_multiple_choice`; `chat_prompt_ids`,
 `extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
---task` runs), `trained_on_chat`, `eval_report`, `format_tasks` and `format_details`.
+--task` runs), `eval_report`, `format_tasks` and `format_details`.
 Task files are read by `minillm.infer.task_format`.
 
 The multiple-choice contract (docs/design.md, "Task files"), so that other tools reproduce the
@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from minillm.data.chat import chat_ids, encode_prompt
-from minillm.errors import UserError, warn
+from minillm.errors import UserError
+from minillm.infer.chat import warn_if_text_model
 from minillm.infer.task_format import MultipleChoice, Task
 from minillm.runtime.progress import Progress
 
@@ -232,7 +233,7 @@ def score_exact_match(
     list that gets one record per example (its last user turn, the answer, the reply, the hit).
     """
     from minillm.data.tokenizer import eot_id
-    from minillm.infer.generate import generate
+    from minillm.infer.engine import Engine, SamplingParams
 
     where = str(task.path)
     prompts = [chat_prompt_ids(tokenizer, ex.messages, where) for ex in task.examples]
@@ -252,31 +253,25 @@ def score_exact_match(
             file=err or sys.stderr,
         )
         max_new_tokens = room
-    hits = 0
-    bar = Progress(task.name, -(-len(prompts) // batch_size), enabled=progress, stderr=True)
+    # The rows run on the decoding core, batch_size at a time, each joining as one leaves.
+    engine = Engine(model, tokenizer, max_batch=batch_size)
+    params = SamplingParams.greedy(max_new_tokens, stop_ids=frozenset([end, eot]))
+    rows = engine.submit(prompts, params)
+    bar = Progress(task.name, len(prompts), enabled=progress, stderr=True)
     try:
-        for start in range(0, len(prompts), batch_size):
-            batch = prompts[start : start + batch_size]
-            replies = generate(
-                model,
-                batch,
-                max_new_tokens=max_new_tokens,
-                temperature=0.0,
-                eot_id=end,
-                vocab_limit=tokenizer.get_vocab_size(),
-            )
-            for ex, reply in zip(task.examples[start:], replies):
-                stops = [i for i, t in enumerate(reply) if t in (end, eot)]
-                text = tokenizer.decode(reply[: stops[0]] if stops else reply)
-                hit = answer_matches(text, ex.answer, number)
-                hits += hit
-                if details is not None:
-                    prompt = ex.messages[-1][1]
-                    record = {"line": ex.line, "prompt": prompt, "expected": ex.answer}
-                    details.append({**record, "output": text, "correct": hit})
-            bar.advance()
+        engine.run(lambda event: bar.advance() if event.finish_reason else None)
     finally:
         bar.close()
+    hits = 0
+    for ex, row in zip(task.examples, rows, strict=True):
+        reply = row.tokens
+        stops = [i for i, t in enumerate(reply) if t in (end, eot)]
+        text = tokenizer.decode(reply[: stops[0]] if stops else reply)
+        hit = answer_matches(text, ex.answer, number)
+        hits += hit
+        if details is not None:
+            record = {"line": ex.line, "prompt": ex.messages[-1][1], "expected": ex.answer}
+            details.append({**record, "output": text, "correct": hit})
     return {"exact_match": hits / len(prompts), "examples": len(prompts)}
 
 
@@ -300,12 +295,8 @@ def evaluate_tasks(
     model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.config
     batch_size = batch_size or cfg.train.batch_size
     device = next(model.parameters()).device
-    if any(t.kind == "exact_match" for t in tasks) and trained_on_chat(ckpt) is False:
-        warn(
-            f"{ckpt.path}: this model was trained on text, not chat (its data.out_dir's "
-            "meta.json): its tokenizer has the chat tokens, but their replies are likely "
-            "nonsense; fine-tune it on conversations first"
-        )
+    if any(t.kind == "exact_match" for t in tasks):
+        warn_if_text_model(ckpt)
     results = {}
     for task in tasks:
         start = time.perf_counter()
@@ -325,18 +316,6 @@ def evaluate_tasks(
         result["seconds"] = time.perf_counter() - start
         results[task.name] = result
     return results
-
-
-def trained_on_chat(ckpt: Any) -> bool | None:
-    """Whether the checkpoint's run trained on chat data, as its data.out_dir's meta.json says
-    (None when that folder is not here: eval run from elsewhere, the shards deleted)."""
-    from pathlib import Path
-
-    meta = Path(ckpt.config.data.out_dir) / "meta.json"
-    try:
-        return bool(json.loads(meta.read_text()).get("chat"))
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def format_details(records: list[dict[str, Any]]) -> str:

@@ -4,8 +4,9 @@ positions and the attention mask.
 Offers `check_inputs`, `AttentionMask` and `forward_inputs`. The checks come first so that a
 wrong mask fails by name: without them a mask of the wrong shape fails deep inside attention with
 PyTorch's "size of tensor a (20) must match ...", which names neither the argument nor the shape
-it should have had. The rest is the bookkeeping of padding, packed documents and the KV cache,
-kept here so that the model's forward reads as the model.
+it should have had. The rest is the bookkeeping of padding and packed documents, and asking the
+KV cache where this forward's keys go (`KVCache.append`), kept here so that the model's forward
+reads as the model.
 
 Shape legend: B batch, T new tokens, S keys (cached + new).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.model.kv_cache import KVCache
+from minillm.model.kv_cache import CacheWrite, KVCache
 
 
 def _integer(t: torch.Tensor) -> bool:
@@ -84,17 +85,15 @@ class AttentionMask:
     def build(
         cls,
         T: int,
-        start: int,
         key_valid: torch.Tensor | None,
         doc_ids: torch.Tensor | None,
         device: torch.device,
     ) -> AttentionMask:
-        """Causal mask for queries at start..start+T-1, with optional padding and documents."""
-        if key_valid is None and doc_ids is None and (start == 0 or T == 1):
-            # Plain causality, or one new token that may see every cached key.
-            return cls(None, is_causal=start == 0 and T > 1)
-        q_pos = torch.arange(start, start + T, device=device)
-        k_pos = torch.arange(start + T, device=device)
+        """Causal mask for queries 0..T-1, with optional padding and documents."""
+        if key_valid is None and doc_ids is None:
+            return cls(None, is_causal=T > 1)
+        q_pos = torch.arange(T, device=device)
+        k_pos = torch.arange(T, device=device)
         allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, T, S)
         if key_valid is not None:
             allowed = allowed & key_valid[:, None, :]  # (B, T, S)
@@ -109,26 +108,19 @@ class AttentionMask:
 
 
 def _positions(
-    B: int,
-    T: int,
-    attention_mask: torch.Tensor | None,
-    doc_ids: torch.Tensor | None,
-    kv_cache: KVCache | None,
+    B: int, T: int, attention_mask: torch.Tensor | None, doc_ids: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """RoPE positions (B, T) where they are not simply start..start+T-1, else None."""
+    """RoPE positions (B, T) where they are not simply 0..T-1, else None."""
     if doc_ids is not None:  # restart at 0 at each document boundary
         t = torch.arange(T, device=doc_ids.device).expand(B, T)
         boundary = torch.ones_like(doc_ids, dtype=torch.bool)
         boundary[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
         first = torch.where(boundary, t, torch.zeros_like(t)).cummax(dim=1).values
         return t - first
-    if attention_mask is None and (kv_cache is None or not kv_cache.has_padding):
-        return None
     if attention_mask is None:
-        attention_mask = torch.ones(B, T, dtype=torch.bool, device=kv_cache.n_seen.device)
+        return None
     # Real tokens count from 0 in each row, whatever padding precedes them (as HF does).
-    seen = kv_cache.n_seen[:, None] if kv_cache is not None else 0
-    return (seen + attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
 def forward_inputs(
@@ -138,29 +130,38 @@ def forward_inputs(
     position_ids: torch.Tensor | None,
     kv_cache: KVCache | None,
     max_seq_len: int,
-) -> tuple[slice | torch.Tensor, AttentionMask]:
-    """Check the arguments of `Transformer.forward`; return the RoPE positions and the mask.
+) -> tuple[slice | torch.Tensor, AttentionMask, CacheWrite | None]:
+    """Check the arguments of `Transformer.forward`; return the RoPE positions, the mask and,
+    with a KV cache, the write that places this forward's keys and values in it.
 
-    The positions index the RoPE tables: a slice start..start+T while every row counts from the
-    cache's length (or 0), else a (B, T) or (1, T) tensor (left padding, documents, the caller's
-    position_ids). The cache records which of the new keys are real.
+    The positions index the RoPE tables: a slice while every row counts from one start (0, or
+    the cache's length), else a (B, T) or (1, T) tensor (left padding, documents, the caller's
+    position_ids, cached rows at different lengths).
     """
     check_inputs(idx, attention_mask, doc_ids, position_ids, max_seq_len)
     B, T = idx.shape
-    start = kv_cache.pos if kv_cache is not None else 0
-    if start + T > max_seq_len:
-        raise ValueError(f"sequence of {start + T} tokens exceeds max_seq_len")
     if kv_cache is not None:
-        kv_cache.check_room(T)
-    if doc_ids is not None and kv_cache is not None:
-        raise ValueError("doc_ids (packed sequences) cannot be combined with a KV cache")
-
+        # A cached row holds one sequence from position 0: padding or packing has no place in
+        # it (the decoding core prefills each row alone, minillm.infer.engine).
+        for name, given in (
+            ("attention_mask", attention_mask),
+            ("doc_ids", doc_ids),
+            ("position_ids", position_ids),
+        ):
+            if given is not None:
+                raise ValueError(f"{name} cannot be combined with a KV cache: fill rows alone")
+        if kv_cache.batch_size != B:
+            raise ValueError(f"idx has {B} rows, the KV cache {kv_cache.batch_size}")
+        write = kv_cache.append(T)
+        mask = AttentionMask(write.key_mask, is_causal=write.is_causal)
+        return write.positions, mask, write
+    if T > max_seq_len:
+        raise ValueError(f"sequence of {T} tokens exceeds max_seq_len")
     if attention_mask is not None:
         attention_mask = attention_mask.to(torch.bool)
-        if kv_cache is None and bool(attention_mask.all()):
+        if bool(attention_mask.all()):
             attention_mask = None  # no padding: plain causal attention is the same and faster
     if position_ids is None:
-        position_ids = _positions(B, T, attention_mask, doc_ids, kv_cache)
-    key_valid = kv_cache.mark_keys(attention_mask, T) if kv_cache is not None else attention_mask
-    mask = AttentionMask.build(T, start, key_valid, doc_ids, idx.device)
-    return (slice(start, start + T) if position_ids is None else position_ids), mask
+        position_ids = _positions(B, T, attention_mask, doc_ids)
+    mask = AttentionMask.build(T, attention_mask, doc_ids, idx.device)
+    return (slice(0, T) if position_ids is None else position_ids), mask, None

@@ -1,191 +1,211 @@
-"""The KV cache for incremental decoding, with the bookkeeping that goes with it.
+"""The KV cache: keys and values of past tokens, one row per sequence, each row at its own length.
 
-Offers `KVCache`. Keys and values of past tokens live here, preallocated to `max_len` slots per
-row, outside the modules so that the block math is the same with and without a cache. The cache
-also remembers, per row, how many slots it has filled (`lengths`), which keys are padding
-(left-padded batches) and how many real tokens it has seen (`n_seen`, the RoPE position of its
-next token); only its own methods change that bookkeeping.
+Offers `KVCache` and `CacheWrite`. The cache owns all of its state: the storage and each row's
+length, which is also the RoPE position of the row's next token (a row holds one sequence from
+position 0; there is no padding in it). Whoever runs a forward through the cache, the model
+(`Transformer.forward(..., kv_cache=cache)`) or the decoding fast path
+(`minillm.model.decode.Decoder`), asks it for one `CacheWrite`:
 
-Rows may be at different lengths (continuous batching: `Decoder.prefill` fills one row,
-`Decoder.step` advances rows 0..n-1 each at its own slot, `move_row` and `clear_row` free them).
-A model forward through the cache (`Transformer.forward(..., kv_cache=cache)`) moves every row
-together and needs them at one length, `pos`.
+    write = cache.append(T, rows)    # T new tokens for each row of `rows` (a range): their
+                                     # lengths grow by T now; write.positions, write.key_mask
+    keys, values = write.update(layer, k, v)   # per layer: store k, v (n, K, T, D), read all
 
-Shape legend: L layers, B batch (rows), K key/value heads, S slots (max_len), T new tokens,
-D head dim.
+`cache.rows(r0, r1)` is the same cache seen as rows r0..r1-1 only (what a model forward over
+one row's prompt takes); it holds no state of its own. The storage grows as rows and tokens
+arrive (doubling, up to `max_len` slots per row) rather than being reserved for the whole
+context up front; `reserve` sizes it exactly when the caller knows. A forward that raises
+leaves the contents of its rows undefined: clear or refill them.
+
+Shape legend: L layers, B rows, K key/value heads, S slots, T new tokens, D head dim, n rows of
+one write.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from minillm.config import ModelConfig
 
 
-class KVCache:
-    """Keys and values (L, B, K, S, D) of past tokens, preallocated to `max_len` slots per row.
+@dataclass
+class CacheWrite:
+    """Where one forward's T new tokens go in rows r0..r0+n-1, and what each of them may see.
 
-    `lengths[b]` slots of row b are filled; `key_valid` (B, S) says which keys are real (False
-    only at left padding, inside a row's filled slots); `n_seen` (B,) counts each row's real
-    tokens.
+    positions: RoPE positions, a slice while every row starts at one length, else (n, T).
+    key_mask: (n, 1, T, S) True = may attend, or None when plain causality suffices (every row
+    at one length: is_causal for a first chunk, nothing at all for T = 1).
+    """
+
+    cache: KVCache
+    r0: int
+    n: int
+    T: int
+    starts: list[int]
+    positions: slice | torch.Tensor
+    key_mask: torch.Tensor | None
+    is_causal: bool
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (n, K, T, D) at each row's next slots; return keys, values (n, K, S, D)."""
+        cache = self.cache
+        end = max(self.starts) + self.T
+        keys = cache.k[layer, self.r0 : self.r0 + self.n]  # (n, K, S_alloc, D) views
+        values = cache.v[layer, self.r0 : self.r0 + self.n]
+        if isinstance(self.positions, slice):  # every row at one length
+            start = self.starts[0]
+            keys[:, :, start : start + self.T] = k
+            values[:, :, start : start + self.T] = v
+        else:  # each row at its own slots
+            batch = torch.arange(self.n, device=k.device)[:, None]  # (n, 1)
+            keys[batch, :, self.positions] = k.transpose(1, 2)  # (n, T, K, D) at (n, T)
+            values[batch, :, self.positions] = v.transpose(1, 2)
+        return keys[:, :, :end], values[:, :, :end]
+
+
+class KVCache:
+    """Keys and values (L, B, K, S, D) of past tokens; `lengths[b]` slots of row b are filled.
+
+    `batch_size` rows exist (`add_rows` makes more); each may hold up to `max_len` tokens.
     """
 
     def __init__(
         self,
         cfg: ModelConfig,
-        batch_size: int,
-        max_len: int,
+        batch_size: int = 0,
+        max_len: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        max_len = cfg.max_seq_len if max_len is None else max_len
         if max_len > cfg.max_seq_len:
             raise ValueError(f"KV cache of {max_len} exceeds max_seq_len={cfg.max_seq_len}")
-        shape = (cfg.n_layer, batch_size, cfg.n_kv_head, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.key_valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=device)
-        self.n_seen = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.batch_size, self.max_len = batch_size, max_len
-        # Host-side: the decoder slices with these every step, and a tensor would cost a sync.
-        self.lengths = [0] * batch_size
-        self.has_padding = False  # whether any key_valid is False
-        self._step: tuple[int, int | torch.Tensor, int] | None = None  # see start_step
-        self._layers = list(zip(self.k.unbind(0), self.v.unbind(0), strict=True))
+        self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, torch.device(device), dtype
+        self.lengths: list[int] = []  # host-side: read every step, a tensor would cost a sync
+        self.k = self.v = self._empty(0, 0)
+        self.add_rows(batch_size)
+
+    def _empty(self, rows: int, slots: int) -> torch.Tensor:
+        c = self.cfg
+        shape = (c.n_layer, rows, c.n_kv_head, slots, c.head_dim)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
 
     @property
     def pos(self) -> int:
-        """The slots filled in every row; a ValueError while the rows are at different lengths."""
-        first = self.lengths[0]
-        if any(n != first for n in self.lengths):
+        """The one length of every row; a ValueError while the rows are at different lengths."""
+        if len(set(self.lengths)) > 1:
+            raise ValueError(f"the rows of this KV cache are at different lengths {self.lengths}")
+        return self.lengths[0] if self.lengths else 0
+
+    def nbytes(self) -> int:
+        """Bytes of storage held now (keys and values)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    # ------------------------------------------------------------------ storage
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Hold storage for at least `rows` rows of `slots` tokens (grows, never shrinks)."""
+        if slots > self.max_len:
             raise ValueError(
-                f"the rows of this KV cache are at different lengths {self.lengths}: a model "
-                "forward through it needs them equal (Decoder.step advances rows separately)"
+                f"KV cache of {self.max_len} tokens is full: {slots} tokens do not fit"
             )
+        _, have_rows, _, have_slots, _ = self.k.shape
+        if rows <= have_rows and slots <= have_slots:
+            return
+        # Doubling keeps the copies to O(1) per token; the slots never pass max_len.
+        rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
+        slots = min(self.max_len, max(slots, 2 * have_slots)) if slots > have_slots else have_slots
+        k, v = self._empty(rows, slots), self._empty(rows, slots)
+        k[:, :have_rows, :, :have_slots] = self.k
+        v[:, :have_rows, :, :have_slots] = self.v
+        self.k, self.v = k, v
+
+    def release(self) -> None:
+        """Free the storage of a cache whose rows are all gone (a server gone idle)."""
+        if self.lengths:
+            raise ValueError(f"{self.batch_size} rows still hold sequences")
+        self.k = self.v = self._empty(0, 0)
+
+    # ------------------------------------------------------------------ rows
+
+    def add_rows(self, n: int = 1) -> int:
+        """n new empty rows at the end; returns the index of the first."""
+        first = self.batch_size
+        self.lengths += [0] * n
         return first
 
-    def check_room(self, T: int, rows: int | None = None) -> None:
-        """ValueError unless T more tokens fit in each of the first `rows` rows (None = all)."""
-        longest = max(self.lengths[: self.batch_size if rows is None else rows], default=0)
-        if longest + T > self.max_len:
-            raise ValueError(
-                f"KV cache of {self.max_len} tokens is full: {longest + T} tokens do not fit"
-            )
-
-    def mark_keys(self, attention_mask: torch.Tensor | None, T: int) -> torch.Tensor | None:
-        """Record which of the next T keys are real (attention_mask (B, T) bool, None = all).
-
-        Returns the validity of every key so far, (B, pos + T), or None while no row has padding.
-        """
-        start = self.pos
-        new = attention_mask if attention_mask is not None else True
-        self.key_valid[:, start : start + T] = new
-        if attention_mask is not None and not bool(attention_mask.all()):
-            self.has_padding = True
-        return self.key_valid[:, : start + T] if self.has_padding else None
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, K, T, D) after the filled slots; return all keys/values (B, K, S, D).
-
-        During a `start_step` the B rows are rows 0..B-1, each storing its one token at its own
-        slot, and S is the longest row's length after the step.
-        """
-        if self._step is not None:
-            rows, slot, end = self._step
-            keys, values = self._layers[layer]  # (B, K, S, D) views, looked up once
-            if rows != self.batch_size:
-                keys, values = keys[:rows], values[:rows]
-            if isinstance(slot, int):  # every row at one length
-                keys.narrow(2, slot, 1).copy_(k)
-                values.narrow(2, slot, 1).copy_(v)
-            else:  # each row at its own slot
-                batch = torch.arange(rows, device=slot.device)
-                keys[batch, :, slot] = k[:, :, 0]
-                values[batch, :, slot] = v[:, :, 0]
-            return keys[:, :, :end], values[:, :, :end]
-        start = self.pos
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def advance(self, T: int, attention_mask: torch.Tensor | None = None) -> None:
-        """T slots of every row are now filled, and each row saw its real tokens among them."""
-        self.lengths = [n + T for n in self.lengths]
-        self.n_seen += T if attention_mask is None else attention_mask.long().sum(dim=1)
-
-    def start_step(self, rows: int) -> torch.Tensor | None:
-        """Begin a decoding step of one token for each of rows 0..rows-1, at its own slot.
-
-        The `update` calls until `end_step` store each row's key and value at that row's next
-        slot. Returns which keys each new token may see, (rows, 1, 1, S) for SDPA, or None when
-        it may see all S (the rows are at one length and unpadded).
-        """
-        self.check_room(1, rows)
-        lengths = self.lengths[:rows]
-        end = max(lengths) + 1
-        if min(lengths) == end - 1:
-            self._step = (rows, end - 1, end)
-            return self.key_valid[:rows, None, None, :end] if self.has_padding else None
-        slots = torch.tensor(lengths, device=self.k.device)  # (rows,) each row's next slot
-        self._step = (rows, slots, end)
-        filled = torch.arange(end, device=slots.device) <= slots[:, None]  # (rows, S)
-        return (filled & self.key_valid[:rows, :end])[:, None, None]
-
-    def end_step(self, done: bool = True) -> None:
-        """Rows 0..rows-1 of the step each filled one more slot with one real token (done), or
-        the step failed and the rows stay as they were (their next slots are rewritten later)."""
-        rows = self._step[0]
-        self._step = None
-        if not done:
-            return
-        for r in range(rows):
-            self.lengths[r] += 1
-        self.n_seen[:rows] += 1
-
-    def row(self, row: int) -> KVCache:
-        """A one-row KVCache viewing row `row`'s storage: a forward through it fills that row.
-
-        Its `lengths` is its own list: copy it back with `set_length` once the forward is done.
-        """
-        view = object.__new__(KVCache)
-        view.k, view.v = self.k[:, row : row + 1], self.v[:, row : row + 1]
-        view.key_valid = self.key_valid[row : row + 1]
-        view.n_seen = self.n_seen[row : row + 1]  # a view: `+=` on it updates this cache
-        view.batch_size, view.max_len = 1, self.max_len
-        view.lengths = [self.lengths[row]]
-        view.has_padding = self.has_padding
-        view._step = None
-        view._layers = list(zip(view.k.unbind(0), view.v.unbind(0), strict=True))
-        return view
-
-    def set_length(self, row: int, length: int) -> None:
-        """Row `row` has `length` slots filled (after a forward through `row(row)`)."""
-        self.lengths[row] = length
+    def pop_row(self) -> None:
+        """Drop the last row (move a row you keep into a freed index first: `move_row`)."""
+        self.lengths.pop()
 
     def clear_row(self, row: int) -> None:
-        """Empty row `row` for a new sequence (its stale keys stay, masked by its length)."""
+        """Empty row `row` for a new sequence (its stale keys stay, past its length)."""
         self.lengths[row] = 0
-        self.n_seen[row] = 0
-        self.key_valid[row] = True
 
     def move_row(self, src: int, dst: int) -> None:
-        """Move row src's sequence into row dst (compaction after dst's request left); src is
-        empty afterwards."""
+        """Copy row src's sequence into row dst (whose own is dropped); src stays as it was."""
         if src == dst:
             return
         n = self.lengths[src]
-        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
-        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.key_valid[dst] = self.key_valid[src]
-        self.n_seen[dst] = self.n_seen[src]
+        if n:
+            self.reserve(max(src, dst) + 1, n)
+            self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+            self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
-        self.clear_row(src)
 
-    def reset(self) -> None:
-        """Empty every row."""
-        self.lengths = [0] * self.batch_size
-        self.has_padding = False
-        self.key_valid.fill_(True)
-        self.n_seen.zero_()
+    def rows(self, r0: int, r1: int) -> _Rows:
+        """This cache seen as rows r0..r1-1 only, for a model forward over those rows."""
+        if not 0 <= r0 < r1 <= self.batch_size:
+            raise ValueError(f"rows {r0}..{r1 - 1} are not in this KV cache of {self.batch_size}")
+        return _Rows(self, r0, r1)
+
+    # ------------------------------------------------------------------ one forward
+
+    def append(self, T: int, rows: range | None = None) -> CacheWrite:
+        """Make room for T new tokens in each of `rows` (a range, default all): their lengths
+        grow by T now, and the returned CacheWrite places the forward's keys and values."""
+        rows = range(self.batch_size) if rows is None else rows
+        if rows.step != 1 or len(rows) == 0:
+            raise ValueError(f"a KV cache write takes a non-empty range of rows, got {rows}")
+        starts = self.lengths[rows.start : rows.stop]
+        end = max(starts) + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} tokens is full: {end} tokens do not fit")
+        self.reserve(rows.stop, end)
+        for r in rows:
+            self.lengths[r] += T
+        n = len(rows)
+        if min(starts) == starts[0] == end - T:  # every row at one length
+            start = starts[0]
+            mask = None
+            if start > 0 and T > 1:  # a chunk after cached tokens: causal from `start` on
+                q = torch.arange(start, end, device=self.device)[:, None]
+                mask = (torch.arange(end, device=self.device)[None, :] <= q)[None, None]
+            return CacheWrite(
+                self, rows.start, n, T, starts, slice(start, end), mask, start == 0 and T > 1
+            )
+        first = torch.tensor(starts, device=self.device)[:, None]  # (n, 1)
+        positions = first + torch.arange(T, device=self.device)  # (n, T)
+        mask = torch.arange(end, device=self.device)[None, None, :] <= positions[:, :, None]
+        return CacheWrite(self, rows.start, n, T, starts, positions, mask[:, None], False)
+
+
+class _Rows:
+    """Rows r0..r1-1 of a KVCache, for a forward over just them (`KVCache.rows`)."""
+
+    def __init__(self, cache: KVCache, r0: int, r1: int) -> None:
+        self.cache, self.r0, self.r1 = cache, r0, r1
+
+    @property
+    def batch_size(self) -> int:
+        return self.r1 - self.r0
+
+    def append(self, T: int) -> CacheWrite:
+        return self.cache.append(T, range(self.r0, self.r1))

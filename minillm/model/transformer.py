@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minillm.config import ModelConfig
 from minillm.model.inputs import AttentionMask, forward_inputs
-from minillm.model.kv_cache import KVCache
+from minillm.model.kv_cache import CacheWrite, KVCache
 
 # `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -144,7 +145,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: Rope,
         mask: AttentionMask,
-        kv_cache: KVCache | None = None,
+        cache: CacheWrite | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
         B, T, C = x.shape
@@ -156,8 +157,8 @@ class Attention(nn.Module):
         # SDPA takes these strided views as they are; its output is laid out (B, T, H, D) in
         # memory, so the transpose back below is free.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v)  # (B, K, S, D)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, K, S, D): the cached keys and these
         dropout = self.dropout if self.training else 0.0
         y = attention(q, k, v, mask.bool_mask, mask.is_causal, dropout)  # (B, H, T, D)
         if mask.empty_rows is not None:
@@ -210,10 +211,10 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: Rope,
         mask: AttentionMask,
-        kv_cache: KVCache | None = None,
+        cache: CacheWrite | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask, kv_cache, layer)
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache, layer)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -279,7 +280,7 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | Any | None = None,
         last_only: bool = False,
         reduction: str = "mean",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -288,23 +289,23 @@ class Transformer(nn.Module):
         attention_mask (B, T): 1 for real tokens, 0 for padding (left-padded batches).
         doc_ids (B, T): packed documents; attention stays inside a document and positions restart.
         position_ids (B, T) or (1, T): RoPE positions. Wrong shapes or dtypes: a ValueError.
-        kv_cache: continue from cached keys/values and append this call's.
+        kv_cache: continue from the cached keys/values of each row and append this call's (a
+            KVCache, or `cache.rows(r0, r1)` for some of its rows); no padding, documents or
+            position_ids with it: each row's positions continue from its length.
         last_only: compute logits for the last position only (decoding).
         reduction: "mean" or "sum" of the per-token losses.
         """
-        positions, mask = forward_inputs(
+        positions, mask, write = forward_inputs(
             idx, attention_mask, doc_ids, position_ids, kv_cache, self.cfg.max_seq_len
         )
         rope = self.rope(positions)
         x = self.drop(self.tok_emb(idx))  # (B, T, C)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            if recompute and kv_cache is None:  # non-reentrant: replays dropout's RNG exactly
+            if recompute and write is None:  # non-reentrant: replays dropout's RNG exactly
                 x = checkpoint(block, x, rope, mask, None, i, use_reentrant=False)
             else:
-                x = block(x, rope, mask, kv_cache, i)
-        if kv_cache is not None:
-            kv_cache.advance(idx.shape[1], attention_mask)
+                x = block(x, rope, mask, write, i)
         x = self.norm(x[:, -1:] if last_only else x)
         logits = F.linear(x, self.head_weight)  # (B, T, V)
         if targets is None:

@@ -1,5 +1,6 @@
 """The FastAPI app of `minillm serve`: `create_app(ckpt, name, ...)`, the endpoints over one
-`Engine` (the process that runs it is `minillm.serve.server`).
+`EngineThread` (the decoding core on its thread; the process that runs it is
+`minillm.serve.server`).
 
 Endpoints (OpenAI's shapes, see `minillm.serve.protocol` and `minillm.serve.responses`): GET
 /v1/models, GET /health, POST /v1/chat/completions, POST /v1/completions, GET / (the chat page).
@@ -23,8 +24,8 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.serve import protocol as P
-from minillm.serve.engine import Engine
 from minillm.serve.handlers import Handler
+from minillm.serve.worker import EngineThread
 
 MAX_BODY = 1 << 20  # bytes of a request body (a full context of text is far less)
 OPEN_PATHS = ("/health", "/")  # the page is static; it sends the key with its API calls
@@ -72,13 +73,7 @@ def create_app(
 ) -> FastAPI:
     """The app serving a LoadedCheckpoint as model `name`; its engine runs while the app does
     (on_stop is called once it has stopped)."""
-    engine = Engine(
-        ckpt.model,
-        ckpt.tokenizer,
-        max_batch=max_batch,
-        max_queue=max_queue,
-        vocab_limit=ckpt.tokenizer.get_vocab_size(),
-    )
+    engine = EngineThread(ckpt.model, ckpt.tokenizer, max_batch=max_batch, max_queue=max_queue)
     handler = Handler(ckpt, name, engine, max_body, api_key)
 
     @contextlib.asynccontextmanager

@@ -1,14 +1,16 @@
 """What the endpoints of `minillm serve` do with a request once it is parsed into a `Job`.
 
 Offers `Handler`: the served model's tokenizer, limits and engine; it encodes prompts, submits a
-job's choices to the engine (seeded as the CLI seeds them), and answers with the whole OpenAI
-object (`complete`) or a stream of server-sent chunks (`stream`). The model runs on the engine's
-thread, never on the event loop; events cross to the loop in batches, one wake-up per step.
+job's rows to the engine thread (the decoding core seeds them as it seeds the CLI's), and
+answers with the whole OpenAI object (`complete`) or a stream of server-sent chunks
+(`stream`). The model runs on the engine's thread, never on the event loop; events cross to
+the loop in batches, one wake-up per step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,55 +21,18 @@ from fastapi.responses import StreamingResponse
 from minillm.data.chat import chat_ids, encode_prompt
 from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
-from minillm.infer.sampling import row_seed
+from minillm.infer.engine import Event
 from minillm.serve import protocol as P
 from minillm.serve import responses as R
-from minillm.serve.engine import Choice, Engine, Event, QueueFull
 from minillm.serve.tokens import TokenText
-
-
-def _choices(job: P.Job, stop_id: int) -> list[Choice]:
-    """One Choice per (prompt, sample): choice j * n + k is sample k of prompt j.
-
-    Seeds as the CLI draws them, so that a request with `seed` gives the text the command gives
-    with `--seed`: `minillm sample` gives sample k of a prompt row_seed(seed, k) (k counting
-    earlier rows with the same prompt), `minillm chat` its first reply row_seed(seed, 0), which
-    `generate` then mixes again as its row 0."""
-    s = job.sampling
-    out, seen = [], {}
-    for j, prompt in enumerate(job.prompts):
-        for k in range(job.n):
-            seed = None
-            if s.seed is not None:
-                if job.kind == "chat":
-                    seed = row_seed(row_seed(s.seed, k), 0)
-                else:
-                    occurrence = seen.get(tuple(prompt), 0)
-                    seen[tuple(prompt)] = occurrence + 1
-                    seed = row_seed(s.seed, occurrence)
-            out.append(
-                Choice(
-                    prompt=prompt,
-                    max_tokens=s.max_tokens,
-                    temperature=s.temperature,
-                    top_k=s.top_k,
-                    top_p=s.top_p,
-                    seed=seed,
-                    stop_ids=frozenset([stop_id]),
-                    stop=s.stop,
-                    logprobs=s.logprobs,
-                    prompt_logprobs=s.logprobs if job.prompt_logprobs else None,
-                    hidden=job.hidden[j] if job.hidden else 0,
-                )
-            )
-    return out
+from minillm.serve.worker import EngineThread, QueueFull, Ticket
 
 
 class Handler:
     """The state behind the endpoints: the model's tokenizer, limits and engine."""
 
     def __init__(
-        self, ckpt: Any, name: str, engine: Engine, max_body: int, api_key: str | None
+        self, ckpt: Any, name: str, engine: EngineThread, max_body: int, api_key: str | None
     ) -> None:
         self.name, self.engine, self.max_body = name, engine, max_body
         self.api_key = api_key.encode() if api_key else None
@@ -84,10 +49,7 @@ class Handler:
             context=cfg.model.max_seq_len,
             vocab_size=self.tok.get_vocab_size(),
             max_n=engine.max_batch,
-            default_max_tokens=cfg.sample.max_new_tokens,
-            default_temperature=cfg.sample.temperature,
-            default_top_k=cfg.sample.top_k,
-            default_top_p=cfg.sample.top_p,
+            defaults=cfg.sample,
         )
         self.text = TokenText(self.tok)
         self.created = R.now()
@@ -147,7 +109,7 @@ class Handler:
         for queue, event in batch:
             queue.put_nowait(event)
 
-    def submit(self, job: P.Job) -> tuple[Any, asyncio.Queue]:
+    def submit(self, job: P.Job) -> tuple[Ticket, asyncio.Queue]:
         self._loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -155,15 +117,21 @@ class Handler:
             self._deliver(queue, event)
 
         stop_id = self.chat_ids["end"] if job.kind == "chat" and self.chat_ids else self.eot
+        params = dataclasses.replace(job.sampling, stop_ids=frozenset([stop_id]))
         try:
-            ticket = self.engine.submit(_choices(job, stop_id), sink)
+            ticket = self.engine.submit(job.prompts, params, job.n, sink)
         except QueueFull as e:
             raise P.APIError(
                 429, str(e), code="rate_limit_exceeded", type_="rate_limit_error"
             ) from None
         return ticket, queue
 
-    def cancel(self, ticket: Any) -> None:
+    @staticmethod
+    def _hidden(job: P.Job, i: int) -> int:
+        """Leading prompt ids of choice i not echoed (a text prompt's end-of-text)."""
+        return job.hidden[i // job.n] if job.hidden else 0
+
+    def cancel(self, ticket: Ticket) -> None:
         ticket.cancel()
         self.engine.wake()
 
@@ -175,7 +143,7 @@ class Handler:
     async def complete(self, request: Request, job: P.Job) -> dict[str, Any]:
         """Wait for every choice; the OpenAI object. A client gone meanwhile cancels them."""
         ticket, queue = self.submit(job)
-        n = len(ticket.choices)
+        n = len(ticket)
         texts, reasons = [""] * n, [None] * n
         tokens: list[list] = [[] for _ in range(n)]
         prompts: list[Any] = [None] * n
@@ -190,12 +158,12 @@ class Handler:
                     continue
                 if event.error is not None:
                     raise P.APIError(500, event.error, type_="server_error")
-                i = event.index
+                i = ticket.index[id(event.row)]
                 texts[i] += event.text
-                tokens[i] += event.tokens
+                tokens[i] += [event.logprob] if event.logprob is not None else []
                 if event.prompt is not None:
-                    prompts[i] = event.prompt
-                used[i] = max(used[i], event.completion_tokens)
+                    prompts[i] = event.prompt[self._hidden(job, i) :]
+                used[i] = len(event.row.tokens)
                 reasons[i] = event.finish_reason
         finally:
             self.cancel(ticket)  # a no-op for rows that finished
@@ -233,10 +201,10 @@ class Handler:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(self, job: P.Job, ticket: Any, queue: asyncio.Queue) -> AsyncIterator[str]:
+    async def _events(self, job: P.Job, ticket: Ticket, queue: asyncio.Queue) -> AsyncIterator[str]:
         chat = job.kind == "chat"
         rid, created = R.new_id("chatcmpl" if chat else "cmpl"), R.now()
-        n = len(ticket.choices)
+        n = len(ticket)
         used = [0] * n
         data = [b""] * n  # completions with logprobs: each choice's bytes so far (offsets)
         shown = [0] * n  # characters sent per choice
@@ -262,22 +230,25 @@ class Handler:
                     error = P.APIError(500, event.error, type_="server_error")
                     yield R.sse(error.body())
                     break
-                i = event.index
-                used[i] = max(used[i], event.completion_tokens)
+                i = ticket.index[id(event.row)]
+                used[i] = len(event.row.tokens)
                 lp = None
                 if job.echo and not started[i]:  # the echoed prompt first, in its own chunk
                     started[i] = True
                     echo, plp = job.prompt_texts[i // job.n], None
                     if job.sampling.logprobs is not None:
-                        plp, data[i] = self.text.completion_logprobs(event.prompt or [], 0)
+                        shown_prompt = (event.prompt or [])[self._hidden(job, i) :]
+                        plp, data[i] = self.text.completion_logprobs(shown_prompt, 0)
                     if echo or plp is not None:
                         yield chunk(i, echo, lp=plp)
                     shown[i] = len(echo)
-                if job.sampling.logprobs is not None and event.tokens:
+                if job.sampling.logprobs is not None and event.logprob is not None:
                     if chat:
-                        lp = {"content": self.text.chat_logprobs(event.tokens)}
+                        lp = {"content": self.text.chat_logprobs([event.logprob])}
                     else:
-                        lp, data[i] = self.text.completion_logprobs(event.tokens, shown[i], data[i])
+                        lp, data[i] = self.text.completion_logprobs(
+                            [event.logprob], shown[i], data[i]
+                        )
                 if event.text or lp is not None:
                     yield chunk(i, event.text, lp=lp)
                     shown[i] += len(event.text)

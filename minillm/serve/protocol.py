@@ -13,10 +13,14 @@ logit_bias, suffix, tools) are refused rather than silently dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from minillm.config.schema import SampleConfig
+from minillm.infer.engine import SamplingParams
 
 # The chat template's roles; "developer" is OpenAI's newer name for the system message.
 ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -57,31 +61,15 @@ class APIError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """What the served model and the server allow. The defaults are the run's `sample` section,
-    as `minillm sample` and `minillm chat` use them (vLLM likewise takes a model folder's
+    """What the served model and the server allow. `defaults` is the run's `sample` section,
+    as `minillm sample` and `minillm chat` use it (vLLM likewise takes a model folder's
     generation_config.json as its defaults)."""
 
     model: str
     context: int
     vocab_size: int
     max_n: int
-    default_max_tokens: int
-    default_temperature: float = 1.0
-    default_top_k: int = 0
-    default_top_p: float = 1.0
-
-
-@dataclass
-class Sampling:
-    """One request's sampling settings (the same for all of its choices)."""
-
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    stop: list[str]
-    logprobs: int | None  # top alternatives per generated token; None = no logprobs
+    defaults: SampleConfig = field(default_factory=SampleConfig)
 
 
 @dataclass
@@ -94,13 +82,12 @@ class Job:
 
     kind: str  # "chat" or "completion"
     prompts: list[list[int]]
-    sampling: Sampling
+    sampling: SamplingParams  # resolved; the same for every choice
     n: int = 1
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)
-    prompt_logprobs: bool = False  # completions: echo with logprobs
     hidden: list[int] = field(default_factory=list)  # leading ids of each prompt not echoed
 
 
@@ -149,8 +136,13 @@ def _get(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default:
     return value
 
 
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    value = float(_get(body, key, float, default))
+def _number(
+    body: dict[str, Any], key: str, default: float | None, lo: float, hi: float
+) -> float | None:
+    value = _get(body, key, float, default)
+    if value is None:
+        return None
+    value = float(value)
     if not lo <= value <= hi:
         raise _bad(key, f"must be between {lo:g} and {hi:g}, got {value:g}")
     return value
@@ -190,8 +182,9 @@ def _stop(body: dict[str, Any]) -> list[str]:
 
 def _sampling(
     body: dict[str, Any], limits: Limits, max_tokens_keys: tuple[str, ...], min_tokens: int
-) -> tuple[Sampling, int | None]:
-    """The shared sampling keys; the second value is the explicit max_tokens (None: default)."""
+) -> tuple[SamplingParams, int | None]:
+    """The shared sampling keys, an absent one from the run's defaults; the second value is the
+    explicit max_tokens (None: the default)."""
     max_tokens = None
     for key in max_tokens_keys:  # the later key wins (max_completion_tokens over max_tokens)
         value = _get(body, key, int, None)
@@ -204,24 +197,24 @@ def _sampling(
                     f"must be <= {limits.context} (the model's context length), got {value}",
                 )
             max_tokens = value
-    temperature = _number(body, "temperature", limits.default_temperature, 0.0, 2.0)
-    top_p = _number(body, "top_p", limits.default_top_p, 0.0, 1.0)
-    if top_p <= 0.0:
+    temperature = _number(body, "temperature", None, 0.0, 2.0)
+    top_p = _number(body, "top_p", None, 0.0, 1.0)
+    if top_p is not None and top_p <= 0.0:
         raise _bad("top_p", "must be > 0 (1 = off), got 0")
-    top_k = _get(body, "top_k", int, limits.default_top_k)
-    if top_k < -1:
+    top_k = _get(body, "top_k", int, None)
+    if top_k is not None and top_k < -1:
         raise _bad("top_k", f"must be >= 0 (0 or -1 = off), got {top_k}")
-    seed = _get(body, "seed", int, None)
-    sampling = Sampling(
-        max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
+    params = SamplingParams(
         temperature=temperature,
-        top_k=max(top_k, 0),
+        top_k=None if top_k is None else max(top_k, 0),
         top_p=top_p,
-        seed=seed,
-        stop=_stop(body),
-        logprobs=None,
+        seed=_get(body, "seed", int, None),
+        stop=tuple(_stop(body)),
     )
-    return sampling, max_tokens
+    params = params.resolve(limits.defaults)  # max_tokens 0 (echo only) is no CLI setting
+    if max_tokens is not None:
+        params = dataclasses.replace(params, max_new_tokens=max_tokens)
+    return params, max_tokens
 
 
 def _n(body: dict[str, Any], limits: Limits) -> int:
@@ -239,14 +232,19 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _fit(
-    sampling: Sampling, explicit: int | None, prompts: list[list[int]], limits: Limits, param: str
-) -> None:
+    sampling: SamplingParams,
+    explicit: int | None,
+    prompts: list[list[int]],
+    limits: Limits,
+    param: str,
+) -> SamplingParams:
     """A prompt plus its completion must fit the context; the default max_tokens shrinks to fit
     (but leaves at least one token to generate)."""
     longest = max(len(p) for p in prompts)
     if explicit is None:
-        sampling.max_tokens = min(sampling.max_tokens, limits.context - longest)
-        completion = max(sampling.max_tokens, 1)
+        fits = min(sampling.max_new_tokens, limits.context - longest)
+        sampling = dataclasses.replace(sampling, max_new_tokens=fits)
+        completion = max(fits, 1)
     else:
         completion = explicit
     if longest + completion > limits.context:
@@ -259,6 +257,7 @@ def _fit(
             param=param,
             code="context_length_exceeded",
         )
+    return sampling
 
 
 # ----------------------------------------------------------------------------- the two requests
@@ -313,13 +312,13 @@ def parse_chat(body: dict[str, Any], limits: Limits, encode: Any) -> Job:
         top = _get(body, "top_logprobs", int, 0)
         if not 0 <= top <= MAX_LOGPROBS:
             raise _bad("top_logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {top}")
-        sampling.logprobs = top
+        sampling = dataclasses.replace(sampling, logprobs=top)
     elif body.get("top_logprobs") is not None:
         raise _bad("top_logprobs", "only with logprobs: true")
     n = _n(body, limits)
     stream, include_usage = _stream(body)
     prompt = encode(messages)
-    _fit(sampling, explicit, [prompt], limits, "messages")
+    sampling = _fit(sampling, explicit, [prompt], limits, "messages")
     return Job("chat", [prompt], sampling, n=n, stream=stream, include_usage=include_usage)
 
 
@@ -381,10 +380,11 @@ def parse_completion(body: dict[str, Any], limits: Limits, encode: Any, decode: 
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise _bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
-    sampling.logprobs = logprobs
     echo = _get(body, "echo", bool, False)
+    prompt_logprobs = logprobs if echo else None
+    sampling = dataclasses.replace(sampling, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     stream, include_usage = _stream(body)
-    _fit(sampling, explicit, prompts, limits, "prompt")
+    sampling = _fit(sampling, explicit, prompts, limits, "prompt")
     return Job(
         "completion",
         prompts,
@@ -394,6 +394,5 @@ def parse_completion(body: dict[str, Any], limits: Limits, encode: Any, decode: 
         include_usage=include_usage,
         echo=echo,
         prompt_texts=texts,
-        prompt_logprobs=echo and logprobs is not None,
         hidden=hidden,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from minillm.serve.engine import TokenLogprob
+from minillm.infer.engine import TokenLogprob
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,7 +25,8 @@ from minillm.config import Config
 from minillm.data.chat import chat_ids
 from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.errors import UserError, warn
-from minillm.infer.generate import encode_prompts, generate
+from minillm.infer.engine import SamplingParams, generate
+from minillm.infer.sample import encode_prompts
 from minillm.infer.task_format import Task, read_tasks
 from minillm.infer.task_scoring import (
     encode_multiple_choice,
@@ -148,17 +149,15 @@ class TrainingProbes:
             for kind, temperature in (("greedy", 0.0), ("sampled", sc.temperature)):
                 if kind == "sampled" and temperature == 0.0:
                     continue  # sample.temperature 0 is greedy: nothing new to show
-                new = generate(
-                    model,
-                    self.prompts,
-                    max_new_tokens=tc.sample_max_new_tokens,
-                    temperature=temperature,
-                    top_k=sc.top_k,
-                    top_p=sc.top_p,
+                params = SamplingParams(
+                    tc.sample_max_new_tokens,
+                    temperature,
+                    sc.top_k,
+                    sc.top_p,
                     seed=tc.seed,
-                    eot_id=eot,
-                    vocab_limit=vocab,
+                    stop_ids=frozenset([eot]),
                 )
+                new = generate(model, self.prompts, params, vocab_limit=vocab)
                 texts[kind] = [self.tokenizer.decode(ids) for ids in new]
         finally:
             model.train(was_training)
