@@ -2,6 +2,7 @@
 
 Modules: `store` (atomic checkpoints, integrity-checked loading, latest/best, `load_checkpoint`),
 `rundir` (the run lock), `hf_folder` (export to and import from a Hugging Face Llama folder:
-`minillm export` and `train.init_from`) and `gguf_file` (`minillm export --format gguf`: a
-llama.cpp GGUF file and an Ollama Modelfile). Where a run resumes is minillm.train.resume's policy.
+`minillm export`, `train.init_from` and `--ckpt`), `weights` (`load_weights_into`) and
+`gguf_file` (`minillm export --format gguf`: a llama.cpp GGUF file and an Ollama Modelfile).
+Where a run resumes is minillm.train.resume's policy.
 """

@@ -1,15 +1,20 @@
-"""Hugging Face Llama folders: export a checkpoint as one, and import one as our config + weights.
+"""Hugging Face Llama folders: export a checkpoint as one, and read one as our config + weights.
 
 Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs), `hf_tokenizer_config`,
-`generation_config` and `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)`
-(what `train.init_from: DIR` uses). Parameter names and the config mapping live in
-minillm/model/hf_names.py.
+`generation_config`, `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)`
+(what `train.init_from: DIR` uses) and `read_hf_checkpoint(dir) -> (Config, state_dict,
+Tokenizer)` (what `--ckpt DIR` loads, through `minillm.checkpoint.store.load_checkpoint`).
+Parameter names and the config mapping live in minillm/model/hf_names.py.
 
 An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. With the chat tokens,
 tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids)
 and generation stops at `<|end|>` as well as at end-of-text.
+
+A folder is read only where minillm computes what transformers would: a LlamaForCausalLM without
+RoPE scaling or biases (hf_names says which key is not), and a byte-level BPE tokenizer with
+`<|endoftext|>`; anything else is one CheckpointError or ConfigError naming the file and the key.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minillm.checkpoint.store import load_weights_into
-from minillm.config import ModelConfig, SampleConfig
-from minillm.errors import CheckpointError, UserError
+from minillm.checkpoint.weights import load_weights_into
+from minillm.config import Config, DataConfig, ModelConfig, SampleConfig, TrainConfig
+from minillm.errors import CheckpointError, ConfigError, UserError
 from minillm.model.hf_names import (
     from_hf_state_dict,
     hf_config_dict,
@@ -35,12 +40,15 @@ from minillm.model.hf_names import (
 from minillm.runtime.files import commit_dir, save_safetensors
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from minillm.checkpoint.store import LoadedCheckpoint
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+GENERATION_FILE = "generation_config.json"
 
 # ----------------------------------------------------------------------------- export
 
@@ -187,17 +195,21 @@ def export_checkpoint(ckpt: LoadedCheckpoint, out: str | Path, force: bool = Fal
 # ----------------------------------------------------------------------------- import
 
 
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return obj
+
+
 def _read_hf_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {CONFIG_FILE}; not a Hugging Face model folder")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e})") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return hf  # model_config_from_hf checks that it is a Llama
+    return _read_json_object(path)  # model_config_from_hf checks that it is a Llama
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -240,8 +252,6 @@ def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def hf_model_config(folder: str | Path) -> ModelConfig:
     """Our ModelConfig from an HF Llama folder's config.json alone (no weights read)."""
-    from minillm.errors import ConfigError
-
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such folder")
@@ -293,3 +303,110 @@ def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.T
         warnings.filterwarnings("ignore", message=".*meta parameter.*")
         load_weights_into(skeleton, state, where)
     return cfg, state, tokenizer
+
+
+# ----------------------------------------------------------------------------- --ckpt
+
+# eval's default batch over a folder, which has no train.batch_size of its own: as many windows
+# of the model's context as the default config's batch holds tokens (8 x 256), at least one.
+EVAL_BATCH_TOKENS = 2048
+
+
+def _kinds(node: Any, children: str) -> list[str]:
+    """The types of a tokenizer.json component, a Sequence's parts in order (none: [])."""
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "Sequence":
+        return [k for part in node.get(children) or [] for k in _kinds(part, children)]
+    return [str(node.get("type"))]
+
+
+def check_hf_tokenizer(tok: Tokenizer, path: Path) -> None:
+    """CheckpointError unless minillm applies `tok` as transformers does: a byte-level BPE (what
+    minillm trains; `serve` and the GGUF export read a token's bytes through GPT-2's byte
+    alphabet) that has `<|endoftext|>`, which starts every document minillm samples or scores."""
+    from minillm.data.tokenizer import EOT, special_tokens
+
+    spec = json.loads(tok.to_str())
+    model = (spec.get("model") or {}).get("type")
+    if model != "BPE":
+        raise CheckpointError(
+            f"{path}: model: a {model} tokenizer; minillm applies only byte-level BPE ones"
+        )
+    for key, children in (("pre_tokenizer", "pretokenizers"), ("decoder", "decoders")):
+        kinds = _kinds(spec.get(key), children)
+        if "ByteLevel" not in kinds:
+            raise CheckpointError(
+                f"{path}: {key}: {' + '.join(kinds) or 'none'}, not ByteLevel: a BPE that is not "
+                "byte-level (sentencepiece style); minillm applies only byte-level BPE tokenizers"
+            )
+    if tok.token_to_id(EOT) is None:
+        specials = special_tokens(tok)
+        shown = ", ".join(specials[:6]) + (" ..." if len(specials) > 6 else "")
+        raise CheckpointError(
+            f"{path}: no {EOT} token, which minillm puts before every document it samples or "
+            f"scores (this tokenizer's special tokens: {shown or 'none'})"
+        )
+
+
+def _sample_config(folder: Path) -> SampleConfig:
+    """The `sample` defaults of a folder: its generation_config.json as transformers' generate
+    reads it (greedy unless do_sample; then temperature 1, top_k 50, top_p 1 where unset), or
+    minillm's defaults where it has none. An exported folder so keeps its run's defaults."""
+    path = folder / GENERATION_FILE
+    if not path.is_file():
+        return SampleConfig()
+    gen = _read_json_object(path)
+    values: dict[str, Any] = {}
+    if gen.get("max_new_tokens") is not None:
+        values["max_new_tokens"] = gen["max_new_tokens"]
+    if gen.get("do_sample"):
+        for key, hf_default in (("temperature", 1.0), ("top_k", 50), ("top_p", 1.0)):
+            values[key] = hf_default if gen.get(key) is None else gen[key]
+    else:
+        values["temperature"] = 0.0
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CheckpointError(f"{path}: {key}: {value!r} is not a number")
+    values = {
+        k: (int(v) if k in ("max_new_tokens", "top_k") else float(v)) for k, v in values.items()
+    }
+    try:
+        return SampleConfig(**values)
+    except ConfigError as e:
+        e.file = str(path)
+        raise
+
+
+def read_hf_checkpoint(folder: str | Path) -> tuple[Config, dict[str, torch.Tensor], Tokenizer]:
+    """What `--ckpt FOLDER` loads from a Hugging Face Llama folder: a config (its model; the
+    `sample` defaults of generation_config.json; train.seq_len its whole context, so `eval`
+    scores windows as long as the model reads; data.out_dir the folder, which holds no shards),
+    the float32 state_dict and the tokenizer, each checked before the weights are read."""
+    from minillm.data.tokenizer import load_tokenizer
+
+    folder = Path(folder)
+    model = hf_model_config(folder)
+    tok_path = folder / TOKENIZER_FILE
+    if not tok_path.is_file():
+        raise CheckpointError(
+            f"{folder}: no {TOKENIZER_FILE} (minillm needs the fast tokenizer file of the model)"
+        )
+    try:
+        tokenizer = load_tokenizer(tok_path)  # literal "<|endoftext|>" in text stays text
+    except UserError as e:
+        raise CheckpointError(f"{tok_path}: cannot load the tokenizer ({e})") from None
+    check_hf_tokenizer(tokenizer, tok_path)
+    sample = _sample_config(folder)
+    try:
+        data = DataConfig(
+            vocab_size=tokenizer.get_vocab_size(), tokenizer=str(tok_path), out_dir=str(folder)
+        )
+        batch = max(1, EVAL_BATCH_TOKENS // model.max_seq_len)
+        config = Config(
+            model, data, TrainConfig(seq_len=model.max_seq_len, batch_size=batch), sample
+        )
+    except ConfigError as e:  # a tokenizer too small for a byte-level BPE or larger than the model
+        raise CheckpointError(f"{tok_path}: does not fit {CONFIG_FILE} ({e})") from None
+    _, state, _ = import_hf_folder(folder)
+    return config, state, tokenizer

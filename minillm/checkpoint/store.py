@@ -3,7 +3,8 @@
 Offers `save_checkpoint`, `find_latest`, `resolve_checkpoint`, `verify_checkpoint`,
 `load_model_state`, `load_trainer_state`, `read_state`, `check_model_config` (state.json's
 model config against the one stored with the weights), `load_checkpoint` (config + model +
-tokenizer from a checkpoint alone) and `CheckpointError`.
+tokenizer from a checkpoint alone, or from a Hugging Face folder: `is_hf_folder`),
+`load_weights_into` (from minillm.checkpoint.weights) and `CheckpointError`.
 
 Layout (docs/design.md, "Run directory and checkpoints"):
     <run>/checkpoints/step_000500/  model.safetensors, trainer_state.pt, tokenizer.json, state.json
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minillm.checkpoint.weights import load_weights_into
 from minillm.errors import CheckpointError, UserError, warn
 from minillm.runtime.files import (
     atomic_write_json,
@@ -50,6 +52,7 @@ MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer_state.pt"
 STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "config.json"  # a Hugging Face folder's (minillm.checkpoint.hf_folder)
 FORMAT_VERSION = 1
 CONFIG_KEY = "minillm.model_config"  # safetensors metadata: the model config, JSON
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -252,6 +255,18 @@ def resolve_checkpoint(path: str | Path, verify: bool = True, best: bool = False
         raise CheckpointError(f"{path}: no checkpoint yet{_training_note(path)}")
     raise CheckpointError(
         f"{path}: not a minillm run directory (no {CKPT_DIR}/) nor a checkpoint (no {STATE_FILE})"
+        f" nor a Hugging Face model folder (no {HF_CONFIG_FILE})"
+    )
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """Whether `--ckpt` names a Hugging Face model folder: a config.json, and neither a run's
+    checkpoints/ nor a checkpoint's state.json (a minillm run or checkpoint is read as one)."""
+    p = Path(path)
+    return (
+        (p / HF_CONFIG_FILE).is_file()
+        and not (p / CKPT_DIR).is_dir()
+        and not (p / STATE_FILE).is_file()
     )
 
 
@@ -370,30 +385,6 @@ def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: refused or unreadable trainer state ({first})") from None
 
 
-def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """load_state_dict with errors that name the missing, unexpected and mis-shaped tensors."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
-        for k in own
-        if k in state and state[k].shape != own[k].shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    if unexpected:
-        extra = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
-        problems.append(f"unexpected {extra}")
-    if shapes:
-        problems.append(f"shape mismatch {', '.join(shapes[:3])}")
-    if problems:
-        raise CheckpointError(f"{where}: weights do not fit the model: {'; '.join(problems)}")
-    with torch.no_grad():
-        model.load_state_dict(state, strict=True)
-
-
 @dataclass
 class LoadedCheckpoint:
     """Everything `eval`, `sample` and `export` need, rebuilt from a checkpoint alone."""
@@ -403,22 +394,36 @@ class LoadedCheckpoint:
     model: torch.nn.Module
     tokenizer: Tokenizer
     state: dict[str, Any]
+    hf_folder: bool = False  # a Hugging Face folder: no run, no validation shards, no state.json
 
 
 def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu", verify: bool = True, best: bool = False
 ) -> LoadedCheckpoint:
-    """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run or a checkpoint).
+    """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run, a checkpoint or a
+    Hugging Face Llama folder).
 
     A run directory gives its newest intact checkpoint (a damaged newer one is skipped with a
     warning naming both, as `train` resumes), `best` the one BEST names; a checkpoint folder
-    named explicitly that fails its check is an error. Each file is hashed once, here.
+    named explicitly that fails its check is an error. Each file is hashed once, here. A Hugging
+    Face folder is read by minillm.checkpoint.hf_folder, which refuses what minillm would not
+    compute as transformers does (another architecture, RoPE scaling, another tokenizer kind).
     """
-    from minillm.config import config_from_dict
+    from minillm.config import config_from_dict, config_to_dict
     from minillm.data.tokenizer import load_tokenizer
     from minillm.errors import ConfigError
-    from minillm.model import Transformer
 
+    if is_hf_folder(path):
+        from minillm.checkpoint.hf_folder import read_hf_checkpoint
+
+        if best:
+            raise CheckpointError(
+                f"{path}: --best takes a run directory, not a Hugging Face folder"
+            )
+        cfg, weights, tokenizer = read_hf_checkpoint(path)
+        model = _model_from(cfg, weights, str(path), device)
+        state = {"config": config_to_dict(cfg)}
+        return LoadedCheckpoint(Path(path), cfg, model, tokenizer, state, hf_folder=True)
     ckpt = resolve_checkpoint(path, verify=verify, best=best)
     state = read_state(ckpt)
     check_model_config(ckpt, state)
@@ -426,9 +431,7 @@ def load_checkpoint(
         cfg = config_from_dict(state["config"], file=str(ckpt / STATE_FILE))
     except ConfigError as e:
         raise CheckpointError(f"{ckpt / STATE_FILE}: its config is invalid: {e}") from None
-    model = Transformer(cfg.model)
-    load_weights_into(model, load_model_state(ckpt), str(ckpt / MODEL_FILE))
-    model.to(device).eval()
+    model = _model_from(cfg, load_model_state(ckpt), str(ckpt / MODEL_FILE), device)
     tok_path = ckpt / TOKENIZER_FILE
     if not tok_path.is_file():
         tok_path = ckpt.parent.parent / TOKENIZER_FILE
@@ -436,9 +439,24 @@ def load_checkpoint(
         tokenizer = load_tokenizer(tok_path)  # literal "<|endoftext|>" in text stays text
     except UserError as e:
         raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
+    _check_vocab(tokenizer, cfg, tok_path)
+    return LoadedCheckpoint(ckpt, cfg, model, tokenizer, state)
+
+
+def _model_from(
+    cfg: Config, weights: dict[str, torch.Tensor], where: str, device: str | torch.device
+) -> torch.nn.Module:
+    """The Transformer of `cfg` holding `weights`, on `device`, in eval mode."""
+    from minillm.model import Transformer
+
+    model = Transformer(cfg.model)
+    load_weights_into(model, weights, where)
+    return model.to(device).eval()
+
+
+def _check_vocab(tokenizer: Tokenizer, cfg: Config, tok_path: Path) -> None:
     if tokenizer.get_vocab_size() > cfg.model.vocab_size:
         raise CheckpointError(
             f"{tok_path}: tokenizer has {tokenizer.get_vocab_size()} tokens, more than "
             f"model.vocab_size={cfg.model.vocab_size}"
         )
-    return LoadedCheckpoint(ckpt, cfg, model, tokenizer, state)

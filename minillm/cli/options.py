@@ -1,12 +1,14 @@
 """The options several `minillm` commands share, and the two loads they feed.
 
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
-`load_config`); `CkptOption`, `BestOption` and `DeviceOption` (a checkpoint on a device, read by
-`load_ckpt`); `TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
+`load_config`); `CkptOption`, `BestOption` and `DeviceOption` (a checkpoint or a Hugging Face
+folder on a device, read by `load_ckpt`); `TemperatureOption`, `TopKOption` and `TopPOption`
+(`sample` and `chat`).
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,25 @@ SetOption = typer.Option(
 )
 ConfigArgument = typer.Argument(..., metavar="CONFIG", help="The YAML config.", show_default=False)
 
+# The running command's context, which --ckpt's callback keeps so that `load_ckpt` can say what
+# a Hugging Face folder lacks for it (by the time the command loads, every option is parsed).
+_ckpt_command: ContextVar[typer.Context | None] = ContextVar("ckpt_command", default=None)
+
+
+def _remember_command(ctx: typer.Context, value: Path) -> Path:
+    _ckpt_command.set(ctx)
+    ctx.call_on_close(lambda: _ckpt_command.set(None))
+    return value
+
+
 CkptOption = typer.Option(
     ...,
     "--ckpt",
     metavar="PATH",
-    help="A run directory (its newest intact checkpoint), one checkpoint folder, or a run's "
-    "checkpoints/LATEST or checkpoints/BEST.",
+    help="A run directory (its newest intact checkpoint), one checkpoint folder, a run's "
+    "checkpoints/LATEST or checkpoints/BEST, or a Hugging Face LlamaForCausalLM folder "
+    "(config.json, safetensors, tokenizer.json).",
+    callback=_remember_command,
 )
 BestOption = typer.Option(
     False, "--best", help="With a run directory: its best checkpoint (lowest val loss)."
@@ -61,8 +76,43 @@ def load_config(path: Path, overrides: list[str] | None, require_model: bool = T
 
 
 def load_ckpt(ckpt: Path, device: str, best: bool = False) -> Any:
-    """--ckpt (with --best) loaded on --device (a user error: exit 2)."""
-    from minillm.checkpoint.store import load_checkpoint
+    """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
+    Hugging Face Llama folder, which the command it is given to is first checked to suit."""
+    from minillm.checkpoint.store import is_hf_folder, load_checkpoint
     from minillm.runtime.device import resolve_device
 
+    if is_hf_folder(ckpt):
+        run(_check_hf_folder_use, ckpt, _ckpt_command.get())
     return run(load_checkpoint, ckpt, run(resolve_device, device, "--device"), best=best)
+
+
+def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:
+    """What the running command needs that a Hugging Face folder lacks, said before the (slow)
+    load: `eval` without --data or --task would read the run's validation shards, and a folder
+    has none; `chat` needs minillm's chat tokens, which a folder from elsewhere lacks."""
+    from minillm.errors import UserError
+
+    if ctx is None:
+        return
+    command, params = ctx.command.name, ctx.params
+    if command == "eval" and params.get("data") is None and not params.get("task"):
+        raise UserError(
+            f"{folder}: --data: a Hugging Face folder has no validation shards to evaluate; "
+            "pass --data FILE (text or a dataset file) or --task FILE"
+        )
+    if command == "chat":
+        from tokenizers import Tokenizer
+
+        from minillm.data.tokenizer import CHAT_TOKENS
+
+        try:
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception:  # missing or unreadable: the load says so, naming the file
+            return
+        missing = [t for t in CHAT_TOKENS if tok.token_to_id(t) is None]
+        if missing:
+            raise UserError(
+                f"{folder / 'tokenizer.json'}: no {', '.join(missing)}: `minillm chat` talks in "
+                "minillm's chat template, which this model's tokenizer does not have; "
+                "`minillm sample` continues text"
+            )

@@ -62,7 +62,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         raise ConfigError(
             "model_type",
             f"a {hf.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}), "
-            "not LlamaForCausalLM; only Llama folders can be imported",
+            "not LlamaForCausalLM, the only architecture minillm reads",
             where,
         )
     for key, ok in (
@@ -72,8 +72,12 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     ):
         if hf.get(key, ok) != ok:
             raise ConfigError(key, f"{hf[key]!r} is not supported (minillm needs {ok!r})", where)
-    if hf.get("rope_scaling"):
-        raise ConfigError("rope_scaling", "RoPE scaling is not supported", where)
+    scaling = hf.get("rope_scaling")
+    if scaling:  # minillm computes plain RoPE; a scaled one would give other logits
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        raise ConfigError(
+            "rope_scaling", f"rope_type {kind!r} (RoPE scaling) is not supported", where
+        )
     rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
     if rope_type != "default":  # transformers >= 5 moved RoPE scaling into rope_parameters
         raise ConfigError(

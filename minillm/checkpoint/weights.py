@@ -1,0 +1,36 @@
+"""Weights into a model, with errors that name the tensors at fault.
+
+Offers `load_weights_into`, what a minillm checkpoint, a Hugging Face folder (`--ckpt`,
+`train.init_from`) and the trainer's `init_from` all load through. It lives apart from `store` and
+`hf_folder` so that each can use it without the two importing each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minillm.errors import CheckpointError
+
+
+def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """load_state_dict with errors that name the missing, unexpected and mis-shaped tensors."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in state and state[k].shape != own[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        extra = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+        problems.append(f"unexpected {extra}")
+    if shapes:
+        problems.append(f"shape mismatch {', '.join(shapes[:3])}")
+    if problems:
+        raise CheckpointError(f"{where}: weights do not fit the model: {'; '.join(problems)}")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=True)
