@@ -49,7 +49,7 @@ import torch
 from minillm.checkpoint.store import load_checkpoint, load_trainer_state
 from minillm.config import Config, load_config
 from minillm.data.meta import load_meta
-from minillm.data.shard_writer import write_shards
+from minillm.data.tokenize_pass import write_shards
 from minillm.errors import UserError
 from minillm.infer.evaluate import evaluate_checkpoint
 from minillm.train.ema import WeightEMA

@@ -92,7 +92,7 @@ def child(source: str, out_dir: str, tokenizer: str, keys: str) -> None:
     """One pipeline run in this (fresh) process; prints its MB/s and peak RSS as JSON."""
     import datasets  # noqa: F401 - imported before the clock starts: an import is no throughput
 
-    from minillm.data.shard_writer import write_shards as prepare_data
+    from minillm.data.tokenize_pass import write_shards as prepare_data
 
     worker_peak = [0.0]  # the largest VmRSS seen in a child process (a worker), in MB
     watching = threading.Event()
@@ -149,7 +149,7 @@ def run_child(source: Path, out_dir: Path, tokenizer: Path, keys: dict) -> dict:
 
 
 def raw_mb_per_s(tok: object, docs: list[str], fast: bool) -> float:
-    from minillm.data.shard_writer import BATCH_CHARS
+    from minillm.data.encode_batches import BATCH_CHARS
 
     batches, batch, chars = [], [], 0
     for doc in docs:

@@ -44,7 +44,7 @@ def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
 
 def prepared_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     """tiny_config with its corpus written and tokenized."""
-    from minillm.data.shard_writer import write_shards
+    from minillm.data.tokenize_pass import write_shards
 
     text = SHAKESPEARE.read_text(encoding="utf-8")[:60_000]
     (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")

@@ -22,7 +22,7 @@ from minillm.data.batches import (
 )
 from minillm.data.chat import chat_ids, check_messages, encode_conversation, encode_prompt
 from minillm.data.meta import load_meta, open_mask, open_split
-from minillm.data.shard_writer import write_shards
+from minillm.data.tokenize_pass import write_shards
 from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer

@@ -25,17 +25,18 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import Config, config_from_dict
-from minillm.data import shard_staging as staging_mod
-from minillm.data import shard_writer as shards_mod
+from minillm.data import encode_batches as batches_mod
 from minillm.data import text as text_mod
+from minillm.data import tokenize_pass as pass_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import MicroBatch, eval_batches, train_batch
 from minillm.data.corpus import val_mask
 from minillm.data.meta import load_meta, open_split, shard_dtype
-from minillm.data.shard_writer import write_shards
+from minillm.data.shard_writer import ShardWriter
 from minillm.data.sources import _looks_like_hub, open_corpus
 from minillm.data.table import TableCorpus
 from minillm.data.text import is_cut, read_text_blocks, split_pieces
+from minillm.data.tokenize_pass import write_shards
 from minillm.data.tokenizer import load_tokenizer, train_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.runtime import progress as progress_mod
@@ -348,7 +349,7 @@ def test_shard_dtype_switches_above_65536() -> None:
 def test_uint32_shards_hold_the_same_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = str(write_text(tmp_path / "s.txt", EXCERPT))
     write_shards(make_cfg(tmp_path, source=src, out_dir=str(tmp_path / "a")))
-    monkeypatch.setattr(shards_mod, "shard_dtype", lambda vocab_size: "uint32")
+    monkeypatch.setattr(pass_mod, "shard_dtype", lambda vocab_size: "uint32")
     write_shards(make_cfg(tmp_path, source=src, out_dir=str(tmp_path / "b")))
     assert load_meta(tmp_path / "b")["dtype"] == "uint32"
     assert (tmp_path / "b" / "train_000000.bin").stat().st_size == 2 * (
@@ -367,7 +368,7 @@ def test_interrupted_run_keeps_previous_shards(
     write_shards(make_cfg(tmp_path, source=src))
     out = tmp_path / "tokens"
     before, train = hashes(out), open_split(out, "train").copy()
-    real_write, calls = staging_mod.ShardWriter.write, []
+    real_write, calls = ShardWriter.write, []
 
     def failing_write(self: Any, ids: np.ndarray) -> None:
         calls.append(1)
@@ -375,8 +376,8 @@ def test_interrupted_run_keeps_previous_shards(
             raise error
         real_write(self, ids)
 
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 1000)  # many writes
-    monkeypatch.setattr(staging_mod.ShardWriter, "write", failing_write)
+    monkeypatch.setattr(batches_mod, "BATCH_CHARS", 1000)  # many writes
+    monkeypatch.setattr(ShardWriter, "write", failing_write)
     with pytest.raises(type(error)):
         write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     assert hashes(out) == before  # tokenizer, shards and meta untouched, no temporary left
@@ -416,7 +417,7 @@ def test_full_disk_is_one_line_and_keeps_previous_shards(
     def full(self: Any, ids: np.ndarray) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(staging_mod.ShardWriter, "write", full)
+    monkeypatch.setattr(ShardWriter, "write", full)
     with pytest.raises(UserError, match="No space left on device"):
         write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     assert hashes(out) == before
@@ -535,9 +536,9 @@ def test_progress_ends_at_its_total(
             seen[self.description] = (self.done, self.total, self.nbytes)
             super().close()
 
-    monkeypatch.setattr(shards_mod, "Progress", Recording)
+    monkeypatch.setattr(pass_mod, "Progress", Recording)
     monkeypatch.setattr(tokenizer_train_mod, "Progress", Recording)
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 5000)
+    monkeypatch.setattr(batches_mod, "BATCH_CHARS", 5000)
     if fmt == "txt":
         src = str(write_text(tmp_path / "s.txt", EXCERPT))
     else:

@@ -23,13 +23,14 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import Config, config_from_dict
+from minillm.data import encode_batches as batches_mod
 from minillm.data import shard_staging as staging_mod
-from minillm.data import shard_writer as shards_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.batches import eval_batches, train_batch
 from minillm.data.meta import load_meta, open_mask, open_split
 from minillm.data.shard_reader import ShardedArray
-from minillm.data.shard_writer import write_shards
+from minillm.data.shard_writer import ShardWriter
+from minillm.data.tokenize_pass import write_shards
 from minillm.errors import ConfigError, UserError
 from tests.test_chat import chat_rows, write_jsonl
 
@@ -43,7 +44,7 @@ def _small_steps(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
     import datasets.config
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.getbasetemp() / "hf")
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(batches_mod, "BATCH_CHARS", 4000)
     monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
 
 
@@ -72,7 +73,7 @@ def files(folder: Path) -> dict[str, bytes]:
 
 def interrupt_after(monkeypatch: pytest.MonkeyPatch, calls: int, error: BaseException) -> None:
     """Make the `calls`+1-th shard write raise `error` (Ctrl-C, or anything else)."""
-    real, seen = staging_mod.ShardWriter.write, []
+    real, seen = ShardWriter.write, []
 
     def write(self: Any, ids: np.ndarray) -> None:
         seen.append(1)
@@ -80,18 +81,18 @@ def interrupt_after(monkeypatch: pytest.MonkeyPatch, calls: int, error: BaseExce
             raise error
         real(self, ids)
 
-    monkeypatch.setattr(staging_mod.ShardWriter, "write", write)
+    monkeypatch.setattr(ShardWriter, "write", write)
 
 
 def count_writes(monkeypatch: pytest.MonkeyPatch, cfg: Config) -> int:
-    real, seen = staging_mod.ShardWriter.write, []
+    real, seen = ShardWriter.write, []
 
     def write(self: Any, ids: np.ndarray) -> None:
         seen.append(1)
         real(self, ids)
 
     with monkeypatch.context() as m:
-        m.setattr(staging_mod.ShardWriter, "write", write)
+        m.setattr(ShardWriter, "write", write)
         write_shards(cfg)
     return len(seen)
 
@@ -267,11 +268,11 @@ def test_workers_start_only_for_a_corpus_of_more_than_one_batch(
         return real(n, **kw)
 
     monkeypatch.setattr(encode_pool, "ProcessPoolExecutor", spy)
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 10**9)  # every split: one batch
+    monkeypatch.setattr(batches_mod, "BATCH_CHARS", 10**9)  # every split: one batch
     monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 10**9)
     write_shards(cfg_with(tmp_path, "one", num_proc=2))
     assert started == []
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(batches_mod, "BATCH_CHARS", 4000)
     write_shards(
         cfg_with(tmp_path, "many", num_proc=2, tokenizer=str(tmp_path / "one" / "tokenizer.json"))
     )
@@ -295,7 +296,7 @@ def test_a_dead_worker_is_one_error_line_and_the_pass_resumes(
     write_shards(cfg_with(tmp_path, "straight", num_proc=2, shard_tokens=1500))
     cfg = cfg_with(tmp_path, "died", num_proc=2, shard_tokens=1500)
     with monkeypatch.context() as m:
-        m.setattr(shards_mod, "encode_text", _die_at_document_18)
+        m.setattr(batches_mod, "encode_text", _die_at_document_18)
         with pytest.raises(UserError, match="an encoding worker process died"):
             write_shards(cfg)
     assert json.loads((tmp_path / "died" / ".partial" / "state.json").read_text())["documents"]
@@ -313,12 +314,14 @@ import sys
 sys.path.insert(0, {str(ROOT)!r})
 print("started", flush=True)
 from minillm.config import config_from_dict
-from minillm.data import shard_writer as shards
-shards.BATCH_CHARS = 4000
+from minillm.data import encode_batches, tokenize_pass
+encode_batches.BATCH_CHARS = 4000
 data = {{"source": {str(corpus(tmp_path))!r}, "vocab_size": 300, "num_proc": 2,
         "out_dir": {str(tmp_path / "out")!r}}}
 model = {{"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 64}}
-shards.write_shards(config_from_dict({{"model": model, "data": data, "train": {{"seq_len": 32}}}}))
+tokenize_pass.write_shards(
+    config_from_dict({{"model": model, "data": data, "train": {{"seq_len": 32}}}})
+)
 """,
         encoding="utf-8",
     )
@@ -439,20 +442,21 @@ sys.path.insert(0, {str(ROOT)!r})
 import datasets.config
 datasets.config.HF_DATASETS_CACHE = {str(tmp_path / "hf")!r}
 from minillm.config import config_from_dict
-from minillm.data import shard_staging as staging, shard_writer as shards
-shards.BATCH_CHARS, staging.CHECKPOINT_BYTES = 4000, 20_000
-real, n = staging.ShardWriter.write, [0]
+from minillm.data import encode_batches, shard_staging as staging, tokenize_pass
+from minillm.data.shard_writer import ShardWriter
+encode_batches.BATCH_CHARS, staging.CHECKPOINT_BYTES = 4000, 20_000
+real, n = ShardWriter.write, [0]
 def write(self, ids):
     n[0] += 1
     if n[0] > {at}:
         os.kill(os.getpid(), signal.SIGKILL)
     real(self, ids)
-staging.ShardWriter.write = write
+ShardWriter.write = write
 data = {{"source": {str(corpus(tmp_path))!r}, "vocab_size": 300, "shard_tokens": 1500,
         "out_dir": {str(tmp_path / "killed")!r}}}
 model = {{"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 64}}
 train = {{"seq_len": 32}}
-shards.write_shards(config_from_dict({{"model": model, "data": data, "train": train}}))
+tokenize_pass.write_shards(config_from_dict({{"model": model, "data": data, "train": train}}))
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=120)
     assert proc.returncode == -signal.SIGKILL

@@ -18,13 +18,13 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import Config, config_from_dict
+from minillm.data import encode_batches as batches_mod
 from minillm.data import shard_staging as staging_mod
-from minillm.data import shard_writer as shards_mod
 from minillm.data import tokenizer_train as tokenizer_train_mod
 from minillm.data.meta import load_meta, stale_data_keys
-from minillm.data.shard_writer import write_shards
 from minillm.data.sources import open_corpus
 from minillm.data.table import TableCorpus
+from minillm.data.tokenize_pass import write_shards
 from minillm.errors import ConfigError
 from minillm.runtime.progress import Progress
 from tests.test_chat import chat_rows, write_jsonl
@@ -253,7 +253,7 @@ def interrupted_stream(
     """`src` tokenized as a stream (3 validation documents, small batches and checkpoints) into
     straight/, and again into resumed/, interrupted after a share `at` of its shard writes: that
     run's config and checkpoint."""
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(batches_mod, "BATCH_CHARS", 4000)
     monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
     keys = {"streaming": True, "val_documents": 3, "shard_tokens": 1500}
     writes = count_writes(monkeypatch, cfg_for(tmp_path, src, "straight", **keys))
@@ -428,7 +428,7 @@ def test_a_checkpoint_from_before_the_prefix_keys_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its state.json has no data.max_documents, max_bytes, val_documents: they were 0."""
-    monkeypatch.setattr(shards_mod, "BATCH_CHARS", 4000)
+    monkeypatch.setattr(batches_mod, "BATCH_CHARS", 4000)
     monkeypatch.setattr(staging_mod, "CHECKPOINT_BYTES", 20_000)
     cfg = cfg_for(tmp_path, rows_file(tmp_path, "jsonl", GRIMM), "tok")
     with monkeypatch.context() as m:

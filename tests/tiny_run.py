@@ -124,7 +124,7 @@ def write_shards(cfg: Config, documents: list[str]) -> dict[str, Any]:
     (data.tokenizer) is reused.
     """
     from minillm.data.meta import load_meta
-    from minillm.data.shard_writer import write_shards
+    from minillm.data.tokenize_pass import write_shards
 
     source = Path(cfg.data.source)
     with source.open("w", encoding="utf-8") as f:

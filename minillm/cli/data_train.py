@@ -25,8 +25,8 @@ def tokenize(
     ),
 ) -> None:
     """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
-    from minillm.data.shard_writer import write_shards
     from minillm.data.summary import print_summary
+    from minillm.data.tokenize_pass import write_shards
 
     cfg = load_config(config, set_, require_model=False)  # tokenize reads the data section only
     summary = run(write_shards, cfg, retrain=retrain)

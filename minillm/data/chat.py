@@ -3,8 +3,9 @@
 Offers `ROLES`, `check_messages` (a bad row is one error line naming file, row and field),
 `chat_ids` (the special-token ids, or a UserError for a tokenizer without them),
 `encode_conversation` (ids + target mask), `encode_prompt` (ids ending in the generation prompt),
-`HF_CHAT_TEMPLATE` (the same template in Jinja, for an exported tokenizer_config.json) and
-`assistant_bytes`.
+`HF_CHAT_TEMPLATE` (the same template in Jinja, for an exported tokenizer_config.json),
+`assistant_bytes`, `content_bytes` and `resolve_loss_on` (`data.loss_on`, auto resolved against
+the data).
 
 A conversation is, per message, `<|role|>` + content + `<|end|>`; a generation prompt is
 `<|assistant|>`. No newline or space is added: the role and end tokens are special tokens inserted
@@ -124,3 +125,15 @@ def assistant_bytes(messages: list[dict[str, str]]) -> int:
 def content_bytes(messages: list[dict[str, str]]) -> int:
     """UTF-8 bytes of every content (the conversation's text, without its special tokens)."""
     return sum(len(m["content"].encode("utf-8")) for m in messages)
+
+
+def resolve_loss_on(data: Any, chat: bool, label: str) -> str:
+    """data.loss_on resolved: auto = assistant for chat data, all otherwise."""
+    if data.loss_on == "assistant" and not chat:
+        raise ConfigError(
+            "data.loss_on",
+            f"assistant needs chat data (a column of {{role, content}} messages); "
+            f"data.text_field {data.text_field!r} holds plain text",
+            label,
+        )
+    return data.loss_on if data.loss_on != "auto" else ("assistant" if chat else "all")

@@ -1,7 +1,8 @@
 """Encoding batches of text or conversations into token ids, in this process or in workers.
 
 Offers `EncodePool` (where the batches run), `Encoded` (a batch's result), and the two batch
-functions `encode_text` and `encode_chats`. minillm.data.shard_writer drives them.
+functions `encode_text` and `encode_chats`. minillm.data.tokenize_pass drives them, with the
+batches of minillm.data.encode_batches.
 
 `data.num_proc` decides where a batch is encoded. With 1, on one thread of this process, through
 `encode_batch_fast`, whose Rust threads may use every core: the reading and writing in the main

@@ -2,7 +2,7 @@
 
 Offers `load_meta`, `open_split`, `open_mask`, `shard_dtype`, `shard_name`, `data_record`,
 `stale_data_keys`, `META_VERSION`, `MASK_SUFFIX`, `SPLITS` and `TOKEN_DTYPES`. The writer is
-`minillm.data.shard_writer`.
+`minillm.data.tokenize_pass` (`minillm tokenize`).
 
 A split is the token ids of its documents, each document followed by the EOT id, as raw
 little-endian uint16 (uint32 when the vocabulary exceeds 65,536), cut into numbered shards

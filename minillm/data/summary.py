@@ -1,11 +1,14 @@
 """The summary `minillm tokenize` returns and prints: per split and in total.
 
-Offers `split_summary(documents, bytes, tokens, seconds)` and `print_summary(summary)`.
+Offers `split_summary(documents, bytes, tokens, seconds)`, `pass_splits` (every split's and the
+total's, as minillm.data.tokenize_pass returns them) and `print_summary(summary)`.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from minillm.data.meta import SPLITS
 
 
 def split_summary(documents: int, nbytes: int, tokens: int, seconds: float) -> dict[str, Any]:
@@ -17,6 +20,32 @@ def split_summary(documents: int, nbytes: int, tokens: int, seconds: float) -> d
         "seconds": seconds,
         "mb_per_s": nbytes / 1e6 / seconds if seconds > 0 else 0.0,
     }
+
+
+def pass_splits(
+    stats: dict[str, dict[str, Any]],
+    tokens: dict[str, int],
+    shards: dict[str, int],
+    pass_seconds: float,
+    resumed_bytes: int,
+) -> dict[str, dict[str, Any]]:
+    """Per split and in total: documents, bytes, tokens, shards and pace. A split's seconds are
+    its encoding time; the total's are the pass's, and its pace counts only the bytes this pass
+    encoded, not those of the run it resumed (`resumed_bytes`)."""
+    splits = {
+        s: split_summary(stats[s]["documents"], stats[s]["bytes"], tokens[s], stats[s]["seconds"])
+        for s in SPLITS
+    }
+    for s in SPLITS:
+        splits[s]["shards"] = shards[s]
+    splits["total"] = split_summary(
+        *(sum(splits[s][k] for s in SPLITS) for k in ("documents", "bytes", "tokens")),
+        pass_seconds,
+    )
+    splits["total"]["shards"] = sum(shards.values())
+    encoded = splits["total"]["bytes"] - resumed_bytes
+    splits["total"]["mb_per_s"] = encoded / 1e6 / max(pass_seconds, 1e-9)
+    return splits
 
 
 def print_summary(summary: dict[str, Any]) -> None:

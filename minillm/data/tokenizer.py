@@ -1,8 +1,9 @@
 """The byte-level BPE tokenizer (Hugging Face `tokenizers`): train, save, load, check.
 
 Offers `EOT`, `SPECIAL_TOKENS`, `MIN_VOCAB`, `new_tokenizer`, `train_tokenizer`, `save_tokenizer`,
-`load_tokenizer`, `check_tokenizer`, `check_vocab_size`, `special_tokens`, `eot_id`,
-`CHAT_TOKENS` and `LEGACY_SPECIAL_TOKENS`.
+`load_tokenizer`, `check_tokenizer`, `check_vocab_size`, `check_not_a_models_tokenizer` (a file
+that `--retrain` must not replace), `special_tokens`, `eot_id`, `CHAT_TOKENS` and
+`LEGACY_SPECIAL_TOKENS`.
 
 The tokenizer is GPT-2's recipe: text is split by the byte-level regex (no prefix space), every
 byte is in the base alphabet, and merges are learned on top. So any string, whatever its script,
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from minillm.errors import ConfigError
+from minillm.errors import ConfigError, UserError
 from minillm.runtime.files import atomic_write_text
 
 EOT = "<|endoftext|>"
@@ -157,3 +158,24 @@ def eot_id(tok: Tokenizer) -> int:
     if i is None:
         raise ConfigError("data.tokenizer", f"the tokenizer has no {EOT} token")
     return i
+
+
+def check_not_a_models_tokenizer(tok_path: Path) -> None:
+    """A UserError if `tok_path` is the tokenizer of a model: a Hugging Face folder with weights
+    (config.json and *.safetensors beside it), a minillm checkpoint (state.json) or run
+    (checkpoints/ or its train.lock). Retraining it would leave those weights with ids that no
+    longer mean what they were trained on."""
+    folder = tok_path.parent
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        owner = "the Hugging Face model"
+    elif (folder / "state.json").is_file():
+        owner = "the checkpoint"
+    elif (folder / "checkpoints").is_dir() or (folder / "train.lock").exists():
+        owner = "the run"
+    else:
+        return
+    raise UserError(
+        f"{tok_path}: data.tokenizer: belongs to {owner} in {folder}, whose weights need it; "
+        "--retrain does not replace it: point data.tokenizer at a new file (or drop --retrain "
+        "to use it)"
+    )

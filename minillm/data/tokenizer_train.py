@@ -1,7 +1,7 @@
 """Training the BPE on a corpus's train split, or on a deterministic sample of it.
 
 Offers `train_on_corpus(corpus, data, console)`, what `minillm tokenize` runs before its encoding
-pass when there is no tokenizer to reuse (minillm.data.shard_writer).
+pass when there is no tokenizer to reuse (minillm.data.tokenize_pass).
 """
 
 from __future__ import annotations
