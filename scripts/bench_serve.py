@@ -9,6 +9,7 @@ at a time, and whether every stream's text
 equals its one-at-a-time text (greedy, so it must).
 
     python scripts/bench_serve.py                       # builds and serves a tiny.yaml model
+    python scripts/bench_serve.py --shape medium        # bench_sample's 33.6M shape
     python scripts/bench_serve.py --ckpt runs/tiny      # serves a checkpoint of yours
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --api-key KEY   # a running server
 
@@ -49,8 +50,26 @@ def loadavg() -> str:
         return "?"
 
 
-def make_checkpoint(root: Path) -> Path:
-    """A run of configs/tiny.yaml's model shape with random weights; returns its directory."""
+# --shape: the demo model (configs/tiny.yaml, overhead-bound per token on 2 cores) or
+# bench_sample.py's 33.6M medium shape, whose weights do not fit in cache, so a token is
+# memory-bound and batching rows amortises reading the weights.
+SHAPES = {
+    "tiny": [],
+    "medium": [
+        "model.d_model=512",
+        "model.n_layer=8",
+        "model.n_head=8",
+        "model.n_kv_head=4",
+        "model.ffn_hidden=null",
+        "model.max_seq_len=512",
+        "model.vocab_size=16384",
+        "train.seq_len=512",
+    ],
+}
+
+
+def make_checkpoint(root: Path, shape: str = "tiny") -> Path:
+    """A run of configs/tiny.yaml's model (or --shape medium) with random weights; its folder."""
     import torch
 
     from minillm.checkpoint.store import save_checkpoint
@@ -63,7 +82,12 @@ def make_checkpoint(root: Path) -> Path:
     save_tokenizer(train_tokenizer([text], 2048), tok_path)
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",
-        [f"data.tokenizer={tok_path}", f"train.out_dir={root / 'tiny'}", "train.device=cpu"],
+        [
+            f"data.tokenizer={tok_path}",
+            f"train.out_dir={root / shape}",
+            "train.device=cpu",
+            *SHAPES[shape],
+        ],
     )
     torch.manual_seed(0)
     model = Transformer(cfg.model).eval()
@@ -199,6 +223,7 @@ def main() -> None:
     ap.add_argument("--url", help="a running minillm serve (default: start one)")
     ap.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY"))
     ap.add_argument("--ckpt", type=Path, help="serve this checkpoint (default: a tiny.yaml model)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="without --ckpt")
     ap.add_argument("--requests", type=int, default=32, help="prompts per run")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
     ap.add_argument("--clients", default="1,4,8,16", help="concurrent clients to try")
@@ -211,7 +236,7 @@ def main() -> None:
         ckpt = args.ckpt
         if ckpt is None:
             tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
-            ckpt = make_checkpoint(Path(tmp.name))
+            ckpt = make_checkpoint(Path(tmp.name), args.shape)
         proc, url = start_server(ckpt, max_batch=16)
     try:
         model = request(url, "GET", "/v1/models", None, args.api_key)["data"][0]["id"]

@@ -264,6 +264,21 @@ def test_exact_match_on_a_model_trained_on_text_warns_once(tmp_path: Path) -> No
     assert len(warnings) == 1 and "trained on text, not chat" in warnings[0], result.stderr
 
 
+def test_chat_on_a_model_trained_on_text_warns_once(tmp_path: Path) -> None:
+    # The README's tour chats with runs/tiny: say that its replies are likely nonsense, once
+    # per session (not per reply), as eval --task does.
+    from tests.tiny_run import write_shards
+
+    run_dir, cfg, _ = make_run(tmp_path)
+    write_shards(cfg, ["To be, or not to be, that is the question. " * 3] * 20)
+    args = ["chat", "--ckpt", str(run_dir), "--temperature", "0", "--max-new-tokens", "4"]
+    result = runner.invoke(app, args, input="hello\nagain\n")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "trained on text, not chat" in warnings[0], result.stderr
+    assert len(result.stdout.splitlines()) == 2  # both replies still come
+
+
 # ------------------------------------------------------- make demo takes overrides
 
 

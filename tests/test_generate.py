@@ -244,6 +244,27 @@ def test_rows_join_and_leave_mid_batch_with_their_own_settings(run) -> None:
             assert row.tokens == alone and row.finish_reason in ("stop", "length")
 
 
+def test_stop_strings_across_token_boundaries(run) -> None:
+    # A stop string that starts inside one token and ends in a later one: the text stops right
+    # before it, nothing of it is ever released, and the row stops generating there.
+    model, tok = run[1].model, run[1].tokenizer
+    prompt = PROMPTS[0]
+    alone = generate(model, [prompt], sp(40), tokenizer=tok)[0]
+    pieces = [tok.decode(alone[: i + 1]) for i in range(len(alone))]
+    full = pieces[-1]
+    # the shortest stop string made of the end of token 5's text and the start of token 6's
+    cut = len(pieces[4])
+    stop = full[cut - 1 : cut + 2]
+    assert len(stop) == 3
+    engine = Engine(model, tok)
+    (row,) = engine.submit([prompt], sp(40, stop=(stop,)))
+    released: list[str] = []
+    engine.run(lambda e: released.append(e.text))
+    text = "".join(released)
+    assert row.finish_reason == "stop" and text == full[: full.find(stop)]
+    assert len(row.tokens) < 40 and stop not in text
+
+
 def test_generation_limits_are_user_errors(run) -> None:
     from minillm.errors import UserError
 
