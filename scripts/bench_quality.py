@@ -53,6 +53,7 @@ from minillm.data.tokenize_pass import write_shards
 from minillm.errors import UserError
 from minillm.infer.evaluate import evaluate_checkpoint
 from minillm.train.ema import WeightEMA
+from minillm.train.run import prepare_run
 from minillm.train.trainer import Trainer
 
 # The variants of the issue, in the order of the table; AdamW + cosine (today's default) first.
@@ -144,7 +145,7 @@ def run_variant(
     tc.eval_every, tc.ckpt_every = 0, 0  # one checkpoint, at the end
     tc.eval_steps = 1  # the trainer's own final evaluation: the real one is below
     tc.log_every = max(tc.log_every, tc.max_steps)
-    trainer = Trainer.from_config(cfg, resume=False, force=True, verbose=False)
+    trainer = Trainer(prepare_run(cfg, resume=False, force=True, verbose=False))
     tc = trainer.cfg.train  # the run's own config (prepare_run resolves it into a new one)
     apply_knobs(trainer.model, knobs or {})
     probes = [WeightEMA(trainer.model, d) for d in ema_probes]
@@ -203,7 +204,7 @@ def run_variant(
         "val_bpb": result["bits_per_byte"],
         "raw_val_bpb": raw_bpb,
         "steps": len(losses),
-        "tokens": trainer.tokens_seen,
+        "tokens": trainer.state.tokens_seen,
         "params": trainer.model.param_count(),
         "load": (load_before + os.getloadavg()[0]) / 2,
         "curve": curve,
@@ -211,7 +212,7 @@ def run_variant(
         "val_loss": result["loss"],
         "train_loss": sum(tail) / len(tail),
         "wall_s": wall,
-        "tokens_per_s": trainer.tokens_seen / max(sum(step_s), 1e-9),
+        "tokens_per_s": trainer.state.tokens_seen / max(sum(step_s), 1e-9),
         "optim_share": sum(optim_s) / max(sum(step_s), 1e-9),
     }
 
@@ -226,7 +227,7 @@ def pace(
     for i, cfg in enumerate(cfgs):
         cfg = copy.deepcopy(cfg)
         cfg.train.out_dir = str(root / f"pace{i}")
-        trainers.append(Trainer.from_config(cfg, resume=False, force=True, verbose=False))
+        trainers.append(Trainer(prepare_run(cfg, resume=False, force=True, verbose=False)))
         apply_knobs(trainers[-1].model, knobs[i] if knobs else {})
     times: list[list[float]] = [[] for _ in trainers]
     try:
@@ -234,7 +235,7 @@ def pace(
             for trainer, ts in zip(trainers, times, strict=True):
                 t0 = time.perf_counter()
                 float(trainer.train_step().loss)
-                trainer.step += 1
+                trainer.state.step += 1
                 ts.append(time.perf_counter() - t0)
     finally:
         for trainer in trainers:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,9 @@ def trained_run(base: Path) -> Path:
     import yaml
 
     from minillm.config import config_to_dict
-    from minillm.train.trainer import Trainer
 
     cfg = prepared_config(base, train=dict(max_steps=4, ckpt_every=2, eval_every=2))
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         trainer.fit()
     finally:
@@ -89,13 +89,30 @@ def load_script(name: str, monkeypatch: Any) -> Any:
 
 def run_trainer(cfg: Config, stop_at: int | None = None, **kw: Any) -> Any:
     """A quiet Trainer run to max_steps (or `stop_at`), closed; returns the Trainer."""
-    from minillm.train.trainer import Trainer
-
-    trainer = Trainer.from_config(cfg, verbose=False, **kw)
+    trainer = make_trainer(cfg, verbose=False, **kw)
     try:
         trainer.fit(stop_at=stop_at)
     finally:
         trainer.close()
+    return trainer
+
+
+def make_trainer(
+    cfg: Config,
+    resume: bool = True,
+    force: bool = False,
+    verbose: bool = True,
+    batches: Callable[[int], list] | None = None,
+) -> Any:
+    """`Trainer(prepare_run(cfg, ...))`, as `minillm train` builds it; `batches(step)` replaces
+    the train split's micro-batches (the trainer's `batches` method) for a test that feeds its
+    own."""
+    from minillm.train.run import prepare_run
+    from minillm.train.trainer import Trainer
+
+    trainer = Trainer(prepare_run(cfg, resume=resume, force=force, verbose=verbose))
+    if batches is not None:
+        trainer.batches = batches
     return trainer
 
 

@@ -26,7 +26,7 @@ from minillm.data.tokenize_pass import write_shards
 from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
-from minillm.train.trainer import Trainer
+from tests.helpers import make_trainer
 
 SUM = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
 
@@ -235,7 +235,7 @@ def test_trainer_on_chat_resumes_bitwise_with_doc_mask(chat_dir: Path, tmp_path:
     assert straight.packing.doc_mask and straight.packing.starts is not None
     split_cfg = copy.deepcopy(base)
     split_cfg.train.out_dir = str(tmp_path / "split")
-    assert run(split_cfg, stop_at=2).step == 2
+    assert run(split_cfg, stop_at=2).state.step == 2
     resumed = run(split_cfg)
     for name, value in straight.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name
@@ -254,12 +254,12 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     import yaml
 
     from minillm.checkpoint import store as ckpt
-    from minillm.train.run import load_train_config
+    from minillm.checkpoint.init_from import load_run_config
     from tests.helpers import prepared_config
 
     (tmp_path / "pre").mkdir()
     pre = prepared_config(tmp_path / "pre", train=dict(max_steps=2, eval_every=0))
-    first = Trainer.from_config(pre, verbose=False)
+    first = make_trainer(pre, verbose=False)
     try:
         first.fit()
     finally:
@@ -276,11 +276,11 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     }  # fmt: skip
     path = tmp_path / "sft.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
-    cfg = load_train_config(path)
+    cfg = load_run_config(path)
     assert cfg.model == pre.model
     assert Path(cfg.data.tokenizer) == run_dir / "tokenizer.json"  # the run's vocabulary
     write_shards(cfg)
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         start = ckpt.load_model_state(ckpt.resolve_checkpoint(run_dir))
         for name, value in trainer.model.state_dict().items():
@@ -291,9 +291,9 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
 
     raw["model"] = {"d_model": 32, "n_layer": 1, "n_head": 4, "max_seq_len": 64}
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
-    other = load_train_config(path)
+    other = load_run_config(path)
     other.train.out_dir = str(tmp_path / "sft2")
-    Trainer.from_config(other, verbose=False).close()
+    make_trainer(other, verbose=False).close()
     assert "model.n_layer" in capsys.readouterr().err  # the warning names the keys not used
 
     # Shards made with another tokenizer than the run's: one error naming data.tokenizer.
@@ -302,7 +302,7 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     write_shards(own)
     other.data.out_dir, other.data.tokenizer = own.data.out_dir, own.data.tokenizer
     with pytest.raises(ConfigError, match="data.tokenizer: .*another tokenizer than train.init"):
-        Trainer.from_config(other, verbose=False)
+        make_trainer(other, verbose=False)
 
 
 def test_accumulation_with_doc_mask_equals_one_big_batch(chat_dir: Path, tmp_path: Path) -> None:
@@ -317,7 +317,7 @@ def test_accumulation_with_doc_mask_equals_one_big_batch(chat_dir: Path, tmp_pat
 
     def grads(run: str, micro: list, **train: Any) -> dict[str, torch.Tensor]:
         cfg = chat_config(chat_dir, train=dict(out_dir=str(tmp_path / run), **train))
-        trainer = Trainer.from_config(cfg, verbose=False, batches=lambda step: micro)
+        trainer = make_trainer(cfg, verbose=False, batches=lambda step: micro)
         captured: dict[str, torch.Tensor] = {}
         trainer.optimizer.step = lambda *a, **k: captured.update(
             {n: p.grad.clone() for n, p in trainer.model.named_parameters()}

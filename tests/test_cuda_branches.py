@@ -19,8 +19,7 @@ from minillm.runtime.device import enable_tf32, rng_state, set_rng_state
 from minillm.train import batch_size as auto
 from minillm.train.distributed import DistInfo, init_distributed, local_device
 from minillm.train.optim import build_optimizer
-from minillm.train.trainer import Trainer
-from tests.helpers import run_config, tiny_config, weights
+from tests.helpers import make_trainer, run_config, tiny_config, weights
 
 CUDA = torch.device("cuda")
 
@@ -54,7 +53,7 @@ def test_fp16_grad_scaler_steps_skips_inf_gradients_and_resumes(
 ) -> None:
     # fp16 is CUDA's loss-scaled path; torch's GradScaler runs the same logic on the CPU.
     cfg = run_config(data_dir, tmp_path / "run", precision="fp16", max_steps=4, ckpt_every=2)
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         assert trainer.scaler is not None
         scale = trainer.scaler.get_scale()
@@ -79,9 +78,9 @@ def test_fp16_grad_scaler_steps_skips_inf_gradients_and_resumes(
         trainer.save()
     finally:
         trainer.close()
-    resumed = Trainer.from_config(cfg, verbose=False)
+    resumed = make_trainer(cfg, verbose=False)
     try:
-        assert resumed.step == 2 and resumed.scaler.get_scale() == scale / 2  # restored
+        assert resumed.state.step == 2 and resumed.scaler.get_scale() == scale / 2  # restored
     finally:
         resumed.close()
 

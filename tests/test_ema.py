@@ -14,7 +14,7 @@ from minillm.cli import app
 from minillm.infer.evaluate import evaluate_checkpoint
 from minillm.model import Transformer
 from minillm.train.ema import WeightEMA
-from tests.helpers import error_line, run_config, run_trainer, tiny_config
+from tests.helpers import error_line, make_trainer, run_config, run_trainer, tiny_config
 from tests.test_trainer import nan_at
 
 
@@ -84,8 +84,8 @@ def test_resume_continues_the_weights_and_the_average_bit_for_bit(
     run_trainer(straight_cfg)
     split_cfg = copy.deepcopy(straight_cfg)
     split_cfg.train.out_dir = str(tmp_path / "split")
-    assert run_trainer(split_cfg, stop_at=3).step == 3  # stops between checkpoints
-    assert run_trainer(split_cfg).step == 8
+    assert run_trainer(split_cfg, stop_at=3).state.step == 3  # stops between checkpoints
+    assert run_trainer(split_cfg).state.step == 8
     a, b = latest(straight_cfg), latest(split_cfg)
     for name, tensor in ckpt.load_model_state(a).items():
         assert torch.equal(ckpt.load_model_state(b)[name], tensor), name
@@ -107,7 +107,7 @@ def test_turning_the_average_on_or_off_at_a_resume_trains_on_from_the_raw_weight
     assert state["updates"] == 1  # begun at the resume, from the step-4 weights
     off = copy.deepcopy(cfg)  # and off again: training goes on from the raw weights
     run_trainer(off, stop_at=6)
-    assert trainer.step == 5 and set(ckpt.load_model_state(latest(off))) == set(at4)
+    assert trainer.state.step == 5 and set(ckpt.load_model_state(latest(off))) == set(at4)
     plain = copy.deepcopy(cfg)
     plain.train.out_dir = str(tmp_path / "plain")
     run_trainer(plain, stop_at=6)
@@ -118,10 +118,9 @@ def test_turning_the_average_on_or_off_at_a_resume_trains_on_from_the_raw_weight
 def test_a_skipped_step_moves_neither_the_weights_nor_the_average(
     data_dir: Path, tmp_path: Path
 ) -> None:
-    from minillm.train.trainer import Trainer
 
     cfg = run_config(data_dir, tmp_path / "run", max_steps=4, ema_decay=0.5)
-    trainer = nan_at(Trainer.from_config(cfg, verbose=False), {2})
+    trainer = nan_at(make_trainer(cfg, verbose=False), {2})
     try:
         trainer.fit(stop_at=2)
         before = [a.clone() for a in trainer.ema.average]

@@ -22,9 +22,9 @@ from minillm.model import Transformer
 from minillm.runtime.device import enable_tf32
 from minillm.train import batch_size as auto
 from minillm.train.prefetch import Prefetcher
-from minillm.train.trainer import Trainer
 from tests.helpers import (
     load_script,
+    make_trainer,
     run_config,
     run_trainer,
     tiny_config,
@@ -220,7 +220,7 @@ def test_auto_is_stored_in_the_run_and_resume_keeps_it(
     # More memory now: a fresh search would pick 8 x 1, but the run resumes with its own split.
     memory["bytes"] *= 100
     second = run_trainer(cfg)
-    assert second.step == 6
+    assert second.state.step == 6
     assert (second.cfg.train.batch_size, second.cfg.train.grad_accum) == (2, 4)
     # ...and ends where a run started with 2 x 4 written out ends: resume is exact.
     raw = config_to_dict(cfg)
@@ -307,7 +307,7 @@ def test_prefetcher_pins_doc_masked_micro_batches(monkeypatch: pytest.MonkeyPatc
 def test_train_step_returns_device_tensors_without_reading_them(
     data_dir: Path, tmp_path: Path
 ) -> None:
-    trainer = Trainer.from_config(make_cfg(data_dir, tmp_path / "run"), verbose=False)
+    trainer = make_trainer(make_cfg(data_dir, tmp_path / "run"), verbose=False)
     try:
         out = trainer.train_step()
     finally:

@@ -1,20 +1,25 @@
 """`train.init_from` and the config loading around it, through the CLI (issue 27): fine-tuning
 from an exported Hugging Face folder with no model section and no data.tokenizer, init_from errors
 that name the key, the banner naming the checkpoint it loaded, `tokenize` without a model section,
-and the warmup warning of `minillm train`."""
+`info` and `tokenize` seeing init_from's model without the training stage, the warmup warning of
+`minillm train` and its refusal of shards made from another data.text_field."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
+from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.data.tokenizer import tokenizer_sha256
-from tests.helpers import error_line
+from minillm.model import Transformer
+from tests.helpers import ROOT, error_line
 from tests.tiny_run import SHAKESPEARE, make_run
 
 runner = CliRunner()
@@ -123,3 +128,65 @@ def test_train_warns_of_a_warmup_as_long_as_the_run(tmp_path: Path) -> None:
     result = runner.invoke(app, ["train", str(cfg)])
     assert result.exit_code == 0, result.output
     assert "warning: train.warmup_steps=2 >= train.max_steps=2" in result.stderr
+
+
+def test_info_reports_init_froms_model_over_a_model_section(exported, tmp_path: Path) -> None:
+    """init_from is applied where the config is read, so `info` sees the model the run trains
+    (before: `info` reported the unused model section; only `train` replaced it)."""
+    run_dir, _ = exported
+    cfg = write_config(tmp_path / "ft.yaml", {
+        "model": {"d_model": 96, "n_layer": 3, "n_head": 4},  # not what init_from holds
+        "data": {"source": str(corpus(tmp_path)), "out_dir": str(tmp_path / "tok")},
+        "train": {"init_from": str(run_dir), "out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    result = runner.invoke(app, ["info", str(cfg), "--json"])
+    assert result.exit_code == 0, result.output
+    params = json.loads(result.stdout)["params"]
+    assert params == Transformer(load_checkpoint(run_dir).config.model).param_count()
+    assert "model.d_model, model.n_layer" in result.stderr and "not used" in result.stderr
+
+
+def test_tokenize_and_info_read_their_config_without_the_training_stage(
+    exported, tmp_path: Path
+) -> None:
+    """`minillm tokenize` and `info` load their config (init_from applied) without importing
+    minillm.train (the layers: the config loading lives below it)."""
+    run_dir, _ = exported
+    cfg = write_config(tmp_path / "ft.yaml", {
+        "data": {"source": str(corpus(tmp_path)), "out_dir": str(tmp_path / "tok")},
+        "train": {"init_from": str(run_dir), "out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    script = f"""
+import sys
+from typer.testing import CliRunner
+from minillm.cli import app
+for command in ("info", "tokenize"):
+    result = CliRunner().invoke(app, [command, {str(cfg)!r}])
+    assert result.exit_code == 0, result.output
+print(sorted(m for m in sys.modules if m.startswith("minillm.train")))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "tok" / "meta.json").is_file()
+
+
+def test_train_refuses_a_text_field_other_than_the_shards(tmp_path: Path) -> None:
+    """Shards made from one column and a run that names another: one error naming the key and
+    both values, and no run folder (before: a warning, and config.yaml recorded the wrong one)."""
+    rows = SHAKESPEARE.read_text(encoding="utf-8")[:20_000].split("\n\n")
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"body": r, "title": r[:20]}) + "\n" for r in rows))
+    cfg = write_config(tmp_path / "rows.yaml", {
+        "model": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 16},
+        "data": {"source": str(source), "text_field": "body", "vocab_size": 300,
+                 "out_dir": str(tmp_path / "tok")},
+        "train": {"out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    assert runner.invoke(app, ["tokenize", str(cfg)]).exit_code == 0
+    line = error_line(runner.invoke(app, ["train", str(cfg), "--set", "data.text_field=title"]))
+    meta = tmp_path / "tok" / "meta.json"
+    assert line.startswith(f"error: {meta}: data.text_field: "), line
+    assert "'body'" in line and "'title'" in line, line
+    assert not (tmp_path / "run").exists()

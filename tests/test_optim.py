@@ -19,8 +19,7 @@ from minillm.model import Transformer
 from minillm.model.param_groups import optimizer_split
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.schedule import lr_at
-from minillm.train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import make_trainer, tiny_config
 
 CPU = torch.device("cpu")
 
@@ -138,7 +137,7 @@ def test_info_says_which_optimizer_trains_what(tmp_path: Path) -> None:
 
 
 def run(cfg, stop_at: int | None = None) -> dict[str, torch.Tensor]:
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         trainer.fit(stop_at=stop_at)
     finally:

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import prepared_config, tiny_config
+from helpers import make_trainer, prepared_config, tiny_config
 from tiny_run import SHAKESPEARE, make_run
 from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import config_from_dict, config_to_dict
 from minillm.train.resume import resume_point, schedule_change
-from minillm.train.trainer import Trainer
 
 KW = dict(resume=True, force=False, clear=False, verbose=True)
 
@@ -83,7 +82,7 @@ def test_the_jump_is_printed_with_digits_that_differ(tmp_path) -> None:
 def test_trainer_warns_when_a_finished_run_is_extended(tmp_path, capsys) -> None:
     prepared_config(tmp_path)
     cfg = tiny_config(tmp_path)  # max_steps 8, warmup 2
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         trainer.fit(stop_at=4)
     finally:
@@ -91,7 +90,7 @@ def test_trainer_warns_when_a_finished_run_is_extended(tmp_path, capsys) -> None
     raw = config_to_dict(cfg)
     raw["train"]["max_steps"] = 16
     capsys.readouterr()
-    Trainer.from_config(config_from_dict(raw), verbose=True).close()
+    make_trainer(config_from_dict(raw), verbose=True).close()
     assert "train.max_steps (8 -> 16)" in capsys.readouterr().err
 
 

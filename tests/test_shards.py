@@ -579,7 +579,7 @@ def test_training_on_many_shards_equals_training_on_one(tmp_path: Path) -> None:
     """The trainer reads a sharded split as one array: same batches, bit-identical weights."""
     import torch
 
-    from minillm.train.trainer import Trainer
+    from tests.helpers import make_trainer
 
     write_shards(cfg_with(tmp_path, "one"))
     (tmp_path / "many").mkdir()
@@ -597,7 +597,7 @@ def test_training_on_many_shards_equals_training_on_one(tmp_path: Path) -> None:
                               device="cpu", precision="fp32", warmup_steps=1),
             }
         )  # fmt: skip
-        trainer = Trainer.from_config(cfg, verbose=False)
+        trainer = make_trainer(cfg, verbose=False)
         try:
             trainer.fit()
         finally:

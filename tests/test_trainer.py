@@ -12,10 +12,10 @@ import torch
 from minillm.checkpoint import store as ckpt
 from minillm.config import config_from_dict, config_to_dict
 from minillm.data.batches import MicroBatch
-from minillm.errors import UserError
+from minillm.errors import ConfigError, UserError
 from minillm.train.schedule import lr_at
 from minillm.train.trainer import Trainer, TrainingDiverged
-from tests.helpers import run_config, run_trainer, weights
+from tests.helpers import make_trainer, run_config, run_trainer, weights
 
 
 def test_lr_schedule_exact_table() -> None:
@@ -37,9 +37,9 @@ def test_resume_is_bitwise_exact(data_dir: Path, tmp_path: Path) -> None:
     split_cfg = copy.deepcopy(straight_cfg)
     split_cfg.train.out_dir = str(tmp_path / "split")
     first = run_trainer(split_cfg, stop_at=3)  # stops between checkpoints: saves at step 3
-    assert first.step == 3
+    assert first.state.step == 3
     second = run_trainer(split_cfg)
-    assert second.step == 8
+    assert second.state.step == 8
     a, b = weights(straight), weights(second)
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -66,11 +66,11 @@ def test_accumulation_equals_one_big_batch_with_uneven_masks(
 
     split = [MicroBatch(x[:2], y[:2]), MicroBatch(x[2:], y[2:])]
     cfg = make_cfg(data_dir, tmp_path / "a", grad_accum=2, batch_size=2)
-    t1 = Trainer.from_config(cfg, verbose=False, batches=lambda step: split)
+    t1 = make_trainer(cfg, verbose=False, batches=lambda step: split)
     accumulated = grads_of(t1)
     t1.close()
     cfg = make_cfg(data_dir, tmp_path / "b", grad_accum=1, batch_size=4)
-    t2 = Trainer.from_config(cfg, verbose=False, batches=lambda step: [MicroBatch(x, y)])
+    t2 = make_trainer(cfg, verbose=False, batches=lambda step: [MicroBatch(x, y)])
     big = grads_of(t2)
     t2.close()
     for name in big:
@@ -90,10 +90,10 @@ def test_failed_save_leaves_previous_checkpoint_and_latest(
     def full_disk(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         trainer.train_step()
-        trainer.step += 1
+        trainer.state.step += 1
         monkeypatch.setattr(ckpt.torch, "save", full_disk)
         with pytest.raises(ckpt.CheckpointError, match="No space left on device"):
             trainer.save()
@@ -130,7 +130,7 @@ def nan_at(trainer: Trainer, bad_steps: set[int]) -> Trainer:
 
     def poisoned(*args, **kwargs):
         logits, loss = forward(*args, **kwargs)
-        if trainer.step in bad_steps and torch.is_grad_enabled():  # not the evaluations
+        if trainer.state.step in bad_steps and torch.is_grad_enabled():  # not the evaluations
             loss = loss * float("nan")
         return logits, loss
 
@@ -140,7 +140,7 @@ def nan_at(trainer: Trainer, bad_steps: set[int]) -> Trainer:
 
 def test_nan_step_is_skipped_and_counted(data_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run", max_steps=6)
-    trainer = nan_at(Trainer.from_config(cfg, verbose=False), {2})
+    trainer = nan_at(make_trainer(cfg, verbose=False), {2})
     try:
         trainer.fit(stop_at=2)
         before = weights(trainer)
@@ -150,7 +150,7 @@ def test_nan_step_is_skipped_and_counted(data_dir: Path, tmp_path: Path) -> None
         assert all(torch.equal(before[k], after[k]) for k in before)
         trainer.count_step(out)
         trainer.fit()
-        assert trainer.skipped_steps == 1 and trainer.step == 6
+        assert trainer.state.skipped_steps == 1 and trainer.state.step == 6
         assert all(torch.isfinite(v).all() for v in weights(trainer).values())
     finally:
         trainer.close()
@@ -160,7 +160,7 @@ def test_too_many_bad_steps_stop_with_the_last_good_checkpoint(
     data_dir: Path, tmp_path: Path
 ) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run", max_steps=20, max_bad_steps=3)
-    trainer = nan_at(Trainer.from_config(cfg, verbose=False), set(range(5, 20)))
+    trainer = nan_at(make_trainer(cfg, verbose=False), set(range(5, 20)))
     try:
         with pytest.raises(TrainingDiverged, match="step 8: 3 non-finite steps in a row") as err:
             trainer.fit()
@@ -178,31 +178,31 @@ def test_resume_with_other_architecture_is_refused_naming_keys(
     raw["model"]["n_layer"] = 3
     raw["model"]["d_model"] = 64
     with pytest.raises(UserError, match=r"model\.d_model.*model\.n_layer"):
-        Trainer.from_config(config_from_dict(raw), verbose=False)
+        make_trainer(config_from_dict(raw), verbose=False)
     raw = config_to_dict(cfg)
     raw["train"]["max_steps"] = 12  # a schedule-only change is fine
     trainer = run_trainer(config_from_dict(raw))
-    assert trainer.step == 12
+    assert trainer.state.step == 12
 
 
 def test_no_resume_needs_force(data_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run")
     run_trainer(cfg, stop_at=4)
     with pytest.raises(UserError, match="--force"):
-        Trainer.from_config(cfg, resume=False, verbose=False)
+        make_trainer(cfg, resume=False, verbose=False)
     trainer = run_trainer(cfg, resume=False, force=True, stop_at=2)
-    assert trainer.step == 2
+    assert trainer.state.step == 2
 
 
 def test_second_trainer_on_the_same_run_is_refused(data_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run")
-    first = Trainer.from_config(cfg, verbose=False)
+    first = make_trainer(cfg, verbose=False)
     try:
         with pytest.raises(UserError, match="another `minillm train`"):
-            Trainer.from_config(cfg, verbose=False)
+            make_trainer(cfg, verbose=False)
     finally:
         first.close()
-    Trainer.from_config(cfg, verbose=False).close()  # released: the next one may start
+    make_trainer(cfg, verbose=False).close()  # released: the next one may start
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -211,14 +211,14 @@ def test_mixed_precision_trains_keeps_fp32_weights_and_resumes(
 ) -> None:
     # bf16 is slow on this CPU (no native support), hence the tiny model and few steps.
     cfg = make_cfg(data_dir, tmp_path / "run", precision=precision, max_steps=4, ckpt_every=2)
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     try:
         assert trainer.precision == precision
         assert (trainer.scaler is not None) == (precision == "fp16")
         losses = []
         for _ in range(2):
             out = trainer.train_step()
-            trainer.step += 1
+            trainer.state.step += 1
             losses.append(float(out.loss))
         assert all(math.isfinite(x) for x in losses) and out.finite
         # Autocast runs the matmuls in low precision; the weights and AdamW moments stay fp32.
@@ -230,7 +230,7 @@ def test_mixed_precision_trains_keeps_fp32_weights_and_resumes(
     if precision == "fp16":
         assert state["scaler"]["scale"] > 0  # the loss scale resumes with the run
     resumed = run_trainer(cfg)
-    assert resumed.step == 4
+    assert resumed.state.step == 4
     assert all(torch.isfinite(v).all() for v in weights(resumed).values())
 
 
@@ -256,14 +256,18 @@ def test_shards_from_another_source_are_warned_about(
     data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     cfg = make_cfg(data_dir, tmp_path / "same", max_steps=1)
-    Trainer.from_config(cfg, verbose=False).close()
+    make_trainer(cfg, verbose=False).close()
     assert "warning" not in capsys.readouterr().err
     other = make_cfg(data_dir, tmp_path / "other", max_steps=1)
     other.data.source = str(tmp_path / "another.jsonl")
-    other.data.text_field = "body"
-    Trainer.from_config(other, verbose=False).close()
+    make_trainer(other, verbose=False).close()
     err = capsys.readouterr().err
-    assert "meta.json: the shards were made with other data.source, data.text_field" in err
+    assert "meta.json: the shards were made with other data.source than this config's" in err
+    # Another column is an error, not a warning: the run would record the wrong one.
+    other.data.text_field = "body"
+    with pytest.raises(ConfigError, match="data.text_field: .*'text'.*'body'"):
+        make_trainer(other, verbose=False)
+    assert not (tmp_path / "other" / "checkpoints").exists()
 
 
 def test_val_bits_per_byte_equals_minillm_eval_over_the_whole_split(

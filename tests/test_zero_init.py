@@ -7,12 +7,11 @@ from pathlib import Path
 
 import torch
 
-from minillm.train.trainer import Trainer
-from tests.helpers import run_config, run_trainer, weights
+from tests.helpers import make_trainer, run_config, run_trainer, weights
 
 
 def started(cfg) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    trainer = Trainer.from_config(cfg, verbose=False)
+    trainer = make_trainer(cfg, verbose=False)
     trainer.close()
     return weights(trainer)
 

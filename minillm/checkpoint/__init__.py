@@ -1,7 +1,8 @@
 """The checkpoint stage: what training writes and inference reads, and the formats it leaves in.
 
 Modules: `store` (atomic checkpoints, integrity-checked loading, latest/best, `load_checkpoint`),
-`rundir` (the run lock), `hf_folder` (export to and import from a Hugging Face Llama folder:
+`rundir` (the run lock), `init_from` (`train.init_from`: the config loading that applies it, and
+its weights), `hf_folder` (export to and import from a Hugging Face Llama folder:
 `minillm export`, `train.init_from` and `--ckpt`), `weights` (`load_weights_into`) and
 `gguf_file` (`minillm export --format gguf`: a llama.cpp GGUF file and an Ollama Modelfile).
 Where a run resumes is minillm.train.resume's policy.

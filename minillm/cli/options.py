@@ -68,11 +68,12 @@ TopPOption = typer.Option(
 
 
 def load_config(path: Path, overrides: list[str] | None, require_model: bool = True) -> Any:
-    """CONFIG with its --set overrides, resolved as training resolves it (a user error: exit 2).
+    """CONFIG with its --set overrides and train.init_from applied, as `train` reads it (a user
+    error: exit 2); not through minillm.train, which `tokenize` and `info` do not import.
     require_model=False: a config without a model section is accepted (tokenize reads data)."""
-    from minillm.train.run import load_train_config
+    from minillm.checkpoint.init_from import load_run_config
 
-    return run(load_train_config, path, overrides or [], require_model=require_model)
+    return run(load_run_config, path, overrides or [], require_model=require_model)
 
 
 def load_ckpt(ckpt: Path, device: str, best: bool = False) -> Any:

@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from rich.console import Console
@@ -23,6 +23,9 @@ from minillm.model.param_groups import describe
 from minillm.runtime.perf import peak_flops, reprobe_peak
 from minillm.runtime.progress import Progress, format_duration
 from minillm.train.distributed import DistInfo
+
+if TYPE_CHECKING:  # state -> run -> probes -> monitor: an annotation only
+    from minillm.train.state import TrainState
 
 
 class Monitor:
@@ -173,7 +176,7 @@ class Watched(Protocol):
     tf32: bool
     init_label: str | None  # init_from's weights, as loaded (None: from the seed, or resumed)
     dist: DistInfo
-    step: int
+    state: TrainState  # its step: where the run starts
     is_main: bool
     verbose: bool
     flops_per_token: float
@@ -188,9 +191,9 @@ def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
     (the banner; a warmup that outlasts the run; nothing left to train)."""
     tc = trainer.cfg.train
     # Nothing to train: no TensorBoard writer, so no new, empty events file in tb/.
-    tb_dir = trainer.run_dir if trainer.step < end else None
-    monitor = Monitor(tb_dir, tc.max_steps, trainer.step, enabled=trainer.is_main)
-    if trainer.step == 0:
+    tb_dir = trainer.run_dir if trainer.state.step < end else None
+    monitor = Monitor(tb_dir, tc.max_steps, trainer.state.step, enabled=trainer.is_main)
+    if trainer.state.step == 0:
         monitor.text("config", "```yaml\n" + dump_config(trainer.cfg) + "```")
     peak, peak_source = 0.0, ""
     if trainer.is_main:
@@ -204,13 +207,13 @@ def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
     meter = Meter(trainer.flops_per_token, peak, trainer.dist.world_size, reprobe)
     if trainer.verbose:
         monitor.print(banner(trainer, meter.peak, peak_source))
-        if tc.warmup_steps >= tc.max_steps and trainer.step < tc.max_steps:
+        if tc.warmup_steps >= tc.max_steps and trainer.state.step < tc.max_steps:
             warn(f"train.warmup_steps={tc.warmup_steps} >= train.max_steps={tc.max_steps}: "
                  "the run ends while the lr still rises, before any decay; lower "
                  f"warmup_steps (e.g. {max(tc.max_steps // 10, 1)})")  # fmt: skip
-        if trainer.step >= tc.max_steps:
+        if trainer.state.step >= tc.max_steps:
             monitor.print(
-                f"the run is already at step {trainer.step}, train.max_steps is "
+                f"the run is already at step {trainer.state.step}, train.max_steps is "
                 f"{tc.max_steps}: nothing to train (raise max_steps to go on)"
             )
     return monitor, meter

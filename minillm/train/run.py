@@ -2,16 +2,13 @@
 place and then fixed.
 
 Offers `prepare_run(cfg, resume, force) -> Run`, `Run` (the final config, device, tokenizer and its
-sha, the data and its packing, the starting weights, the checkpoint to resume from, the lock),
-`load_train_config(path, overrides)` (what `minillm train`, `tokenize` and `info` read),
-`InitSource` / `init_source(path)` (what `train.init_from` names) and `check_data`.
+sha, the data and its packing, the starting weights, the checkpoint to resume from, the lock) and
+`check_data`.
 
-`train.init_from` is resolved here and not in `minillm.config` (a leaf of the layers). It names a
-Hugging Face Llama folder, or a minillm run directory (its newest intact checkpoint) or one
-checkpoint: the model and the tokenizer are then the run's (or the folder's). An empty
-`data.tokenizer` becomes that tokenizer (and an absent `data.vocab_size` its size), so `minillm
-tokenize` makes the fine-tuning shards with the vocabulary the model was trained on (every tokenizer
-minillm trains reserves the chat tokens). A bad `train.init_from` is a ConfigError naming the key.
+`train.init_from` is applied to the config once, where it is read
+(`minillm.checkpoint.init_from.load_run_config`, what `minillm tokenize`, `train` and `info`
+read); here its weights are loaded for a fresh run, and a config that does not have its model or
+its tokenizer (one built some other way) is a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -25,18 +22,12 @@ import numpy as np
 import torch
 
 from minillm.checkpoint import store as ckpt
-from minillm.checkpoint.hf_folder import hf_model_config, import_hf_folder
+from minillm.checkpoint.init_from import InitSource, init_source
+from minillm.checkpoint.init_from import init_weights as load_init_weights
 from minillm.checkpoint.rundir import RunLock
-from minillm.config import (
-    Config,
-    ModelConfig,
-    config_from_dict,
-    config_to_dict,
-    override_keys,
-    read_raw_config,
-)
+from minillm.config import Config
 from minillm.data.meta import load_meta, open_split, stale_data_keys
-from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
+from minillm.data.tokenizer import tokenizer_sha256
 from minillm.errors import ConfigError, UserError, warn
 from minillm.runtime.device import (
     autocast_context,
@@ -60,106 +51,26 @@ from minillm.train.resume import resume_point
 # ------------------------------------------------------------------ train.init_from
 
 
-@dataclass(frozen=True)
-class InitSource:
-    """What `train.init_from` names: its model config and tokenizer (read without the weights),
-    and where its weights are (`load_weights`)."""
-
-    path: str
-    model: ModelConfig
-    tokenizer_file: Path
-    vocab_size: int  # the size of that tokenizer (a run's data.vocab_size)
-    minillm: bool
-
-    def load_weights(self) -> tuple[dict[str, torch.Tensor], str]:
-        """The float32 state_dict (a checkpoint's is integrity-checked first) and where it came
-        from, for the banner: `runs/x (step_000400)` for a run directory (its newest intact
-        checkpoint), else the checkpoint or Hugging Face folder as given."""
-        if not self.minillm:
-            return import_hf_folder(self.path)[1], self.path
-        found = ckpt.resolve_checkpoint(self.path)
-        given_one = (Path(self.path) / ckpt.STATE_FILE).is_file()
-        label = self.path if given_one else f"{self.path} ({found.name})"
-        return ckpt.load_model_state(found), label
-
-
-def _is_minillm(path: str | Path) -> bool:
-    """Whether train.init_from names a minillm run or checkpoint (else an HF folder)."""
-    p = Path(path)
-    return (p / ckpt.CKPT_DIR).is_dir() or (p / ckpt.STATE_FILE).is_file()
-
-
-def init_source(path: str, file: str | None = None) -> InitSource:
-    """The model config and tokenizer of a minillm run's newest checkpoint (or of one
-    checkpoint), or of a Hugging Face Llama folder.
-
-    What is wrong with it (no such folder, no checkpoint yet, not a model folder, no tokenizer)
-    is a ConfigError `<file>: train.init_from: <what>`.
-    """
-    try:
-        return _init_source(path)
-    except UserError as e:
-        raise ConfigError("train.init_from", str(e), file) from None
-
-
-def _init_source(path: str) -> InitSource:
-    if not _is_minillm(path):
-        model = hf_model_config(path)
-        tok = Path(path) / ckpt.TOKENIZER_FILE
-        if not tok.is_file():
-            raise UserError(
-                f"{path}: no {ckpt.TOKENIZER_FILE} (minillm needs the fast tokenizer file of "
-                "the model)"
-            )
-        return InitSource(path, model, tok, load_tokenizer(tok).get_vocab_size(), False)
-    found = ckpt.resolve_checkpoint(path, verify=False)  # the config only; load_weights verifies
-    cfg = config_from_dict(ckpt.read_state(found)["config"], file=str(found / ckpt.STATE_FILE))
-    # A run directory's own copy (stable while its checkpoints get pruned), else the checkpoint's.
-    tok = found.parent.parent / ckpt.TOKENIZER_FILE
-    for candidate in (Path(path) / ckpt.TOKENIZER_FILE, found / ckpt.TOKENIZER_FILE):
-        if candidate.is_file():
-            tok = candidate
-            break
-    return InitSource(path, cfg.model, tok, cfg.data.vocab_size, True)
-
-
-def load_train_config(
-    path: str | Path, overrides: list[str] | None = None, require_model: bool = True
-) -> Config:
-    """`load_config`, except that a config without a model section takes train.init_from's
-    (and an empty data.tokenizer init_from's tokenizer): `minillm tokenize` and `info` see the
-    model the run will train. The run itself applies init_from in `prepare_run`.
-
-    `require_model=False` (`minillm tokenize`, which reads only the data section) accepts a
-    config with neither a model section nor init_from.
-    """
-    raw = read_raw_config(path, overrides)
-    overridden = override_keys(overrides or [])
-    train = raw.get("train")
-    init_from = train.get("init_from") if isinstance(train, dict) else None
-    if init_from:
-        where = "--set" if "train.init_from" in overridden else str(path)
-        source = init_source(str(init_from), file=where)
-        if "model" not in raw:
-            raw["model"] = dataclasses.asdict(source.model)
-        data = raw.setdefault("data", {})
-        if isinstance(data, dict) and not data.get("tokenizer"):
-            data["tokenizer"] = str(source.tokenizer_file)
-            data.setdefault("vocab_size", source.vocab_size)  # the size of that tokenizer
-    return config_from_dict(raw, str(path), overridden, require_model=require_model)
-
-
-def _with_init_model(cfg: Config, source: InitSource, warn_: bool) -> Config:
-    """`cfg` with init_from's model; config model keys that differ are named in a warning."""
+def _check_init_from(cfg: Config, source: InitSource) -> None:
+    """A config given init_from's model and tokenizer (`load_run_config` applies them; this only
+    checks, for a Config built some other way): a model or tokenizer of its own is a
+    ConfigError naming the key."""
     differ = [f"model.{f.name}" for f in dataclasses.fields(source.model)
               if getattr(source.model, f.name) != getattr(cfg.model, f.name)]  # fmt: skip
-    if differ and warn_:
-        warn(f"train.init_from: the model is {source.path}'s; the config's "
-             f"{', '.join(differ)} are not used")  # fmt: skip
-    # Validated again as a whole: the other sections' checks against the new model.
-    return config_from_dict(
-        config_to_dict(dataclasses.replace(cfg, model=source.model)), file="train.init_from"
-    )
+    if differ:
+        raise ConfigError(
+            "train.init_from",
+            f"the model is {source.path}'s, but the config's {', '.join(differ)} differ; read "
+            "the config with minillm.checkpoint.init_from.load_run_config, which gives it that "
+            "model",
+        )
+    own, theirs = cfg.data.tokenizer_path, source.tokenizer_file
+    if own.is_file() and theirs.is_file() and tokenizer_sha256(own) != tokenizer_sha256(theirs):
+        raise ConfigError(
+            "data.tokenizer",
+            f"{own} is another tokenizer than train.init_from's {theirs}; set data.tokenizer to "
+            "it (or leave it empty) and run `minillm tokenize` again",
+        )
 
 
 def check_data(
@@ -167,25 +78,29 @@ def check_data(
 ) -> str:
     """Check the shards (meta.json) against the tokenizer and the config; return its sha256.
 
-    A tokenizer other than the shards', a vocabulary larger than the model's or a train split
-    shorter than one sequence are errors; shards made from other data settings a warning.
+    A tokenizer other than the shards', another data.text_field than theirs, a vocabulary larger
+    than the model's or a train split shorter than one sequence are errors; shards made from other
+    data settings a warning.
     """
     if not Path(tokenizer_file).is_file():
         raise UserError(f"{tokenizer_file}: tokenizer not found; run `minillm tokenize` first")
     sha = tokenizer_sha256(tokenizer_file)
-    if meta.get("tokenizer_sha256") not in (None, sha) and cfg.train.init_from:
-        raise ConfigError(
-            "data.tokenizer",
-            f"the shards in {cfg.data.out_dir} were made with another tokenizer than "
-            f"train.init_from's {tokenizer_file}; set data.tokenizer to it (or leave it empty) "
-            "and run `minillm tokenize` again",
-        )
     if meta.get("tokenizer_sha256") not in (None, sha):
         raise UserError(
             f"{cfg.data.out_dir}/meta.json: shards were made with another tokenizer than "
             f"{tokenizer_file}; run `minillm tokenize` again"
         )
     stale = stale_data_keys(meta, cfg.data)
+    if "data.text_field" in stale:
+        # Not a warning: the run would record a column its shards were not made from (eval and
+        # chat read data.text_field from the checkpoint's config).
+        made = meta["data"]["text_field"]
+        raise ConfigError(
+            "data.text_field",
+            f"the shards were made from {made!r}, this config names {cfg.data.text_field!r}; "
+            f"set data.text_field: {made} or run `minillm tokenize CONFIG` to remake them",
+            str(Path(cfg.data.out_dir) / "meta.json"),
+        )
     if stale and warn_:
         warn(f"{cfg.data.out_dir}/meta.json: the shards were made with other "
              f"{', '.join(stale)} than this config's; run `minillm tokenize CONFIG` to "
@@ -282,8 +197,8 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
             lock = RunLock(run_dir).acquire() if main else None
             source = init_source(tc.init_from) if tc.init_from else None
             if source is not None:
-                cfg = _with_init_model(cfg, source, warn_=main)
-            tokenizer_file = source.tokenizer_file if source else cfg.data.tokenizer_path
+                _check_init_from(cfg, source)
+            tokenizer_file = cfg.data.tokenizer_path
             tf32 = enable_tf32(device)
             # The newest intact checkpoint, looked up (and its sha256 checked) once: both the
             # batch split of `auto` and the resume point read it.
@@ -315,7 +230,7 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
             # init_from's are neither read nor hashed then.
             init_weights, init_label = None, None
             if source is not None and resume_from is None:
-                init_weights, init_label = source.load_weights()
+                init_weights, init_label = load_init_weights(source.path)
             fsdp = dist.enabled and cfg.train.parallel == "fsdp"
             probes = TrainingProbes.create(
                 cfg, tokenizer_file, device, autocast_context(device, precision),

@@ -1,26 +1,28 @@
 """A Trainer's state in and out of a checkpoint: what a resume needs to continue bit for bit.
 
-Offers `save_checkpoint(trainer, is_best)` (weights, optimizer, grad scaler, every rank's RNG,
-the counters; a collective under FSDP) and `restore_checkpoint(trainer, path)`. The files and
-their layout are minillm.checkpoint.store's. Under train.ema_decay the model file holds the
-average of the weights (what eval, sample and export read) and the trainer state holds the raw
-weights and the average's update count beside the optimizer's moments.
+Offers `TrainState` (what the Trainer owns and a checkpoint holds: the model, optimizer, grad
+scaler and weight average it trains, and the loop's counters), `save_checkpoint(run, state,
+is_best)` (those, and every rank's RNG; a collective under FSDP) and `restore_checkpoint(run,
+state, path)`. The files and their layout are minillm.checkpoint.store's. Under train.ema_decay
+the model file holds the average of the weights (what eval, sample and export read) and the
+trainer state holds the raw weights and the average's update count beside the optimizer's
+moments.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from minillm.checkpoint import store as ckpt
-from minillm.config import Config, config_to_dict
+from minillm.config import config_to_dict
 from minillm.errors import warn
 from minillm.runtime.device import rng_state, set_rng_state
-from minillm.train.distributed import DistInfo, all_gather_objects, all_reduce_sum
+from minillm.train.distributed import all_gather_objects, all_reduce_sum
 from minillm.train.ema import WeightEMA
 from minillm.train.optim import Optimizers
 from minillm.train.parallel import (
@@ -32,82 +34,77 @@ from minillm.train.parallel import (
 from minillm.train.run import Run
 
 
-class Checkpointed(Protocol):
-    """What a checkpoint saves of a Trainer and restores into it (a Protocol: no import of it)."""
+@dataclass
+class TrainState:
+    """What a checkpoint saves of a run in training and a resume restores, owned by the Trainer.
+    The RNG is the process's own (torch's generators): a checkpoint takes every rank's."""
 
-    run: Run
-    cfg: Config
-    model: torch.nn.Module
+    model: torch.nn.Module  # the plain module (DDP or FSDP2 wrap it, sharing its parameters)
     optimizer: Optimizers
-    ema: WeightEMA | None
-    scaler: torch.amp.GradScaler | None
-    dist: DistInfo
-    device: torch.device
-    precision: str
-    run_dir: Path
-    is_main: bool
-    verbose: bool
-    step: int
-    tokens_seen: int
-    best_val: float
-    bad_in_a_row: int
-    skipped_steps: int
-    last_ckpt: Path | None
+    scaler: torch.amp.GradScaler | None  # fp16 only
+    ema: WeightEMA | None  # train.ema_decay > 0 only
+    step: int = 0  # optimizer steps completed, skipped ones included
+    tokens_seen: int = 0
+    best_val: float = math.inf  # the lowest validation loss so far
+    bad_in_a_row: int = 0  # non-finite steps since the last finite one
+    skipped_steps: int = 0  # non-finite steps of the whole run
+    last_ckpt: Path | None = None  # the newest checkpoint written or resumed from
 
 
-def save_checkpoint(trainer: Checkpointed, is_best: bool = False) -> Path | None:
-    """Checkpoint the state after `trainer.step` completed steps (a collective under FSDP).
+def save_checkpoint(run: Run, state: TrainState, is_best: bool = False) -> Path | None:
+    """Checkpoint `state` after `state.step` completed steps (a collective under FSDP).
 
     Weights that have overflowed (a huge lr can make a step with finite gradients do that)
     are not written: the last checkpoint stays the last good one. Returns None then, and on
     ranks other than 0.
     """
-    t = trainer
-    if not weights_finite(t.model, t.device):
-        if t.is_main:
-            warn(f"step {t.step}: the weights are not finite; no checkpoint written "
-                 f"(the last good one: {t.last_ckpt or 'none'})")  # fmt: skip
+    s = state
+    if not weights_finite(s.model, run.device):
+        if run.is_main:
+            warn(f"step {s.step}: the weights are not finite; no checkpoint written "
+                 f"(the last good one: {s.last_ckpt or 'none'})")  # fmt: skip
         return None
-    model_sd, optim_sd = full_state(t.model, t.optimizer)
+    model_sd, optim_sd = full_state(s.model, s.optimizer)
     raw_sd = None
-    if t.ema is not None:
+    if s.ema is not None:
         raw_sd = model_sd
-        with t.ema.swapped():
-            model_sd = full_model_state(t.model)
+        with s.ema.swapped():
+            model_sd = full_model_state(s.model)
     rngs = all_gather_objects(rng_state())  # index = rank
-    if not t.is_main:
+    if not run.is_main:
         return None
+    # The keys of trainer_state.pt and state.json are the on-disk format: old runs resume.
     trainer_state = {
         "optimizer": optim_sd,
-        "scaler": t.scaler.state_dict() if t.scaler is not None else {},
+        "scaler": s.scaler.state_dict() if s.scaler is not None else {},
         "rng": rngs,
-        "step": t.step,
-        "tokens_seen": t.tokens_seen,
-        "best_val": t.best_val,
-        "bad_in_a_row": t.bad_in_a_row,
-        "skipped_steps": t.skipped_steps,
+        "step": s.step,
+        "tokens_seen": s.tokens_seen,
+        "best_val": s.best_val,
+        "bad_in_a_row": s.bad_in_a_row,
+        "skipped_steps": s.skipped_steps,
     }
-    if t.ema is not None:
-        trainer_state["ema"] = {"updates": t.ema.updates, "weights": raw_sd}
-    state = {
-        "tokens_seen": t.tokens_seen,
-        "best_val_loss": t.best_val if math.isfinite(t.best_val) else None,
-        "world_size": t.dist.world_size,
-        "precision": t.precision,
-        "tokenizer_sha256": t.run.tokenizer_sha,
-        "config": config_to_dict(t.cfg),
+    if s.ema is not None:
+        trainer_state["ema"] = {"updates": s.ema.updates, "weights": raw_sd}
+    meta = {
+        "tokens_seen": s.tokens_seen,
+        "best_val_loss": s.best_val if math.isfinite(s.best_val) else None,
+        "world_size": run.dist.world_size,
+        "precision": run.precision,
+        "tokenizer_sha256": run.tokenizer_sha,
+        "config": config_to_dict(run.cfg),
     }
-    t.last_ckpt = ckpt.save_checkpoint(
-        t.run_dir,
-        t.step,
+    s.last_ckpt = ckpt.save_checkpoint(
+        run.run_dir,
+        s.step,
         model_sd,
         trainer_state,
-        state,
-        tokenizer_file=t.run.tokenizer_file,
-        keep_last=t.cfg.train.keep_last,
+        meta,
+        tokenizer_file=run.tokenizer_file,
+        keep_last=run.cfg.train.keep_last,
         is_best=is_best,
     )
-    return t.last_ckpt
+    return s.last_ckpt
 
 
 def weights_finite(model: torch.nn.Module, device: torch.device) -> bool:
@@ -120,32 +117,33 @@ def weights_finite(model: torch.nn.Module, device: torch.device) -> bool:
     return all_reduce_sum(bad).item() == 0
 
 
-def restore_checkpoint(trainer: Checkpointed, path: Path) -> None:
-    """Load weights, optimizer, scaler, this rank's RNG and the counters from `path`."""
-    t = trainer
-    state = ckpt.read_state(path)
+def restore_checkpoint(run: Run, state: TrainState, path: Path) -> None:
+    """Load weights, optimizer, scaler, this rank's RNG and the counters from `path` into
+    `state`."""
+    s = state
+    saved = ckpt.read_state(path)
     weights = ckpt.load_model_state(path)
     trainer_state = ckpt.load_trainer_state(path)
     saved_ema = trainer_state.get("ema")
-    if saved_ema is not None and t.ema is not None:  # the model file holds the average
-        load_full_model_state(t.model, weights)
-        t.ema.reset(updates=int(saved_ema["updates"]))
+    if saved_ema is not None and s.ema is not None:  # the model file holds the average
+        load_full_model_state(s.model, weights)
+        s.ema.reset(updates=int(saved_ema["updates"]))
     if saved_ema is not None:  # training goes on from the raw weights, with or without one
         weights = saved_ema["weights"]
-    load_full_state(t.model, t.optimizer, weights, trainer_state["optimizer"])
-    if saved_ema is None and t.ema is not None:  # an average begun at this resume
-        t.ema.reset()
-    if t.scaler is not None and trainer_state.get("scaler"):
-        t.scaler.load_state_dict(trainer_state["scaler"])
+    load_full_state(s.model, s.optimizer, weights, trainer_state["optimizer"])
+    if saved_ema is None and s.ema is not None:  # an average begun at this resume
+        s.ema.reset()
+    if s.scaler is not None and trainer_state.get("scaler"):
+        s.scaler.load_state_dict(trainer_state["scaler"])
     rngs = trainer_state.get("rng", [])
-    if t.dist.rank < len(rngs):
-        set_rng_state(rngs[t.dist.rank])
-    t.step = int(trainer_state["step"])
-    t.tokens_seen = int(trainer_state["tokens_seen"])
-    t.best_val = float(trainer_state.get("best_val", math.inf))
-    t.bad_in_a_row = int(trainer_state.get("bad_in_a_row", 0))
-    t.skipped_steps = int(trainer_state.get("skipped_steps", 0))
-    t.last_ckpt = path
-    if t.verbose:
-        saved = time.strftime("%Y-%m-%d %H:%M", time.localtime(state.get("saved_at", 0)))
-        print(f"resuming from {path} (step {t.step}, saved {saved})")
+    if run.dist.rank < len(rngs):
+        set_rng_state(rngs[run.dist.rank])
+    s.step = int(trainer_state["step"])
+    s.tokens_seen = int(trainer_state["tokens_seen"])
+    s.best_val = float(trainer_state.get("best_val", math.inf))
+    s.bad_in_a_row = int(trainer_state.get("bad_in_a_row", 0))
+    s.skipped_steps = int(trainer_state.get("skipped_steps", 0))
+    s.last_ckpt = path
+    if run.verbose:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(saved.get("saved_at", 0)))
+        print(f"resuming from {path} (step {s.step}, saved {when})")

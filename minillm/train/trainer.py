@@ -18,7 +18,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,7 @@ from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.parallel import no_sync, release_groups, wrap_model
 from minillm.train.prefetch import Prefetcher
 from minillm.train.run import Run, prepare_run
-from minillm.train.state import restore_checkpoint, save_checkpoint
-
-# This rank's micro-batches of a step.
-Batches = Callable[[int], list[MicroBatch]]
+from minillm.train.state import TrainState, restore_checkpoint, save_checkpoint
 
 
 class TrainingDiverged(UserError):
@@ -71,34 +68,21 @@ class StepResult:
 
 
 class Trainer:
-    """Builds the model, optimizer and grad scaler of a prepared `Run` and trains it."""
+    """Builds the model, optimizer and grad scaler of a prepared `Run` and trains it:
+    `Trainer(prepare_run(cfg, ...))`, as `train()` does. `state` (a TrainState: those and the
+    loop's counters) is what its checkpoints save and a resume restores."""
 
-    def __init__(self, run: Run, batches: Batches | None = None) -> None:
-        """`batches(step)` gives this rank's micro-batches of a step; default: `train_batch` over
-        the train split (a pure function of seed, step, rank and world size)."""
+    def __init__(self, run: Run) -> None:
         try:
-            self._build(run, batches)
+            self._build(run)
         except BaseException:
             run.close(failed=True)
             self._let_go_of_the_group()
             gc.collect()  # while Python is whole: see train()
             raise
 
-    @classmethod
-    def from_config(
-        cls,
-        cfg: Config,
-        resume: bool = True,
-        force: bool = False,
-        verbose: bool = True,
-        batches: Batches | None = None,
-    ) -> Trainer:
-        """`Trainer(prepare_run(cfg, resume, force, verbose), batches)`."""
-        return cls(prepare_run(cfg, resume=resume, force=force, verbose=verbose), batches)
-
-    def _build(self, run: Run, batches: Batches | None) -> None:
+    def _build(self, run: Run) -> None:
         self.run, self.cfg = run, run.cfg
-        self.batches = batches or self._train_batches
         self.run_dir, self.dist, self.device = run.run_dir, run.dist, run.device
         self.precision, self.is_main, self.verbose = run.precision, run.is_main, run.verbose
         self.tf32, self.init_label = run.tf32, run.init_label
@@ -121,15 +105,10 @@ class Trainer:
         self.scaler = make_grad_scaler(self.device, self.precision)
         self.autocast = autocast_context(self.device, self.precision)
 
-        self.step = 0
-        self.tokens_seen = 0
-        self.best_val = math.inf
-        self.bad_in_a_row = 0
-        self.skipped_steps = 0
-        self.last_ckpt = run.resume_from
+        self.state = TrainState(self.model, self.optimizer, self.scaler, self.ema)
         self.last_eval: dict[str, float] = {}
         if run.resume_from is not None:
-            restore_checkpoint(self, run.resume_from)
+            restore_checkpoint(run, self.state, run.resume_from)
         else:
             # Dropout differs per rank; the weights above did not.
             torch.manual_seed(tc.seed + self.dist.rank)
@@ -147,11 +126,11 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self, micro: list[MicroBatch] | None = None) -> StepResult:
-        """Run optimizer step `self.step` on `micro` (default: `batches(self.step)`). Deciding
+        """Run optimizer step `state.step` on `micro` (default: `batches(state.step)`). Deciding
         whether it was finite is the step's one host sync."""
         tc = self.cfg.train
-        lr = set_lr(self.optimizer, self.step, tc)
-        micro = self.batches(self.step) if micro is None else micro
+        lr = set_lr(self.optimizer, self.state.step, tc)
+        micro = self.batches(self.state.step) if micro is None else micro
         # Token-weighted accumulation: divide by the target tokens of the whole global batch.
         n_tokens = all_reduce_sum(
             torch.tensor(sum(int((m.targets != -100).sum()) for m in micro), dtype=torch.float64)
@@ -200,7 +179,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm.detach(), finite
 
-    def _train_batches(self, step: int) -> list[MicroBatch]:
+    def batches(self, step: int) -> list[MicroBatch]:
+        """This rank's micro-batches of optimizer step `step`: a pure function of seed, step,
+        rank and world size over the train split (what a resume relies on)."""
         tc = self.cfg.train
         return train_batch(
             self.run.train_tokens,
@@ -217,20 +198,20 @@ class Trainer:
     def count_step(self, result: StepResult) -> None:
         """Advance the counters past a finished step; too many non-finite steps in a row stop
         the run (TrainingDiverged)."""
-        self.step += 1
-        self.tokens_seen += int(result.tokens)
+        self.state.step += 1
+        self.state.tokens_seen += int(result.tokens)
         if result.finite:
-            self.bad_in_a_row = 0
+            self.state.bad_in_a_row = 0
             return
-        self.bad_in_a_row += 1
-        self.skipped_steps += 1
+        self.state.bad_in_a_row += 1
+        self.state.skipped_steps += 1
         if self.verbose:
-            print(f"step {self.step}: non-finite loss or gradient, step skipped")
-        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            print(f"step {self.state.step}: non-finite loss or gradient, step skipped")
+        if self.state.bad_in_a_row >= self.cfg.train.max_bad_steps:
             raise TrainingDiverged(
-                f"step {self.step}: {self.bad_in_a_row} non-finite steps in a row "
+                f"step {self.state.step}: {self.state.bad_in_a_row} non-finite steps in a row "
                 f"(train.max_bad_steps={self.cfg.train.max_bad_steps}); last good checkpoint: "
-                f"{self.last_ckpt or 'none'}; try a lower train.lr or fp32"
+                f"{self.state.last_ckpt or 'none'}; try a lower train.lr or fp32"
             )
 
     # ------------------------------------------------------------------ evaluation, checkpoints
@@ -267,9 +248,9 @@ class Trainer:
         return {k: result[k] for k in ("loss", "perplexity", "bits_per_byte")}
 
     def save(self, is_best: bool = False) -> Path | None:
-        """Checkpoint the state after `self.step` completed steps (a collective under FSDP);
+        """Checkpoint the state after `state.step` completed steps (a collective under FSDP);
         the checkpoint's path, or None (other ranks, or weights not finite: nothing written)."""
-        return save_checkpoint(self, is_best)
+        return save_checkpoint(self.run, self.state, is_best)
 
     # ------------------------------------------------------------------ the loop
 
@@ -278,7 +259,7 @@ class Trainer:
         tc = self.cfg.train
         end = min(tc.max_steps, stop_at) if stop_at is not None else tc.max_steps
         monitor, meter = open_monitor(self, end)
-        saved_at = self.step if self.last_ckpt is not None else -1
+        saved_at = self.state.step if self.state.last_ckpt is not None else -1
         prefetch = Prefetcher(self.batches, end, pin=self.device.type == "cuda")
         notice = "stopping after this step; checkpointing it (interrupt again to stop at once)"
         stop = StopSignal(notice if self.verbose else "")
@@ -286,20 +267,20 @@ class Trainer:
         t_start = time.perf_counter()
         with stop, contextlib.closing(monitor), contextlib.closing(prefetch), \
                 self._say_resume_point_if_cut():  # fmt: skip
-            while self.step < end and not stop.requested:
+            while self.state.step < end and not stop.requested:
                 before = self._snapshot_if_probing()
                 t0 = time.perf_counter()
-                result = self.train_step(prefetch(self.step))
+                result = self.train_step(prefetch(self.state.step))
                 meter.add(result.tokens, time.perf_counter() - t0)
                 self.count_step(result)
                 shown = self._log(result, meter, monitor, end, shown)
                 self._log_layers(before, monitor)
                 is_best = self._evaluate_if_due(monitor)
                 self._probe(monitor)
-                if is_best or (tc.ckpt_every and self.step % tc.ckpt_every == 0):
+                if is_best or (tc.ckpt_every and self.state.step % tc.ckpt_every == 0):
                     self._checkpoint(stop, is_best)
-                    saved_at = self.step
-            if saved_at != self.step:
+                    saved_at = self.state.step
+            if saved_at != self.state.step:
                 self._checkpoint(stop)
         return self._summary(stop, time.perf_counter() - t_start)
 
@@ -308,16 +289,16 @@ class Trainer:
     ) -> dict[str, str]:
         """On logging steps, loss and grad norm cross to the host (the only reads of them) and
         go to TensorBoard and the progress line; returns what the progress line shows."""
-        log = self.step % self.cfg.train.log_every == 0 or self.step == end
+        log = self.state.step % self.cfg.train.log_every == 0 or self.state.step == end
         if log:
             note = meter.recheck_peak()
             if note and self.verbose:
                 monitor.print(note)
             loss, grad_norm = float(result.loss), float(result.grad_norm)
-            monitor.scalars(meter.scalars(loss, result.lr, grad_norm, self.skipped_steps),
-                            self.step)  # fmt: skip
+            monitor.scalars(meter.scalars(loss, result.lr, grad_norm, self.state.skipped_steps),
+                            self.state.step)  # fmt: skip
             shown = meter.stats(loss, result.lr)
-        monitor.step(self.step, shown, log)
+        monitor.step(self.state.step, shown, log)
         if log:
             meter.reset()
         return shown
@@ -326,7 +307,7 @@ class Trainer:
         """Every log_every*10 steps, the blocks' weights before the step (not under FSDP: shards
         only), for the per-layer numbers after it."""
         tc = self.cfg.train
-        probe = self.is_main and (self.step + 1) % (tc.log_every * 10) == 0
+        probe = self.is_main and (self.state.step + 1) % (tc.log_every * 10) == 0
         probe = probe and not (self.dist.enabled and tc.parallel == "fsdp")
         return block_snapshot(self.model) if probe else None
 
@@ -338,48 +319,48 @@ class Trainer:
                                  batch_size=1))  # fmt: skip
         stats = update_ratios(self.model, before)
         stats.update(activation_rms(self.model, x.to(self.device), self.autocast))
-        monitor.scalars(stats, self.step)
+        monitor.scalars(stats, self.state.step)
 
     def _evaluate_if_due(self, monitor: Monitor) -> bool:
         """At eval_every and at max_steps: validation loss and task scores; whether it is the
         best validation loss so far."""
-        tc = self.cfg.train
-        if not ((tc.eval_every and self.step % tc.eval_every == 0) or self.step == tc.max_steps):
+        tc, step = self.cfg.train, self.state.step
+        if not ((tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps):
             return False
         with self.averaged():  # one swap for the validation loss and the task scores
             self.last_eval = self._evaluate()
-            monitor.scalars({f"val/{k}": v for k, v in self.last_eval.items()}, self.step)
-            monitor.print(f"step {self.step}: val loss {self.last_eval['loss']:.4f}, "
+            monitor.scalars({f"val/{k}": v for k, v in self.last_eval.items()}, self.state.step)
+            monitor.print(f"step {self.state.step}: val loss {self.last_eval['loss']:.4f}, "
                           f"bits/byte {self.last_eval['bits_per_byte']:.4f}")  # fmt: skip
             if self.probes is not None:
-                self.probes.score_tasks(self.model, self.step, monitor)
-        is_best = self.last_eval["loss"] < self.best_val
+                self.probes.score_tasks(self.model, self.state.step, monitor)
+        is_best = self.last_eval["loss"] < self.state.best_val
         if is_best:
-            self.best_val = self.last_eval["loss"]
+            self.state.best_val = self.last_eval["loss"]
         return is_best
 
     def _probe(self, monitor: Monitor) -> None:
         """Samples of the model at the steps train.sample_every asks for."""
-        if self.probes is not None and self.probes.due(self.step):
+        if self.probes is not None and self.probes.due(self.state.step):
             with self.averaged():
-                self.probes.write_samples(self.model, self.step, monitor)
+                self.probes.write_samples(self.model, self.state.step, monitor)
 
     def _checkpoint(self, stop: StopSignal, is_best: bool = False) -> None:
-        with stop.finishing(f"writing the checkpoint of step {self.step}"):
+        with stop.finishing(f"writing the checkpoint of step {self.state.step}"):
             self.save(is_best=is_best)
 
     def _summary(self, stop: StopSignal, elapsed: float) -> dict[str, Any]:
         summary = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
             "val": self.last_eval,
-            "checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+            "checkpoint": str(self.state.last_ckpt) if self.state.last_ckpt else None,
             "interrupted": stop.requested,
             "seconds": elapsed,
         }
         if self.verbose:
             how = f"stopped by {stop.signame}" if stop.requested else "done"
-            print(f"{how} at step {self.step} after {format_duration(elapsed)}; "
+            print(f"{how} at step {self.state.step} after {format_duration(elapsed)}; "
                   f"checkpoint {summary['checkpoint']}")  # fmt: skip
         return summary
 
@@ -390,8 +371,8 @@ class Trainer:
             yield
         except KeyboardInterrupt:
             if self.verbose:
-                where = self.last_ckpt or "the start (no checkpoint yet)"
-                warn(f"stopped at once after step {self.step}, which is not checkpointed; "
+                where = self.state.last_ckpt or "the start (no checkpoint yet)"
+                warn(f"stopped at once after step {self.state.step}, which is not checkpointed; "
                      f"`minillm train` resumes from {where}")  # fmt: skip
             raise
 

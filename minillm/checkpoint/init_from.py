@@ -1,0 +1,145 @@
+"""`train.init_from`: a run's starting model, and the config loading that applies it, once.
+
+Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and `info` read),
+`InitSource` / `init_source(path)` (what `train.init_from` names) and `init_weights(path)`.
+
+`train.init_from` names a Hugging Face Llama folder, or a minillm run directory (its newest intact
+checkpoint) or one checkpoint. `load_run_config` is the one place it is applied to a config: the
+model is then that source's (a model section of the config is not used, and a warning names its
+keys that differ), and an empty `data.tokenizer` becomes the source's tokenizer (and an absent
+`data.vocab_size` its size), so `minillm tokenize` makes the fine-tuning shards with the
+vocabulary the model was trained on and `info` reports the model the run trains. The training
+stage only loads the weights (`init_weights`) and checks that the config it was given is so
+resolved. It lives here, not in `minillm.config` (a leaf of the layers): reading a checkpoint's
+config or a Hugging Face folder is this stage's. A bad `train.init_from` is a ConfigError naming
+the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minillm.checkpoint import store as ckpt
+from minillm.checkpoint.hf_folder import hf_model_config, import_hf_folder
+from minillm.config import (
+    Config,
+    ModelConfig,
+    config_from_dict,
+    override_keys,
+    read_raw_config,
+)
+from minillm.data.tokenizer import load_tokenizer
+from minillm.errors import ConfigError, UserError, warn
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """What `train.init_from` names: its model config and tokenizer (read without the weights)."""
+
+    path: str
+    model: ModelConfig
+    tokenizer_file: Path
+    vocab_size: int  # the size of that tokenizer (a run's data.vocab_size)
+    minillm: bool
+
+
+def _is_minillm(path: str | Path) -> bool:
+    """Whether train.init_from names a minillm run or checkpoint (else an HF folder)."""
+    p = Path(path)
+    return (p / ckpt.CKPT_DIR).is_dir() or (p / ckpt.STATE_FILE).is_file()
+
+
+def init_source(path: str, file: str | None = None) -> InitSource:
+    """The model config and tokenizer of a minillm run's newest checkpoint (or of one
+    checkpoint), or of a Hugging Face Llama folder.
+
+    What is wrong with it (no such folder, no checkpoint yet, not a model folder, no tokenizer)
+    is a ConfigError `<file>: train.init_from: <what>`.
+    """
+    try:
+        return _init_source(path)
+    except UserError as e:
+        raise ConfigError("train.init_from", str(e), file) from None
+
+
+def _init_source(path: str) -> InitSource:
+    if not _is_minillm(path):
+        model = hf_model_config(path)
+        tok = Path(path) / ckpt.TOKENIZER_FILE
+        if not tok.is_file():
+            raise UserError(
+                f"{path}: no {ckpt.TOKENIZER_FILE} (minillm needs the fast tokenizer file of "
+                "the model)"
+            )
+        return InitSource(path, model, tok, load_tokenizer(tok).get_vocab_size(), False)
+    found = ckpt.resolve_checkpoint(path, verify=False)  # the config only; init_weights verifies
+    cfg = config_from_dict(ckpt.read_state(found)["config"], file=str(found / ckpt.STATE_FILE))
+    # A run directory's own copy (stable while its checkpoints get pruned), else the checkpoint's.
+    tok = found.parent.parent / ckpt.TOKENIZER_FILE
+    for candidate in (Path(path) / ckpt.TOKENIZER_FILE, found / ckpt.TOKENIZER_FILE):
+        if candidate.is_file():
+            tok = candidate
+            break
+    return InitSource(path, cfg.model, tok, cfg.data.vocab_size, True)
+
+
+def init_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The float32 state_dict `train.init_from` names (a checkpoint's is integrity-checked first)
+    and where it came from, for the banner: `runs/x (step_000400)` for a run directory (its
+    newest intact checkpoint), else the checkpoint or Hugging Face folder as given."""
+    if not _is_minillm(path):
+        return import_hf_folder(path)[1], path
+    found = ckpt.resolve_checkpoint(path)
+    given_one = (Path(path) / ckpt.STATE_FILE).is_file()
+    label = path if given_one else f"{path} ({found.name})"
+    return ckpt.load_model_state(found), label
+
+
+def _same(given: Any, value: Any) -> bool:
+    """Whether a YAML value (a list for a tuple) is the source's value."""
+    return (tuple(given) if isinstance(given, list) else given) == value
+
+
+def _apply_init_from(raw: dict[str, Any], source: InitSource) -> None:
+    """Give `raw` (the parsed YAML) the source's model, and its tokenizer when data.tokenizer is
+    empty; a model section of the config's own is replaced, the keys that differ named."""
+    own = raw.get("model")
+    if isinstance(own, dict):
+        theirs = dataclasses.asdict(source.model)
+        # In the dataclass's order (the YAML's is sorted), then keys the schema does not know.
+        differ = [f"model.{k}" for k in theirs if k in own and not _same(own[k], theirs[k])]
+        differ += [f"model.{k}" for k in own if k not in theirs]
+        if differ:
+            warn(f"train.init_from: the model is {source.path}'s; the config's "
+                 f"{', '.join(differ)} are not used")  # fmt: skip
+    raw["model"] = dataclasses.asdict(source.model)
+    data = raw.setdefault("data", {})
+    if data is None:
+        data = raw["data"] = {}
+    if isinstance(data, dict) and not data.get("tokenizer"):
+        data["tokenizer"] = str(source.tokenizer_file)
+        data.setdefault("vocab_size", source.vocab_size)  # the size of that tokenizer
+
+
+def load_run_config(
+    path: str | Path, overrides: list[str] | None = None, require_model: bool = True
+) -> Config:
+    """`minillm.config.load_config` with `train.init_from` applied (module docstring): what
+    `minillm tokenize`, `train` and `info` read, so all three see the model the run trains.
+
+    `require_model=False` (`minillm tokenize`, which reads only the data section) accepts a
+    config with neither a model section nor init_from.
+    """
+    raw = read_raw_config(path, overrides)
+    overridden = override_keys(overrides or [])
+    train = raw.get("train")
+    init_from = train.get("init_from") if isinstance(train, dict) else None
+    if init_from:
+        where = "--set" if "train.init_from" in overridden else str(path)
+        _apply_init_from(raw, init_source(str(init_from), file=where))
+    return config_from_dict(raw, str(path), overridden, require_model=require_model)
