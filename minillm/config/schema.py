@@ -290,6 +290,12 @@ class TrainConfig(_Section):
     ckpt_every: int = _f(500, help="Checkpoint every this many steps (0 = only at the end).")
     keep_last: int = _f(3, help="Checkpoints kept besides the best one.")
     log_every: int = _f(10, help="Log scalars every this many steps.")
+    log_to: list[Literal["tensorboard", "wandb"]] = _f(
+        ["tensorboard"],
+        help="Where rank 0 logs the scalars and texts: tensorboard (<out_dir>/tb), wandb "
+        "(Weights & Biases: pip install 'minillm[wandb]'; the run named after out_dir; "
+        "WANDB_MODE=offline writes <out_dir>/wandb), both, or [] (the console only).",
+    )
     max_bad_steps: int = _f(5, help="Stop after this many non-finite steps in a row.")
     peak_flops: float = _f(
         0.0, help="Peak FLOP/s for MFU; 0 = a known GPU's, else a matmul probe cached per machine."
@@ -342,6 +348,8 @@ class TrainConfig(_Section):
         self._non_negative("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every")
         self._non_negative("eval_steps", "ckpt_every", "peak_flops", "sample_every")
         self._positive("sample_max_new_tokens")
+        if len(set(self.log_to)) != len(self.log_to):
+            self._fail("log_to", f"names a logger twice: {self.log_to}")
         for i, path in enumerate(self.eval_tasks):
             if not path:
                 self._fail("eval_tasks", f"entry {i} is empty")

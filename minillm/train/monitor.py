@@ -1,4 +1,5 @@
-"""What a person watches during training: a rich progress bar (or plain lines) and TensorBoard.
+"""What a person watches during training: a rich progress bar (or plain lines), and the scalars
+and texts in TensorBoard and/or Weights & Biases (`train.log_to`).
 
 Offers `Monitor`, `Meter` (tokens/s and MFU over a window of steps) and `open_monitor(trainer,
 end)` (both, for a Trainer's loop, with the run's opening lines). Only rank 0 creates a Monitor
@@ -8,18 +9,22 @@ that writes; other ranks get a silent one.
 from __future__ import annotations
 
 import functools
+import html
 import math
-from collections.abc import Callable
+import os
+import secrets
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from rich.console import Console
 
-from minillm.config import Config, dump_config
+from minillm.config import Config, ConfigError, config_to_dict, dump_config
 from minillm.errors import warn
 from minillm.model import Transformer
 from minillm.model.param_groups import describe
+from minillm.runtime.files import atomic_write_text
 from minillm.runtime.perf import peak_flops, reprobe_peak
 from minillm.runtime.progress import Progress, format_duration
 from minillm.train.distributed import DistInfo
@@ -29,7 +34,8 @@ if TYPE_CHECKING:  # state -> run -> probes -> monitor: an annotation only
 
 
 class Monitor:
-    """Progress on the terminal (a live bar on a TTY, periodic lines otherwise) and TB scalars."""
+    """Progress on the terminal (a live bar on a TTY, periodic lines otherwise), and scalars and
+    texts to the loggers of `log_to` (tensorboard, wandb) when there is a `run_dir`."""
 
     def __init__(
         self,
@@ -38,15 +44,20 @@ class Monitor:
         start_step: int,
         enabled: bool = True,
         console: Console | None = None,
+        log_to: Sequence[str] = ("tensorboard",),
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.enabled = enabled
         self.console = console or Console(highlight=False)
         self.total = total_steps
         self.writer = None
+        self.wandb: Any = None  # a wandb Run
         self.progress: Progress | None = None
         if not enabled:
             return
-        if run_dir is not None:
+        if run_dir is not None and "wandb" in log_to:  # first: a missing extra writes nothing
+            self.wandb = open_wandb(Path(run_dir), config, resume=start_step > 0)
+        if run_dir is not None and "tensorboard" in log_to:
             from torch.utils.tensorboard import SummaryWriter
 
             # A run resumed from step S after a crash logged steps > S before it died: purge
@@ -56,15 +67,20 @@ class Monitor:
         self.progress = Progress("step", total_steps, self.console, start=start_step)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self.writer is None:
-            return
-        for tag, value in values.items():
-            if value is not None and math.isfinite(value):
+        finite = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
+        if self.writer is not None:
+            for tag, value in finite.items():
                 self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None and finite:
+            self.wandb.log({**finite, "step": step})
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>"), "step": step})
 
     def step(self, step: int, stats: dict[str, Any], log: bool) -> None:
         """Advance to `step` (completed steps); off a terminal, print a plain line when `log`."""
@@ -93,6 +109,43 @@ class Monitor:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> Any:
+    """A Weights & Biases run named after the run directory, its files under <run_dir>/wandb
+    (what WANDB_MODE=offline keeps), the config logged; a resumed run goes on in the same one.
+
+    Every value is logged with `step`, the charts' x-axis: W&B's own step only goes forward, and
+    a resume after a crash logs again the steps after its checkpoint."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            "train.log_to",
+            "wandb is not installed: pip install wandb (the extra `wandb`), or leave wandb out "
+            "of train.log_to",
+        ) from None
+    folder = run_dir / "wandb"
+    id_file = folder / "minillm_run_id"  # the W&B run a resume goes on with
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else ""
+    if not run_id:
+        run_id = secrets.token_hex(4)
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(id_file, run_id + "\n")
+    run = wandb.init(
+        project=os.environ.get("WANDB_PROJECT") or "minillm",
+        name=run_dir.name,
+        dir=str(run_dir),
+        id=run_id,
+        resume="allow",
+        config=config,
+    )
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
 
 
 class Meter:
@@ -190,9 +243,16 @@ def open_monitor(trainer: Watched, end: int) -> tuple[Monitor, Meter]:
     """A trainer's TensorBoard and console output, its throughput meter, and the opening lines
     (the banner; a warmup that outlasts the run; nothing left to train)."""
     tc = trainer.cfg.train
-    # Nothing to train: no TensorBoard writer, so no new, empty events file in tb/.
+    # Nothing to train: no logger, so no new, empty events file in tb/ (nor W&B run).
     tb_dir = trainer.run_dir if trainer.state.step < end else None
-    monitor = Monitor(tb_dir, tc.max_steps, trainer.state.step, enabled=trainer.is_main)
+    monitor = Monitor(
+        tb_dir,
+        tc.max_steps,
+        trainer.state.step,
+        enabled=trainer.is_main,
+        log_to=tc.log_to,
+        config=config_to_dict(trainer.cfg),
+    )
     if trainer.state.step == 0:
         monitor.text("config", "```yaml\n" + dump_config(trainer.cfg) + "```")
     peak, peak_source = 0.0, ""
