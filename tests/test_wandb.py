@@ -81,6 +81,28 @@ def test_without_the_extra_one_error_line_and_no_logger_files(
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
 
 
+@needs_wandb
+def test_a_run_wandb_refuses_is_one_error_line(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No account or no network: wandb.init raises, and the run stops at once with one line."""
+    import wandb
+
+    def refuse(**kwargs: object) -> None:
+        raise wandb.errors.UsageError("api_key not configured (no-tty).\nMore lines.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    run = tmp_path / "run"
+    cfg = write_run_config(data_dir, run, max_steps=2, log_to=["wandb"])
+    result = runner.invoke(app, ["train", str(cfg)])
+    assert result.exit_code == 2, result.output
+    assert error_line(result) == (
+        "error: train.log_to: wandb could not start a run: api_key not configured (no-tty). "
+        "(`wandb login`, or WANDB_MODE=offline)"
+    )
+    assert not (run / "wandb").exists()
+
+
 def offline_runs(run: Path) -> list[Path]:
     return sorted((run / "wandb").glob("offline-run-*"))
 

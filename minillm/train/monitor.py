@@ -128,21 +128,25 @@ def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> An
             "wandb is not installed: pip install wandb (the extra `wandb`), or leave wandb out "
             "of train.log_to",
         ) from None
-    folder = run_dir / "wandb"
-    id_file = folder / "minillm_run_id"  # the W&B run a resume goes on with
+    id_file = run_dir / "wandb" / "minillm_run_id"  # the W&B run a resume goes on with
     run_id = id_file.read_text().strip() if resume and id_file.is_file() else ""
-    if not run_id:
-        run_id = secrets.token_hex(4)
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(id_file, run_id + "\n")
-    run = wandb.init(
-        project=os.environ.get("WANDB_PROJECT") or "minillm",
-        name=run_dir.name,
-        dir=str(run_dir),
-        id=run_id,
-        resume="allow",
-        config=config,
-    )
+    try:
+        run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "minillm",
+            name=run_dir.name,
+            dir=str(run_dir),
+            id=run_id or secrets.token_hex(4),
+            resume="allow",
+            config=config,
+        )
+    except wandb.errors.Error as e:  # no API key, no network, ...: the user's setup to fix
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            "train.log_to",
+            f"wandb could not start a run: {first} (`wandb login`, or WANDB_MODE=offline)",
+        ) from None
+    if run.id != run_id:
+        atomic_write_text(id_file, run.id + "\n")
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
     return run
