@@ -89,10 +89,10 @@ class Server:
         return self.request("GET", "/health", key=None).json()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("serve")
-    run, _, _ = make_run(root, model={"max_seq_len": CONTEXT})
+@contextlib.contextmanager
+def serving(root: Path, context: int):
+    """`minillm serve` of a tiny run of this context in a process of its own."""
+    run, _, _ = make_run(root, model={"max_seq_len": context})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MINILLM_API_KEY": KEY}
     cmd = [sys.executable, "-m", "minillm", "serve", "--ckpt", str(run), "--port", "0"]
     cmd += ["--max-batch", str(MAX_BATCH), "--device", "cpu"]
@@ -111,10 +111,18 @@ def server(tmp_path_factory: pytest.TempPathFactory):
                 break
         except OSError:
             time.sleep(0.1)
-    yield srv
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    try:
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    with serving(tmp_path_factory.mktemp("serve"), CONTEXT) as srv:
+        yield srv
 
 
 def cli(*args: str) -> str:
@@ -437,6 +445,7 @@ def test_chat_page_streams_a_reply(server: Server) -> None:
             page.fill("#key", KEY)
             page.dispatch_event("#key", "change")
             page.wait_for_function("document.getElementById('model').textContent === 'run'")
+            assert page.input_value("#max_tokens") == ""  # the server fits its default
             page.fill("#temperature", "0")
             page.fill("#max_tokens", "12")
             page.fill("#input", "Hello page")
@@ -446,6 +455,46 @@ def test_chat_page_streams_a_reply(server: Server) -> None:
             assert page.eval_on_selector(".assistant", "e => e.textContent") == expected
             page.click("#reset")
             assert page.query_selector_all(".msg") == []
+        finally:
+            browser.close()
+
+
+def test_chat_page_fits_a_long_conversation_in_a_small_context(tmp_path: Path) -> None:
+    # The README's tiny-chat model has a 64-token context: the page sends no max_tokens of its
+    # own (the server cuts its default to what the context leaves), and a conversation that
+    # outgrows the context loses its oldest turns, with a note, rather than failing.
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with serving(tmp_path, 64) as srv, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            page = browser.new_page()
+            page.goto(srv.url + "/")
+            page.fill("#key", KEY)
+            page.dispatch_event("#key", "change")
+            page.wait_for_function("document.getElementById('model').textContent === 'run'")
+            # no max_tokens of 200 that the context cannot hold: the server fits the reply
+            assert page.input_value("#max_tokens") == ""
+            assert page.get_attribute("#max_tokens", "placeholder") == "auto (< 64)"
+            page.fill("#temperature", "0")
+            finished = "es => es.filter(e => e.dataset.state !== 'streaming').length"
+            for i in range(5):
+                page.fill("#input", f"Message {i}: tell me more about the sea, the ships and you")
+                page.press("#input", "Enter")
+                page.wait_for_function(
+                    f"document.querySelectorAll('.assistant:not([data-state=streaming])')"
+                    f".length === {i + 1}",
+                    timeout=30_000,
+                )
+            states = page.eval_on_selector_all(".assistant", "es => es.map(e => e.dataset.state)")
+            assert states == ["done"] * 5, page.inner_text("#log")
+            assert page.query_selector_all(".error") == [] and finished
+            notes = page.eval_on_selector_all(".note", "es => es.map(e => e.textContent)")
+            assert notes and "context of 64 tokens" in notes[0]
         finally:
             browser.close()
 
