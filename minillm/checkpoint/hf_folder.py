@@ -42,8 +42,6 @@ from minillm.runtime.files import commit_dir, save_safetensors
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from minillm.checkpoint.store import LoadedCheckpoint
-
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -153,7 +151,7 @@ def check_not_over_source(out: Path, source: Path) -> None:
         )
 
 
-def export_checkpoint(ckpt: LoadedCheckpoint, out: str | Path, force: bool = False) -> Path:
+def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     """Write a LoadedCheckpoint as an HF Llama folder at `out`, all at once (temp + rename).
 
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.

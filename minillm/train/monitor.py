@@ -15,7 +15,7 @@ import os
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from rich.console import Console
@@ -28,9 +28,6 @@ from minillm.runtime.files import atomic_write_text
 from minillm.runtime.perf import peak_flops, reprobe_peak
 from minillm.runtime.progress import Progress, format_duration
 from minillm.train.distributed import DistInfo
-
-if TYPE_CHECKING:  # state -> run -> probes -> monitor: an annotation only
-    from minillm.train.state import TrainState
 
 
 class Monitor:
@@ -233,7 +230,7 @@ class Watched(Protocol):
     tf32: bool
     init_label: str | None  # init_from's weights, as loaded (None: from the seed, or resumed)
     dist: DistInfo
-    state: TrainState  # its step: where the run starts
+    state: Any  # the TrainState (state -> run -> probes -> monitor): its step, where the run starts
     is_main: bool
     verbose: bool
     flops_per_token: float
