@@ -20,7 +20,7 @@ from minillm.data.batches import (
     doc_starts,
     train_batch,
 )
-from minillm.data.chat import chat_ids, check_messages, encode_conversation, encode_prompt
+from minillm.data.chat_template import chat_ids, check_messages, encode_conversation, encode_prompt
 from minillm.data.meta import load_meta, open_mask, open_split
 from minillm.data.tokenize_pass import write_shards
 from minillm.data.tokenizer import load_tokenizer

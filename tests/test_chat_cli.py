@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat import chat_ids, encode_prompt
-from minillm.infer.chat import chat_checkpoint
+from minillm.data.chat_template import chat_ids, encode_prompt
+from minillm.infer.conversation import chat_checkpoint
 from minillm.infer.engine import SamplingParams, generate
 from tests import tiny_run
 
@@ -106,7 +106,7 @@ def test_eval_on_a_chat_file_scores_each_conversation_alone(run, tmp_path: Path)
 
     import torch
 
-    from minillm.data.chat import encode_conversation
+    from minillm.data.chat_template import encode_conversation
     from minillm.infer.evaluate import evaluate_checkpoint
 
     _, loaded = run

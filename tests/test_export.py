@@ -126,7 +126,7 @@ def test_exported_end_of_text_row_still_learns_in_transformers(exported) -> None
 
 def test_chat_template_and_replies_match_hf(exported) -> None:
     """apply_chat_template gives our ids; greedy HF generate gives `chat --message`'s reply."""
-    from minillm.data.chat import encode_prompt
+    from minillm.data.chat_template import encode_prompt
 
     loaded, out = exported
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)

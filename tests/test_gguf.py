@@ -27,7 +27,7 @@ from minillm.checkpoint import gguf_file
 from minillm.checkpoint.gguf_file import export_gguf, llama_cpp_pre_tokenizer, modelfile_path
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat import END, encode_prompt
+from minillm.data.chat_template import END, encode_prompt
 from minillm.data.tokenizer import EOT, eot_id, train_tokenizer
 from minillm.errors import CheckpointError
 from minillm.infer.engine import SamplingParams, generate
@@ -374,7 +374,7 @@ def test_llama_cpps_template_guesser_mistakes_ours_for_phi3() -> None:
 
     import llama_cpp
 
-    from minillm.data.chat import HF_CHAT_TEMPLATE
+    from minillm.data.chat_template import HF_CHAT_TEMPLATE
 
     chat = (llama_cpp.llama_chat_message * 2)(
         llama_cpp.llama_chat_message(b"system", b"Be terse."),

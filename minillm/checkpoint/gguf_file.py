@@ -203,8 +203,9 @@ def gguf_tensors(
 # ----------------------------------------------------------------------------- Ollama
 
 
-# Our template (minillm.data.chat) in Ollama's Go template: each message as <|role|>content<|end|>,
-# then the generation prompt. Ollama's roles are ours (system, user, assistant).
+# Our template (minillm.data.chat_template) in Ollama's Go template: each message as
+# <|role|>content<|end|>, then the generation prompt. Ollama's roles are ours (system, user,
+# assistant).
 OLLAMA_CHAT_TEMPLATE = (
     "{{- range .Messages }}<|{{ .Role }}|>{{ .Content }}<|end|>{{ end }}<|assistant|>"
 )
@@ -256,7 +257,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
     import gguf
 
     from minillm import __version__
-    from minillm.data.chat import END, HF_CHAT_TEMPLATE
+    from minillm.data.chat_template import END, HF_CHAT_TEMPLATE
     from minillm.data.tokenizer import EOT, eot_id
 
     out = Path(out)

@@ -59,7 +59,7 @@ def hf_tokenizer_config(
     specials: every special token -> id (default: end-of-text alone). With the chat tokens among
     them the config carries the chat template, so `apply_chat_template` gives minillm's ids.
     """
-    from minillm.data.chat import END, HF_CHAT_TEMPLATE
+    from minillm.data.chat_template import END, HF_CHAT_TEMPLATE
 
     specials = specials or {eot: eot_id}
     config: dict[str, Any] = {
@@ -157,7 +157,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
     """
 
-    from minillm.data.chat import END
+    from minillm.data.chat_template import END
     from minillm.data.tokenizer import EOT, eot_id, special_tokens
 
     out = Path(out)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from minillm.cli.group import Command, print_error, run
+from minillm.cli.command import Command, print_error, run
 from minillm.cli.options import ConfigArgument, SetOption, load_config
 from minillm.cli.root import app
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from minillm.cli.group import Command, print_error, run
+from minillm.cli.command import Command, print_error, run
 from minillm.cli.options import (
     BestOption,
     CkptOption,
@@ -232,7 +232,7 @@ def chat(
     With --message, print the one reply and exit. From a pipe, each input line is the next user
     turn and each reply is printed on one line.
     """
-    from minillm.infer.chat import chat_checkpoint
+    from minillm.infer.conversation import chat_checkpoint
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)

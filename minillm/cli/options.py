@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from minillm.cli.group import run
+from minillm.cli.command import run
 
 SetOption = typer.Option(
     None,

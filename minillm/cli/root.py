@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from minillm.cli.group import Group
+from minillm.cli.command import Group
 
 SUMMARY = (
     "Train a LLaMA-style language model from one YAML file: tokenize, train, eval, sample, "

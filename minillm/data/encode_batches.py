@@ -1,8 +1,8 @@
 """Documents collected into batches for the encoder: plain text, or chat conversations.
 
 Offers `TextBatches` (one split's text pieces), `ChatBatches` (one split's conversations, for the
-chat template of minillm.data.chat) and `BATCH_CHARS`. minillm.data.tokenize_pass keeps one of
-them per split and submits each full batch to minillm.data.encode_pool, which encodes it on a
+chat template of minillm.data.chat_template) and `BATCH_CHARS`. minillm.data.tokenize_pass keeps
+one of them per split and submits each full batch to minillm.data.encode_pool, which encodes it on a
 thread or in worker processes and hands the ids back in order with the batch's tag.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minillm.data.chat import chat_ids
+from minillm.data.chat_template import chat_ids
 from minillm.data.corpus import Document
 from minillm.data.encode_pool import EncodePool, encode_chats, encode_text
 from minillm.data.text import split_pieces

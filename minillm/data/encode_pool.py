@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minillm.data.chat import assistant_bytes, chat_ids, content_bytes, encode_conversation
+from minillm.data.chat_template import assistant_bytes, chat_ids, content_bytes, encode_conversation
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

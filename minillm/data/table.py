@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.config import DataConfig
-from minillm.data.chat import check_messages, content_bytes
+from minillm.data.chat_template import check_messages, content_bytes
 from minillm.data.corpus import (
     Corpus,
     Document,
@@ -303,7 +303,8 @@ class TableCorpus(Corpus):
 
     def texts(self) -> Iterator[str]:
         """Every row's text in order, before any split (`minillm eval`); a chat column is scored
-        per conversation instead (minillm.infer.chat_eval), so here it is refused in one line."""
+        per conversation instead (minillm.infer.evaluate_chat), so here it is refused in one
+        line."""
         if self.chat:
             raise corpus_error(
                 self.label,

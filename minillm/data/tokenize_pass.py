@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from minillm.config import Config
 from minillm.data import shard_staging as staging_mod
-from minillm.data.chat import resolve_loss_on
+from minillm.data.chat_template import resolve_loss_on
 from minillm.data.corpus import Corpus, prefix_keys
 from minillm.data.encode_batches import ChatBatches, TextBatches
 from minillm.data.encode_pool import Encoded, EncodePool, default_num_proc

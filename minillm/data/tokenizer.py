@@ -10,9 +10,9 @@ byte is in the base alphabet, and merges are learned on top. So any string, what
 emoji or whitespace, encodes without an unknown token and decodes back byte for byte.
 
 `EOT` (`<|endoftext|>`) separates documents in the token shards; the chat tokens `<|system|>`,
-`<|user|>`, `<|assistant|>` and `<|end|>` (end of a turn, minillm.data.chat) are reserved by every
-tokenizer trained here, so a pretraining run's tokenizer can be fine-tuned on chat as it is.
-Special tokens are only ever inserted by id. Tokenizers returned here encode their literal text
+`<|user|>`, `<|assistant|>` and `<|end|>` (end of a turn, minillm.data.chat_template) are reserved
+by every tokenizer trained here, so a pretraining run's tokenizer can be fine-tuned on chat as it
+is. Special tokens are only ever inserted by id. Tokenizers returned here encode their literal text
 (`<|endoftext|>`, `<|user|>`, ...) as ordinary text (`encode_special_tokens = True`), so a
 document that quotes one cannot fake a boundary or a turn and still round-trips. (That flag is
 not stored in tokenizer.json.) Tokenizers from before the chat tokens (only `<|endoftext|>`)

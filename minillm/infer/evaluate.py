@@ -25,7 +25,7 @@ import torch
 
 from minillm.data.batches import eval_batches
 from minillm.errors import UserError
-from minillm.infer.chat_eval import chat_eval_data
+from minillm.infer.evaluate_chat import chat_eval_data
 from minillm.runtime.files import read_user_text
 from minillm.runtime.progress import Progress
 

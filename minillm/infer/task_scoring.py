@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from minillm.data.chat import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_ids, encode_prompt
 from minillm.errors import UserError
-from minillm.infer.chat import warn_if_text_model
+from minillm.infer.conversation import warn_if_text_model
 from minillm.infer.task_format import MultipleChoice, Task
 from minillm.runtime.progress import Progress
 
@@ -189,8 +189,8 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 def chat_prompt_ids(
     tokenizer: Tokenizer, messages: tuple[tuple[str, str], ...], where: str
 ) -> list[int]:
-    """The prompt of an exact-match example: the chat template of minillm.data.chat (the one
-    `minillm chat` and the export use), ending in the generation prompt <|assistant|>."""
+    """The prompt of an exact-match example: the chat template of minillm.data.chat_template (the
+    one `minillm chat` and the export use), ending in the generation prompt <|assistant|>."""
     ids = chat_ids(tokenizer, where)
     return encode_prompt(tokenizer, [{"role": r, "content": c} for r, c in messages], ids)
 

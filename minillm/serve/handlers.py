@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minillm.data.chat import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_ids, encode_prompt
 from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
 from minillm.infer.engine import Event

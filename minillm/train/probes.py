@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minillm.config import Config
-from minillm.data.chat import chat_ids
+from minillm.data.chat_template import chat_ids
 from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.engine import SamplingParams, generate

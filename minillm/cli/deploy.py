@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from minillm.cli.group import Command, print_error, run
+from minillm.cli.command import Command, print_error, run
 from minillm.cli.options import BestOption, CkptOption, DeviceOption, load_ckpt
 from minillm.cli.root import app
 

@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from minillm.data.batches import conversation_batches
-from minillm.data.chat import assistant_bytes, chat_ids, check_messages, encode_conversation
+from minillm.data.chat_template import (
+    assistant_bytes,
+    chat_ids,
+    check_messages,
+    encode_conversation,
+)
 from minillm.errors import UserError
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""`minillm chat`: talk to a chat-tuned checkpoint with the one template (minillm.data.chat).
+"""`minillm chat`: a conversation with a chat-tuned checkpoint, in the one chat template
+(minillm.data.chat_template).
 
 Offers `Conversation` (the history and one reply at a time), `warn_if_text_model` and
 `chat_checkpoint`, what the command runs: one reply to `--message`, an interactive conversation
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from minillm.data.chat import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_ids, encode_prompt
 from minillm.errors import UserError, warn
 from minillm.infer.engine import Engine, Event, SamplingParams
 from minillm.infer.sampling import fresh_seed
