@@ -1,31 +1,53 @@
-"""Continuous batching in `minillm serve`: N concurrent streaming clients against one at a time.
+"""Continuous batching in `minillm serve`: N concurrent streaming clients against one at a time,
+and llama.cpp's own server on the GGUF of the same weights, side by side.
 
 The same prompts go to a running server once one at a time, then from N = 1, 4, 8, 16
 concurrent streaming clients (each client sends its next prompt when its stream ends). For each
 it prints generated tokens/s over the whole run (the fastest of --rounds interleaved rounds),
 time to first token and per-token latency (a stream's time from its first to its last token
 over its tokens after the first: median and p95 over the streams), the throughput ratio to one
-at a time, and whether every stream's text
-equals its one-at-a-time text (greedy, so it must).
+at a time, and whether every stream's text equals its one-at-a-time text (greedy, so it must).
 
     python scripts/bench_serve.py                       # builds and serves a tiny.yaml model
     python scripts/bench_serve.py --shape medium        # bench_sample's 33.6M shape
     python scripts/bench_serve.py --ckpt runs/tiny      # serves a checkpoint of yours
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --api-key KEY   # a running server
+    python scripts/bench_serve.py --no-llama-cpp        # minillm's rows only
 
 Without --url it starts `minillm serve --max-batch 16` on a free port itself and stops it at the
 end; without --ckpt the model has configs/tiny.yaml's shape with random weights (drawn with a
 wide spread, so that greedy choices are not near-ties) and a tokenizer trained on the shipped
 Shakespeare. The load average is printed: on a shared machine, compare rows of one run.
+
+The llama.cpp rows (on by default when llama-cpp-python and its `[server]` extra import; `make
+interop` builds the first, `pip install 'llama-cpp-python[server]==VERSION'` adds the second):
+the checkpoint goes through `minillm export --format gguf --dtype f32`, and llama-cpp-python's
+OpenAI server (`python -m llama_cpp.server`) serves it with an f32 KV cache (llama.cpp's default
+is f16), a context of the model's max_seq_len and --interrupt_requests False (by default it
+cancels the running stream when another request arrives). It gets the same streamed
+/v1/completions, greedy, with repeat_penalty 1 (its default is 1.1) and the prompt after
+`<|endoftext|>` (minillm serve starts every completion prompt with it; llama.cpp adds nothing,
+the GGUF says add_bos false). That server decodes one request at a time behind a lock: N
+concurrent clients queue, so its rows show queueing, not batching. Its stream carries no usage,
+so each prompt's token count comes from one non-streamed pass before the timed ones (which also
+warms it up). Its texts are compared with minillm's one-at-a-time texts after dropping U+FFFD
+(bytes that are no UTF-8: minillm prints U+FFFD, llama-cpp-python drops them); "longer" means
+it ran past max_tokens to finish a character split across tokens, as it does.
+
+Both servers get the same --threads CPU threads (default: every CPU this process may use): torch's
+intra-op threads (OMP_NUM_THREADS) for minillm serve, which alone would take one fewer to leave
+a core to its event loop, and --n_threads / --n_threads_batch for llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import importlib.util
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -109,10 +131,10 @@ def make_checkpoint(root: Path, shape: str = "tiny") -> Path:
     return run
 
 
-def start_server(ckpt: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start_server(ckpt: Path, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "minillm", "serve", "--ckpt", str(ckpt), "--port", "0"]
     cmd += ["--max-batch", str(max_batch), "--max-queue", "256", "--device", "cpu"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"at (http://[^ ]+:\d+)", line)
@@ -130,6 +152,71 @@ def start_server(ckpt: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
     sys.exit("error: the server did not answer /health")
 
 
+# llama-cpp-python's `[server]` extra: the modules `python -m llama_cpp.server` imports.
+LLAMA_SERVER_MODULES = [
+    "fastapi",
+    "uvicorn",
+    "sse_starlette",
+    "starlette_context",
+    "pydantic_settings",
+]
+
+
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp's server cannot run here (None: it can)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (`make interop` builds it)"
+    missing = [m for m in LLAMA_SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        from importlib.metadata import version
+
+        pin = f"llama-cpp-python[server]=={version('llama_cpp_python')}"
+        extra = ", ".join(missing)
+        return f"llama-cpp-python's [server] extra is missing ({extra}): pip install '{pin}'"
+    return None
+
+
+def export_gguf(ckpt: Path, out: Path) -> int:
+    """`minillm export --format gguf --dtype f32` of `ckpt` to `out`; the model's context."""
+    cmd = [sys.executable, "-m", "minillm", "export", "--ckpt", str(ckpt), "--format", "gguf"]
+    cmd += ["--dtype", "f32", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        sys.exit(done.stderr.strip() or f"error: {out}: minillm export failed")
+    from gguf import GGUFReader
+
+    return int(GGUFReader(out).fields["llama.context_length"].contents())
+
+
+def start_llama_cpp(
+    gguf: Path, n_ctx: int, threads: int, log: Path
+) -> tuple[subprocess.Popen, str]:
+    """llama-cpp-python's OpenAI server on `gguf`, on a free port; its output goes to `log`."""
+    with socket.socket() as sock:  # a free port (released before the server binds it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--n_ctx", str(n_ctx), "--n_batch", str(n_ctx)]
+    cmd += ["--n_ubatch", str(n_ctx), "--n_threads", str(threads)]
+    cmd += ["--n_threads_batch", str(threads), "--type_k", "0", "--type_v", "0"]  # 0: f32
+    cmd += ["--interrupt_requests", "False", "--verbose", "False"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            sys.exit(f"error: llama_cpp.server exited ({proc.returncode}): " + " | ".join(tail))
+        try:
+            request(url, "GET", "/v1/models", None, None)
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    sys.exit("error: llama_cpp.server did not answer /v1/models")
+
+
 def request(url: str, method: str, path: str, body: dict | None, key: str | None) -> dict:
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
@@ -143,8 +230,9 @@ def request(url: str, method: str, path: str, body: dict | None, key: str | None
         conn.close()
 
 
-def stream(url: str, key: str | None, body: dict) -> dict:
-    """One streaming completion: its text, tokens, time to first token and token latency."""
+def stream(url: str, key: str | None, body: dict, tokens: int = 0) -> dict:
+    """One streaming completion: its text, tokens, time to first token and token latency.
+    `tokens`: the count when the stream carries no usage (llama.cpp's)."""
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
     headers = {"Content-Type": "application/json"}
@@ -152,7 +240,7 @@ def stream(url: str, key: str | None, body: dict) -> dict:
         headers["Authorization"] = f"Bearer {key}"
     start = time.perf_counter()
     first = last = None
-    text, tokens = [], 0
+    text: list[str] = []
     try:
         conn.request("POST", "/v1/completions", json.dumps(body).encode(), headers)
         r = conn.getresponse()
@@ -181,8 +269,11 @@ def stream(url: str, key: str | None, body: dict) -> dict:
     return {"text": "".join(text), "tokens": tokens, "ttft": first - start, "per_token": per_token}
 
 
-def run_clients(url: str, key: str | None, bodies: list[dict], clients: int) -> dict:
-    """Every body once, by `clients` threads each streaming one at a time."""
+def run_clients(
+    url: str, key: str | None, bodies: list[dict], clients: int, tokens: list[int] | None = None
+) -> dict:
+    """Every body once, by `clients` threads each streaming one at a time; `tokens`: each
+    body's token count where the stream does not say it."""
     results: list[dict | None] = [None] * len(bodies)
     nxt = iter(range(len(bodies)))
     lock = threading.Lock()
@@ -195,7 +286,7 @@ def run_clients(url: str, key: str | None, bodies: list[dict], clients: int) -> 
             if i is None:
                 return
             try:
-                results[i] = stream(url, key, bodies[i])
+                results[i] = stream(url, key, bodies[i], tokens[i] if tokens else 0)
             except Exception as e:  # noqa: BLE001 (reported below)
                 errors.append(str(e))
                 return
@@ -218,6 +309,15 @@ def quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def same_text(ours: str, theirs: str, llama: bool) -> str:
+    """'yes' when equal; for llama.cpp after dropping minillm's U+FFFD, and 'longer' when it ran
+    past max_tokens to finish a split character; 'NO' otherwise."""
+    if not llama:
+        return "yes" if theirs == ours else "NO"
+    ours = ours.replace("\ufffd", "")
+    return "yes" if theirs == ours else "longer" if theirs.startswith(ours) else "NO"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running minillm serve (default: start one)")
@@ -228,72 +328,155 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
     ap.add_argument("--clients", default="1,4,8,16", help="concurrent clients to try")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best counts")
+    ap.add_argument(
+        "--llama-cpp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also llama.cpp's server on the f32 GGUF (default: when llama-cpp-python and its "
+        "[server] extra import; with --url it needs --ckpt, the served checkpoint)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2,
+        help="CPU threads for each server (default: the CPUs this process may use)",
+    )
     args = ap.parse_args()
 
-    proc, tmp = None, None
+    missing = llama_cpp_missing()
+    if args.llama_cpp and missing:
+        sys.exit(f"error: --llama-cpp: {missing}")
+    if args.llama_cpp and args.url and args.ckpt is None:
+        sys.exit("error: --llama-cpp: with --url, give --ckpt (the served checkpoint) to export")
+    if args.llama_cpp is None:
+        args.llama_cpp = missing is None and not (args.url and args.ckpt is None)
+        if missing:
+            print(f"note: no llama.cpp rows: {missing}")
+
+    procs: list[subprocess.Popen] = []
+    tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
     url = args.url
-    if url is None:
-        ckpt = args.ckpt
-        if ckpt is None:
-            tmp = tempfile.TemporaryDirectory(prefix="bench-serve-")
-            ckpt = make_checkpoint(Path(tmp.name), args.shape)
-        proc, url = start_server(ckpt, max_batch=16)
     try:
+        ckpt = args.ckpt
+        if ckpt is None and (url is None or args.llama_cpp):
+            ckpt = make_checkpoint(Path(tmp.name), args.shape)
+        if url is None:
+            proc, url = start_server(ckpt, max_batch=16, threads=args.threads)
+            procs.append(proc)
         model = request(url, "GET", "/v1/models", None, args.api_key)["data"][0]["id"]
+        prompts = [LINES[(37 * i) % len(LINES)] for i in range(args.requests)]
         bodies = [
             {
                 "model": model,
-                "prompt": LINES[(37 * i) % len(LINES)],
+                "prompt": prompt,
                 "max_tokens": args.max_tokens,
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            for i in range(args.requests)
+            for prompt in prompts
+        ]
+        # (label, url, key, bodies, token counts when the stream has none)
+        servers: list[tuple[str, str, str | None, list[dict], list[int] | None]] = [
+            ("minillm", url, args.api_key, bodies, None)
         ]
         print(f"{url}: model {model}, {args.requests} prompts x {args.max_tokens} tokens, greedy")
-        print(f"load average before: {loadavg()} ({os.cpu_count()} CPUs)")
-        run_clients(url, args.api_key, bodies[:2], 1)  # warm-up
-        counts = [int(c) for c in args.clients.split(",")]
-        # Rounds interleave the settings, so that a burst of load from other processes hits
-        # them alike; each setting keeps its fastest round.
-        best: dict[int, dict] = {}
-        for _ in range(args.rounds):
-            for n in [0, *counts]:  # 0: one at a time (one client, the reference texts)
-                got = run_clients(url, args.api_key, bodies, max(n, 1))
-                if (
-                    n not in best
-                    or got["tokens"] / got["wall"] > best[n]["tokens"] / best[n]["wall"]
-                ):
-                    best[n] = got
-                texts = [r["text"] for r in best[0]["results"]]
-                got["same"] = [r["text"] for r in got["results"]] == texts
-        base = best[0]["tokens"] / best[0]["wall"]
-        rows = [("one at a time", best[0], True)]
-        rows += [(f"{n} concurrent", best[n], best[n]["same"]) for n in counts]
-        print(
-            "\n| clients | tokens/s | vs one at a time | TTFT median / p95 (ms) | "
-            "per-token median / p95 (ms) | texts equal |\n|---|---|---|---|---|---|"
-        )
-        for name, r, same in rows:
-            ttft = [x["ttft"] * 1e3 for x in r["results"]]
-            per = [x["per_token"] * 1e3 for x in r["results"]]
-            rate = r["tokens"] / r["wall"]
+        if args.llama_cpp:
+            from minillm.data.tokenizer import EOT
+
+            gguf = Path(tmp.name) / "model-f32.gguf"
+            n_ctx = export_gguf(ckpt, gguf)
+            proc, llama_url = start_llama_cpp(gguf, n_ctx, args.threads, Path(tmp.name) / "log")
+            procs.append(proc)
+            llama_bodies = [
+                {
+                    "prompt": EOT + prompt,  # minillm serve's prompt ids, special token parsed
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "repeat_penalty": 1.0,
+                    "stream": True,
+                }
+                for prompt in prompts
+            ]
+            # Its token counts (no usage in its stream): one non-streamed pass, also a warm-up.
+            counts = [
+                request(llama_url, "POST", "/v1/completions", {**b, "stream": False}, None)[
+                    "usage"
+                ]["completion_tokens"]
+                for b in llama_bodies
+            ]
+            servers.append(("llama.cpp", llama_url, None, llama_bodies, counts))
             print(
-                f"| {name} | {rate:.0f} | {rate / base:.2f}x | "
-                f"{statistics.median(ttft):.1f} / {quantile(ttft, 0.95):.1f} | "
-                f"{statistics.median(per):.2f} / {quantile(per, 0.95):.2f} | "
-                f"{'yes' if same else 'NO'} |"
+                f"{llama_url}: llama-cpp-python's server on {gguf.name} (f32 weights and KV "
+                f"cache, n_ctx {n_ctx}); one request at a time, the rest queue"
             )
+        print(f"each server: {args.threads} CPU threads")
+        print(f"load average before: {loadavg()} ({os.cpu_count()} CPUs)")
+        for _, u, key, bs, counts in servers:
+            run_clients(u, key, bs[:2], 1, counts)  # warm-up
+        clients = [int(c) for c in args.clients.split(",")]
+        # Rounds interleave the settings (and the servers), so that a burst of load from other
+        # processes hits them alike; each setting keeps its fastest round. Client count 0: one
+        # at a time (one client; minillm's are the reference texts).
+        best: dict[tuple[str, int], dict] = {}
+        # (prompts whose text differs, llama.cpp's that ran on), the most over the rounds
+        same: dict[tuple[str, int], tuple[int, int]] = {}
+        reference: list[str] | None = None
+        for _ in range(args.rounds):
+            for label, u, key, bs, counts in servers:
+                for n in [0, *clients]:
+                    got = run_clients(u, key, bs, max(n, 1), counts)
+                    texts = [r["text"] for r in got["results"]]
+                    if reference is None:
+                        reference = texts
+                    llama = label != "minillm"
+                    verdicts = [same_text(o, t, llama) for o, t in zip(reference, texts)]
+                    nos, longer = same.get((label, n), (0, 0))
+                    same[(label, n)] = (
+                        max(nos, verdicts.count("NO")),
+                        max(longer, verdicts.count("longer")),
+                    )
+                    if "NO" in verdicts and (label, n) not in best:
+                        i = verdicts.index("NO")
+                        print(
+                            f"note: {label}, {n or 'one at a time'} clients: prompt {i} gives "
+                            f"{texts[i][:60]!r}, minillm one at a time {reference[i][:60]!r}"
+                        )
+                    setting = (label, n)
+                    if setting not in best or got["tokens"] / got["wall"] > (
+                        best[setting]["tokens"] / best[setting]["wall"]
+                    ):
+                        best[setting] = got
+        base = best[("minillm", 0)]["tokens"] / best[("minillm", 0)]["wall"]
+        print(
+            "\n| server | clients | tokens/s | vs minillm one at a time | vs its own one at a "
+            "time | TTFT median / p95 (ms) | per-token median / p95 (ms) | texts equal |"
+            "\n|---|---|---|---|---|---|---|---|"
+        )
+        for label, *_ in servers:
+            own = best[(label, 0)]["tokens"] / best[(label, 0)]["wall"]
+            for n in [0, *clients]:
+                r = best[(label, n)]
+                ttft = [x["ttft"] * 1e3 for x in r["results"]]
+                per = [x["per_token"] * 1e3 for x in r["results"]]
+                rate = r["tokens"] / r["wall"]
+                nos, longer = same[(label, n)]
+                verdict = f"NO: {nos} of {len(prompts)}" if nos else "yes"
+                verdict += f" ({longer} of {len(prompts)} longer)" if longer else ""
+                print(
+                    f"| {label} | {f'{n} concurrent' if n else 'one at a time'} | {rate:.0f} | "
+                    f"{rate / base:.2f}x | {rate / own:.2f}x | "
+                    f"{statistics.median(ttft):.1f} / {quantile(ttft, 0.95):.1f} | "
+                    f"{statistics.median(per):.2f} / {quantile(per, 0.95):.2f} | {verdict} |"
+                )
         print(f"\nload average after: {loadavg()}")
-        if not all(same for _, _, same in rows):
-            sys.exit("error: a stream's text differs from its one-at-a-time text")
+        if any(same[("minillm", n)][0] for n in [0, *clients]):
+            sys.exit("error: a minillm stream's text differs from its one-at-a-time text")
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate()
             proc.wait(30)
-        if tmp is not None:
-            tmp.cleanup()
+        tmp.cleanup()
 
 
 if __name__ == "__main__":
