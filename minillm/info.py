@@ -142,4 +142,4 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
         "activations without / with checkpointing",
         f"{act['full'] / GiB:.2f} / {act['checkpointed'] / GiB:.2f} GiB",
     )
-    Console().print(table)
+    Console(markup=False).print(table)  # the title is the config's path: text, not markup

@@ -18,11 +18,15 @@ from minillm.errors import UserError
 
 
 def print_error(message: str) -> None:
-    """The one `error: ...` line on stderr that every user error becomes."""
+    """The one `error: ...` line on stderr that every user error becomes.
+
+    Only the `error:` prefix is markup: the message is escaped, since it names paths, globs and
+    values (`data/[ab].txt`, `'minillm[serve]'`) that rich would otherwise read as tags."""
     from rich.console import Console
+    from rich.markup import escape
 
     Console(stderr=True, highlight=False, soft_wrap=True).print(
-        f"[bold red]error:[/] {message.replace(chr(10), ' ')}", markup=True
+        f"[bold red]error:[/] {escape(message.replace(chr(10), ' '))}", markup=True
     )
 
 

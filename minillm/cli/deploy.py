@@ -44,11 +44,7 @@ def serve(
     try:
         from minillm.serve.server import serve as run_server
     except ImportError as e:
-        from rich.markup import escape  # the error line is rich markup: keep "[serve]" as text
-
-        print_error(
-            escape(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
-        )
+        print_error(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
         raise typer.Exit(2) from None
 
     loaded = load_ckpt(ckpt, device, best)

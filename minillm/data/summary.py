@@ -72,7 +72,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         how = "trained by the interrupted run"
     if summary.get("resumed_documents"):
         how += f"; resumed after {summary['resumed_documents']:,} documents"
-    console = Console(highlight=False)
+    console = Console(highlight=False, markup=False)  # paths are text: `out/[ab]` stays
     console.print(table)
     console.print(
         f"MB/s: per split, encoding only (one worker's pace when data.num_proc > 1); total, "

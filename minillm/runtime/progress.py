@@ -55,11 +55,12 @@ class Progress:
             from rich.progress import Progress as RichProgress
 
             known = self.total is not None  # else a pulsing bar, the count and the time so far
+            # Descriptions and info are text (task names, losses), not markup: `[ab]` stays.
             self.bar = RichProgress(
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),
                 BarColumn(),
                 TaskProgressColumn() if known else MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
+                TextColumn("{task.fields[info]}", markup=False),
                 TimeRemainingColumn() if known else TimeElapsedColumn(),
                 console=self.console,
             )
@@ -114,9 +115,9 @@ class Progress:
             self.bar.update(self.task, description=description)
 
     def print(self, message: str) -> None:
-        """A line above the bar (or a plain line)."""
+        """A line above the bar (or a plain line), as text: a sample's `[b]` is not markup."""
         if self.bar is not None:
-            self.bar.console.print(message)
+            self.bar.console.print(message, markup=False, highlight=False)
         else:
             print(message, file=self.file, flush=True)
 
