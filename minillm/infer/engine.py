@@ -355,10 +355,15 @@ class Engine:
         for i, row in enumerate(rows):
             p = row.params
             groups[(p.temperature, p.top_k, p.top_p)].append(i)
-        picked = torch.empty(len(rows), dtype=torch.long)
-        for (temperature, top_k, top_p), idx in groups.items():
-            gens = [rows[i].generator for i in idx] if temperature > 0 else None
-            picked[idx] = sample_next(logits[idx], temperature, top_k, top_p, gens).cpu()
+        if len(groups) == 1:  # the common case (one caller's rows): no gather, no scatter
+            (temperature, top_k, top_p), _ = groups.popitem()
+            gens = [row.generator for row in rows] if temperature > 0 else None
+            picked = sample_next(logits, temperature, top_k, top_p, gens).cpu()
+        else:
+            picked = torch.empty(len(rows), dtype=torch.long)
+            for (temperature, top_k, top_p), idx in groups.items():
+                gens = [rows[i].generator for i in idx] if temperature > 0 else None
+                picked[idx] = sample_next(logits[idx], temperature, top_k, top_p, gens).cpu()
         want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         infos: dict[int, TokenLogprob] = {}
         if want:

@@ -43,6 +43,7 @@ class CacheWrite:
     n: int
     T: int
     starts: list[int]
+    end: int  # the longest row's length after this write: keys 0..end-1 are read
     positions: slice | torch.Tensor
     key_mask: torch.Tensor | None
     is_causal: bool
@@ -51,14 +52,15 @@ class CacheWrite:
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (n, K, T, D) at each row's next slots; return keys, values (n, K, S, D)."""
-        cache = self.cache
-        end = max(self.starts) + self.T
-        keys = cache.k[layer, self.r0 : self.r0 + self.n]  # (n, K, S_alloc, D) views
-        values = cache.v[layer, self.r0 : self.r0 + self.n]
+        # A decoded token costs little more than its matrix-vector products: the per-layer views
+        # are made once per storage, and narrow + copy_ is the cheapest write.
+        keys, values = self.cache.layers[layer]  # (B_alloc, K, S_alloc, D) views
+        if self.r0 or self.n != keys.shape[0]:
+            keys, values = keys[self.r0 : self.r0 + self.n], values[self.r0 : self.r0 + self.n]
+        end = self.end
         if isinstance(self.positions, slice):  # every row at one length
-            start = self.starts[0]
-            keys[:, :, start : start + self.T] = k
-            values[:, :, start : start + self.T] = v
+            keys.narrow(2, self.starts[0], self.T).copy_(k)
+            values.narrow(2, self.starts[0], self.T).copy_(v)
         else:  # each row at its own slots
             batch = torch.arange(self.n, device=k.device)[:, None]  # (n, 1)
             keys[batch, :, self.positions] = k.transpose(1, 2)  # (n, T, K, D) at (n, T)
@@ -85,7 +87,7 @@ class KVCache:
             raise ValueError(f"KV cache of {max_len} exceeds max_seq_len={cfg.max_seq_len}")
         self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, torch.device(device), dtype
         self.lengths: list[int] = []  # host-side: read every step, a tensor would cost a sync
-        self.k = self.v = self._empty(0, 0)
+        self._store(self._empty(0, 0), self._empty(0, 0))
         self.add_rows(batch_size)
 
     def _empty(self, rows: int, slots: int) -> torch.Tensor:
@@ -125,13 +127,17 @@ class KVCache:
         k, v = self._empty(rows, slots), self._empty(rows, slots)
         k[:, :have_rows, :, :have_slots] = self.k
         v[:, :have_rows, :, :have_slots] = self.v
+        self._store(k, v)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
+        self.layers = list(zip(k.unbind(0), v.unbind(0), strict=True))  # per layer (B, K, S, D)
 
     def release(self) -> None:
         """Free the storage of a cache whose rows are all gone (a server gone idle)."""
         if self.lengths:
             raise ValueError(f"{self.batch_size} rows still hold sequences")
-        self.k = self.v = self._empty(0, 0)
+        self._store(self._empty(0, 0), self._empty(0, 0))
 
     # ------------------------------------------------------------------ rows
 
@@ -189,12 +195,12 @@ class KVCache:
                 q = torch.arange(start, end, device=self.device)[:, None]
                 mask = (torch.arange(end, device=self.device)[None, :] <= q)[None, None]
             return CacheWrite(
-                self, rows.start, n, T, starts, slice(start, end), mask, start == 0 and T > 1
+                self, rows.start, n, T, starts, end, slice(start, end), mask, start == 0 and T > 1
             )
         first = torch.tensor(starts, device=self.device)[:, None]  # (n, 1)
         positions = first + torch.arange(T, device=self.device)  # (n, T)
         mask = torch.arange(end, device=self.device)[None, None, :] <= positions[:, :, None]
-        return CacheWrite(self, rows.start, n, T, starts, positions, mask[:, None], False)
+        return CacheWrite(self, rows.start, n, T, starts, end, positions, mask[:, None], False)
 
 
 class _Rows:
