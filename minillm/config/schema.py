@@ -172,6 +172,13 @@ class DataConfig(_Section):
         "val_fraction of them (a single text file keeps its val_fraction tail). Needed by "
         "streaming.",
     )
+    decode_errors: Literal["strict", "replace", "skip_document"] = _f(
+        "strict",
+        help="Text that is not valid UTF-8 (text files, json/jsonl and parquet rows): strict = "
+        "one error naming the file and byte; replace = each invalid sequence becomes U+FFFD; "
+        "skip_document = the document is left out. tokenize counts the documents replaced or "
+        "skipped. Not for csv or data.streaming, whose rows the datasets library decodes.",
+    )
 
     def __post_init__(self) -> None:
         if not self.source:

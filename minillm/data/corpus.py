@@ -24,6 +24,13 @@ file) is split at its tail instead, like nanoGPT's Shakespeare: validation is th
 `val_fraction` of its bytes, starting at the first safe cut (minillm.data.text.is_cut, preferring
 a line start) from there.
 
+Invalid UTF-8 (`data.decode_errors`). strict: one error line naming the file and byte (the row,
+in minillm.data.table). replace: a document with invalid bytes is read with U+FFFD in their place
+and marked `Document.replaced`; skip_document: it is yielded marked `Document.skipped`, so that
+the pass counts it, and nothing reads its text. A text file's documents are checked with one read
+before they are yielded (decoding is far faster than encoding), and keep their bytes on disk as
+`nbytes`; safe cuts (the tail split, data.max_bytes) are found on the exact bytes.
+
 Long documents are cut into pieces for encoding only at safe cuts: see minillm.data.text.
 """
 
@@ -41,7 +48,7 @@ import numpy as np
 
 from minillm.config import DataConfig
 from minillm.data.chat_template import content_bytes
-from minillm.data.text import read_text_blocks, split_pieces
+from minillm.data.text import first_invalid_byte, read_text_blocks, split_pieces
 from minillm.errors import ConfigError
 
 
@@ -79,7 +86,8 @@ def val_mask(n: int, val_fraction: float, seed: int) -> np.ndarray:
 @dataclass
 class Document:
     """One document of a split: a string (a table row), bytes [start, end) of a text file, or a
-    conversation (a row of chat messages, checked)."""
+    conversation (a row of chat messages, checked). `replaced`: it held invalid UTF-8, now
+    U+FFFD; `skipped`: it holds invalid UTF-8 and is left out (data.decode_errors)."""
 
     split: str
     text: str | None = None
@@ -87,11 +95,13 @@ class Document:
     start: int = 0
     end: int = 0
     messages: list[dict[str, str]] | None = None
+    replaced: bool = False
+    skipped: bool = False
 
     @property
     def nbytes(self) -> int:
-        """UTF-8 bytes of the text (a file's bytes are exactly that, since it is strict UTF-8);
-        of a conversation, its contents' bytes."""
+        """UTF-8 bytes of the text (a file's bytes are exactly that, since it is UTF-8, or with
+        invalid bytes replaced, those on disk); of a conversation, its contents' bytes."""
         if self.messages is not None:
             return content_bytes(self.messages)
         if self.text is not None:
@@ -102,18 +112,20 @@ class Document:
         if self.text is not None:
             return iter((self.text,) if self.text else ())
         assert self.path is not None
-        return read_text_blocks(self.path, self.start, self.end)
+        errors = "replace" if self.replaced else "strict"
+        return read_text_blocks(self.path, self.start, self.end, errors=errors)
 
 
 def _cuts(blocks: Iterable[str], nbytes: int) -> Iterator[tuple[int, int]]:
     """(byte, char) offsets of safe cuts in a text of about `nbytes` bytes, in order, one every
-    few KB at most (dense enough, few of them in a small text); neither 0 nor the end."""
+    few KB at most (dense enough, few of them in a small text); neither 0 nor the end. A file's
+    invalid bytes, read as lone surrogates, count as the bytes they were."""
     step = max(16, min(4096, nbytes // 1000))
     byte = char = 0
     for k, piece in enumerate(split_pieces(blocks, step)):
         if k:
             yield byte, char
-        byte += len(piece.encode("utf-8"))
+        byte += len(piece.encode("utf-8", "surrogateescape"))
         char += len(piece)
 
 
@@ -131,10 +143,18 @@ def tail_cut(blocks: Iterable[str], nbytes: int, val_fraction: float) -> tuple[i
     return before
 
 
-def _cut_after(path: Path, limit: int) -> int | None:
+def _file_blocks(path: Path, end: int | None, decode_errors: str) -> Iterator[str]:
+    """A text file's blocks for finding safe cuts: strict, or with data.decode_errors reading
+    past invalid bytes, each one a lone surrogate (`_cuts` counts it as one byte)."""
+    errors = "strict" if decode_errors == "strict" else "surrogateescape"
+    return read_text_blocks(path, 0, end, errors=errors)
+
+
+def _cut_after(path: Path, limit: int, decode_errors: str) -> int | None:
     """The byte offset of a safe cut at or just after `limit` in a text file (data.max_bytes):
     the first of `_cuts`, so within a few KB of the first; None when there is none."""
-    return next((byte for byte, _ in _cuts(read_text_blocks(path), limit) if byte >= limit), None)
+    cuts = _cuts(_file_blocks(path, None, decode_errors), limit)
+    return next((byte for byte, _ in cuts if byte >= limit), None)
 
 
 def prefix_keys(data: DataConfig) -> str:
@@ -223,6 +243,7 @@ class TextCorpus(Corpus):
         if data.max_documents:
             files = files[: data.max_documents]
         self.label, self.files, self.format = data.source, files, "text"
+        self.decode_errors = data.decode_errors
         self.sizes = [f.stat().st_size for f in files]
         if data.max_bytes:
             self._take_bytes(data.max_bytes)
@@ -239,7 +260,8 @@ class TextCorpus(Corpus):
         if len(texts) == 1:
             self.single = texts[0]
             path, size = self.files[self.single], self.sizes[self.single]
-            self.cut = tail_cut(read_text_blocks(path, 0, size), size, data.val_fraction)
+            blocks = _file_blocks(path, size, self.decode_errors)
+            self.cut = tail_cut(blocks, size, data.val_fraction)
             if self.cut is None:
                 raise corpus_error(
                     path,
@@ -261,7 +283,7 @@ class TextCorpus(Corpus):
                 self.files, self.sizes = self.files[:k], self.sizes[:k]
                 return
             if total + size > limit:
-                self.sizes[k] = _cut_after(path, limit - total) or size
+                self.sizes[k] = _cut_after(path, limit - total, self.decode_errors) or size
             total += self.sizes[k]
 
     def train_total(self) -> int | None:
@@ -270,10 +292,20 @@ class TextCorpus(Corpus):
     def documents(self) -> Iterator[Document]:
         if self.cut is not None:
             path, size, cut = self.files[self.single], self.sizes[self.single], self.cut[0]
-            yield Document("train", path=path, start=0, end=cut)
-            yield Document("val", path=path, start=cut, end=size)
+            yield self._checked(Document("train", path=path, start=0, end=cut))
+            yield self._checked(Document("val", path=path, start=cut, end=size))
             return
         for k, (path, size) in enumerate(zip(self.files, self.sizes)):
             if size:  # like empty rows, an empty file is no document
                 split = "val" if self._is_val(k) else "train"
-                yield Document(split, path=path, start=0, end=size)
+                yield self._checked(Document(split, path=path, start=0, end=size))
+
+    def _checked(self, doc: Document) -> Document:
+        """The document marked as data.decode_errors says when it holds invalid UTF-8 (strict:
+        unmarked; reading it fails)."""
+        if self.decode_errors != "strict":
+            assert doc.path is not None
+            if first_invalid_byte(doc.path, doc.start, doc.end) is not None:
+                doc.replaced = self.decode_errors == "replace"
+                doc.skipped = self.decode_errors == "skip_document"
+        return doc

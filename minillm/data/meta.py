@@ -11,17 +11,21 @@ shorter; a document may span two shards). `meta.json` (version 2) holds:
 
     {"version", "dtype", "vocab_size", "eot_id", "shard_tokens",
      "train": {"tokens", "bytes", "documents", "targets", "target_bytes",
+               "replaced_documents", "skipped_documents",
                "shards": [{"file", "tokens", "file_bytes", "sha256"[, "mask_sha256"]}, ...]},
      "val": {...}, "chat", "loss_on", "tokenizer_sha256", "source_fingerprint",
      "data": {"source", "format", "text_field", "val_fraction", "seed", "loss_on",
-              "max_documents", "max_bytes", "val_documents"}}
+              "max_documents", "max_bytes", "val_documents", "decode_errors"}}
 
 `bytes` counts the UTF-8 bytes of a split's document texts (not the separators; of a conversation,
-its contents), for bits-per-byte; a shard's `file_bytes` is its size on disk. With chat data
-(`"chat": true`) and `"loss_on": "assistant"`, each shard has a `.mask` twin (`train_000000.mask`)
-holding one byte per token, 1 where the token is a training target (an assistant content's token
-or its `<|end|>`), and `targets` / `target_bytes` count those tokens and the assistant bytes.
-Shards without a mask make every token a target. Opening a split checks every shard's size and
+its contents; of a text file whose invalid bytes were replaced, its bytes on disk), for
+bits-per-byte; `replaced_documents` and `skipped_documents` count the documents that held invalid
+UTF-8 and were read with U+FFFD or left out (`data.decode_errors`; absent from older shards); a
+shard's `file_bytes` is its size on disk. With chat data (`"chat": true`) and `"loss_on":
+"assistant"`, each shard has a `.mask` twin (`train_000000.mask`) holding one byte per token,
+1 where the token is a training target (an assistant content's token or its `<|end|>`), and
+`targets` / `target_bytes` count those tokens and the assistant bytes. Shards without a mask make
+every token a target. Opening a split checks every shard's size and
 sha256 against meta.json: a missing or damaged shard is one error line. Version 1 (one
 `<split>.bin` per split, from before shards were numbered) is still read.
 
@@ -78,6 +82,7 @@ def data_record(data: DataConfig) -> dict[str, Any]:
         "max_documents": data.max_documents,
         "max_bytes": data.max_bytes,
         "val_documents": data.val_documents,
+        "decode_errors": data.decode_errors,
     }
 
 

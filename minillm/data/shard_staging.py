@@ -30,7 +30,12 @@ from minillm.runtime.files import atomic_copy, atomic_write_json, atomic_write_t
 CHECKPOINT_BYTES = 64 << 20  # text between checkpoints: ~15 s of encoding at 4 MB/s
 STATE_VERSION = 1
 # Inputs added since STATE_VERSION 1: a checkpoint without them was made with these values.
-_ADDED_INPUTS = {"data.max_documents": 0, "data.max_bytes": 0, "data.val_documents": 0}
+_ADDED_INPUTS = {
+    "data.max_documents": 0,
+    "data.max_bytes": 0,
+    "data.val_documents": 0,
+    "data.decode_errors": "strict",
+}
 
 
 class Staging:
@@ -168,6 +173,8 @@ def make_meta(
             "documents": stats[s]["documents"],
             "targets": stats[s].get("targets", writers[s].tokens),
             "target_bytes": stats[s].get("target_bytes", stats[s]["bytes"]),
+            "replaced_documents": stats[s]["replaced"],
+            "skipped_documents": stats[s]["skipped"],
             "shards": shards,
         }
     meta["source_fingerprint"] = fingerprint

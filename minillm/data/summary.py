@@ -29,7 +29,8 @@ def pass_splits(
     pass_seconds: float,
     resumed_bytes: int,
 ) -> dict[str, dict[str, Any]]:
-    """Per split and in total: documents, bytes, tokens, shards and pace. A split's seconds are
+    """Per split and in total: documents, bytes, tokens, shards, pace, and the documents with
+    invalid UTF-8 replaced or skipped. A split's seconds are
     its encoding time; the total's are the pass's, and its pace counts only the bytes this pass
     encoded, not those of the run it resumed (`resumed_bytes`)."""
     splits = {
@@ -38,11 +39,14 @@ def pass_splits(
     }
     for s in SPLITS:
         splits[s]["shards"] = shards[s]
+        # Documents with invalid UTF-8 (data.decode_errors): read with U+FFFD, or left out.
+        splits[s]["replaced"], splits[s]["skipped"] = stats[s]["replaced"], stats[s]["skipped"]
     splits["total"] = split_summary(
         *(sum(splits[s][k] for s in SPLITS) for k in ("documents", "bytes", "tokens")),
         pass_seconds,
     )
-    splits["total"]["shards"] = sum(shards.values())
+    for k in ("shards", "replaced", "skipped"):
+        splits["total"][k] = sum(splits[s][k] for s in SPLITS)
     encoded = splits["total"]["bytes"] - resumed_bytes
     splits["total"]["mb_per_s"] = encoded / 1e6 / max(pass_seconds, 1e-9)
     return splits
@@ -79,3 +83,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"the whole pass (read, encode, write). "
         f"Tokenizer {tok['path']} {how}; {summary['seconds']:.1f}s in all."
     )
+    total = summary["splits"]["total"]
+    if total.get("replaced") or total.get("skipped"):
+        console.print(
+            f"Documents with invalid UTF-8 (data.decode_errors): {total['replaced']:,} read with "
+            f"U+FFFD in place of those bytes, {total['skipped']:,} left out."
+        )

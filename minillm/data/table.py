@@ -8,6 +8,11 @@ messages one conversation. What a corpus is, its prefix and split: minillm.data.
 A stream cannot be indexed, so an interrupted `minillm tokenize` resumes it from a cursor: the
 `datasets` state of the stream where a batch of rows starts (`IterableDataset.state_dict`), with
 the rows, documents and bytes before it. A hub dataset is then not read again from its start.
+
+A row whose text is not UTF-8 (arrow loads json and parquet without checking; reading the value
+fails) is read again with its strings as bytes and handled as `data.decode_errors` says: one error
+line naming the row, U+FFFD in place of the invalid bytes, or the row left out (counted). A stream
+and a csv file are decoded by `datasets` itself, so there invalid UTF-8 is always an error.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.config import DataConfig
+from minillm.data.arrow_text import Undecodable, decoded, pylist
 from minillm.data.chat_template import check_messages, content_bytes
 from minillm.data.corpus import (
     Corpus,
@@ -31,6 +37,7 @@ from minillm.data.corpus import (
     tail_cut,
     val_mask,
 )
+from minillm.data.text import NOT_UTF8
 from minillm.errors import ConfigError, warn
 
 ROWS_PER_BATCH = 512  # rows fetched from arrow at a time
@@ -153,6 +160,7 @@ class TableCorpus(Corpus):
         self._start_cursor: dict[str, Any] | None = None  # seek's: where the stream begins
         self.streaming = isinstance(ds, datasets.IterableDataset)
         self.field = field = data.text_field
+        self.decode_errors = data.decode_errors
         self.max_documents, self.max_bytes = data.max_documents, data.max_bytes
         self.val_documents, self.val_fraction = data.val_documents, data.val_fraction
         self.ds = ds
@@ -223,6 +231,11 @@ class TableCorpus(Corpus):
             except Exception as e:  # datasets/pyarrow raise many types for unparsable files
                 if self.format == "hub" and isinstance(e, ConnectionError):
                     message = "a hub dataset, and the Hugging Face hub is unreachable to read it"
+                elif isinstance(error_reason(e), UnicodeDecodeError):
+                    message = (
+                        f"not UTF-8 text ({first_line(error_reason(e))}); data.decode_errors "
+                        "reads past it only without data.streaming"
+                    )
                 else:
                     what = "the hub dataset" if self.format == "hub" else f"as {self.format}"
                     message = f"cannot read {what}: {first_line(error_reason(e))}"
@@ -289,15 +302,15 @@ class TableCorpus(Corpus):
             return
         files = [f["filename"] for f in self.ds.cache_files]
         if not files or getattr(self.ds, "_indices", None) is not None:
-            for batch in self.ds.iter(batch_size=ROWS_PER_BATCH):
-                yield batch[self.field]
+            for table in self.ds.with_format("arrow").iter(batch_size=ROWS_PER_BATCH):
+                yield pylist(table.column(self.field).combine_chunks())
             return
         rows = 0
         for name in files:
             with pa.OSFile(name) as f:
                 for batch in pa.ipc.open_stream(f):
                     rows += batch.num_rows
-                    yield batch.column(self.field).to_pylist()
+                    yield pylist(batch.column(self.field))
         if rows != self.n_rows:  # a datasets change we do not know: fail loudly, not wrong
             raise RuntimeError(f"read {rows} rows from {files}, expected {self.n_rows}")
 
@@ -312,13 +325,28 @@ class TableCorpus(Corpus):
                 f"column {self.field!r} holds chat messages: eval scores conversations from a "
                 ".jsonl or .json file",
             )
-        for column in self._columns():
-            for value in column:
+        rows = itertools.chain.from_iterable(self._columns())
+        for i, value in enumerate(rows):
+            value, mark = self._decode(value, i)
+            if mark != "skipped":
                 yield value or ""
 
-    def _rows(self) -> Iterator[tuple[int, str | list[dict[str, str]]]]:
-        """(index, text or checked conversation) of the rows kept: the first max_documents, and
-        those that start before the text totals max_bytes."""
+    def _decode(self, value: Any, row: int) -> tuple[Any, str]:
+        """A row's value and "", or for one not UTF-8 (data.decode_errors) its value with U+FFFD
+        and "replaced", or None and "skipped"; strict: one error line naming the row."""
+        if not isinstance(value, Undecodable):
+            return value, ""
+        if self.decode_errors == "skip_document":
+            return None, "skipped"
+        if self.decode_errors == "replace":
+            return decoded(value.raw, "replace"), "replaced"
+        message = f"row {row + 1}: {self.field}: not UTF-8 text; {NOT_UTF8}"
+        raise corpus_error(self.label, "data.source", message)
+
+    def _rows(self) -> Iterator[tuple[int, str | list[dict[str, str]] | None, str]]:
+        """(index, text or checked conversation, "" or how data.decode_errors read it: replaced
+        or skipped, the value then None) of the rows kept: the first max_documents, and those
+        that start before the text totals max_bytes."""
         nbytes = self._start["nbytes"]
         with contextlib.closing(self._columns()) as columns:
             rows = itertools.chain.from_iterable(columns)
@@ -327,6 +355,11 @@ class TableCorpus(Corpus):
                     return
                 if self.max_bytes and nbytes >= self.max_bytes:
                     return
+                value, mark = self._decode(value, i)
+                if mark == "skipped":
+                    self._pos["row"] = i + 1
+                    yield i, None, mark
+                    continue
                 if self.chat:
                     try:
                         value = check_messages(value, self.label, i + 1, self.field)
@@ -338,7 +371,7 @@ class TableCorpus(Corpus):
                     value = value or ""
                     nbytes += len(value.encode("utf-8")) if self.max_bytes else 0
                 self._pos["row"], self._pos["nbytes"] = i + 1, nbytes
-                yield i, value
+                yield i, value, mark
 
     def documents(self) -> Iterator[Document]:
         if self.n_documents == 1 and self.mask is not None:
@@ -348,7 +381,11 @@ class TableCorpus(Corpus):
                     "data.val_fraction",
                     "one conversation cannot be split into train and validation; add rows",
                 )
-            text = str(next(self._rows())[1])
+            _, value, mark = next(self._rows())
+            if mark == "skipped":
+                message = "no text: its one row is not UTF-8, left out by data.decode_errors"
+                raise corpus_error(self.label, "data.source", message)
+            text, replaced = str(value), mark == "replaced"
             cut = tail_cut([text], len(text.encode("utf-8")), self.val_fraction)
             if cut is None:
                 raise corpus_error(
@@ -356,15 +393,17 @@ class TableCorpus(Corpus):
                     "data.val_fraction",
                     "one row, too short to split off a validation tail; add text or rows",
                 )
-            yield Document("train", text=text[: cut[1]])
-            yield Document("val", text=text[cut[1] :])
+            yield Document("train", text=text[: cut[1]], replaced=replaced)
+            yield Document("val", text=text[cut[1] :], replaced=replaced)
             return
         self._pos = dict(self._start)
-        for i, value in self._rows():
+        for i, value, mark in self._rows():
             split = "val" if self._is_val(i) else "train"
-            if isinstance(value, list) or value:
+            if isinstance(value, list) or value or mark == "skipped":
                 self._pos["documents"] += 1  # before the yield: a cursor taken after it counts it
-                if isinstance(value, list):
-                    yield Document(split, messages=value)
+                if mark == "skipped":
+                    yield Document(split, skipped=True)
+                elif isinstance(value, list):
+                    yield Document(split, messages=value, replaced=mark == "replaced")
                 else:
-                    yield Document(split, text=value)
+                    yield Document(split, text=value, replaced=mark == "replaced")

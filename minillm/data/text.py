@@ -1,12 +1,14 @@
-"""Plain text for the tokenizer: strict UTF-8 read in blocks, and where a text may be cut.
+"""Plain text for the tokenizer: UTF-8 read in blocks, and where a text may be cut.
 
-Offers `read_text_blocks`, `split_pieces`, `is_cut` and the sizes `BLOCK_BYTES`, `PIECE_CHARS`.
+Offers `read_text_blocks`, `first_invalid_byte`, `split_pieces`, `is_cut`, `NOT_UTF8` and the
+sizes `BLOCK_BYTES`, `PIECE_CHARS`.
 
 Files are decoded about a megabyte at a time, so memory does not grow with a file; bad UTF-8 or
-a NUL byte is a UserError that names the file and the byte offset. Long texts are then cut into
-pieces, to encode them on every core and in bounded memory, but only where encoding the two sides
-separately gives the same token ids as encoding the whole (`is_cut`), so the shards do not depend
-on block or piece sizes.
+a NUL byte is a UserError that names the file and the byte offset, unless the caller asks for
+invalid bytes to be replaced (`data.decode_errors`, applied by minillm.data.corpus). Long texts
+are then cut into pieces, to encode them on every core and in bounded memory, but only where
+encoding the two sides separately gives the same token ids as encoding the whole (`is_cut`), so
+the shards do not depend on block or piece sizes.
 """
 
 from __future__ import annotations
@@ -18,10 +20,23 @@ from minillm.errors import ConfigError
 
 BLOCK_BYTES = 1 << 20  # bytes read from a text file at a time
 PIECE_CHARS = 1 << 16  # target length of the pieces handed to the encoder
+# What a strict read says of invalid UTF-8, after "at byte N" (a file) or "in row N" (a table).
+NOT_UTF8 = (
+    "set data.decode_errors to replace (invalid bytes become U+FFFD) or skip_document (such "
+    "documents are left out) to read past it"
+)
 
 
 def _fail(path: str | Path, message: str) -> ConfigError:
     return ConfigError("data.source", message, str(path))
+
+
+class _NotUTF8(ConfigError):
+    """A strict read's invalid UTF-8 at file offset `offset`."""
+
+    def __init__(self, path: str | Path, offset: int) -> None:
+        super().__init__("data.source", f"not UTF-8 text at byte {offset}; {NOT_UTF8}", str(path))
+        self.offset = offset
 
 
 def is_cut(text: str, i: int) -> bool:
@@ -93,11 +108,19 @@ def _complete_prefix(data: bytes) -> int:
 
 
 def read_text_blocks(
-    path: str | Path, start: int = 0, end: int | None = None, block_bytes: int | None = None
+    path: str | Path,
+    start: int = 0,
+    end: int | None = None,
+    block_bytes: int | None = None,
+    errors: str = "strict",
 ) -> Iterator[str]:
-    """Decode bytes [start, end) of a file as strict UTF-8, `block_bytes` (BLOCK_BYTES) at a time.
+    """Decode bytes [start, end) of a file as UTF-8, `block_bytes` (BLOCK_BYTES) at a time.
 
-    Invalid UTF-8 or a NUL byte (a binary file) is a UserError naming the file and byte offset.
+    A NUL byte (a binary file) is a UserError naming the file and byte offset, and so is invalid
+    UTF-8 with `errors="strict"`; "replace" makes it U+FFFD (Python's rule: one per maximal
+    invalid sequence), "surrogateescape" one lone surrogate per byte (so the text encodes back to
+    the file's exact bytes: where safe cuts fall). Blocks end only before a byte that starts a
+    character, so the text is the same as decoding the whole file at once.
     """
     block_bytes = block_bytes or BLOCK_BYTES
     try:
@@ -120,10 +143,11 @@ def read_text_blocks(
             try:
                 text = data[:keep].decode("utf-8")
             except UnicodeDecodeError as e:
-                where = offset + e.start
-                raise _fail(path, f"not UTF-8 text at byte {where}") from None
-            if "\x00" in text:
-                where = offset + len(text[: text.index("\x00")].encode("utf-8"))
+                if errors == "strict":
+                    raise _NotUTF8(path, offset + e.start) from None
+                text = data[:keep].decode("utf-8", errors)
+            if "\x00" in text:  # a 0 byte is never inside a character: find it in the bytes
+                where = offset + data.index(b"\x00")
                 raise _fail(path, f"a NUL byte at byte {where}: binary file?")
             if text:
                 yield text
@@ -131,3 +155,15 @@ def read_text_blocks(
             carry = data[keep:]
             if not raw:
                 return
+
+
+def first_invalid_byte(path: str | Path, start: int = 0, end: int | None = None) -> int | None:
+    """The file offset of the first byte in [start, end) that is not UTF-8, or None: all valid.
+
+    A NUL byte is a UserError, as when reading."""
+    try:
+        for _ in read_text_blocks(path, start, end):
+            pass
+    except _NotUTF8 as e:
+        return e.offset
+    return None

@@ -317,6 +317,9 @@ def _encode(
     if resume is not None:
         stats, skip = resume["stats"], resume["documents"]
         start = corpus.seek(resume.get("cursor"))  # a stream: not read again from its start
+    for s in SPLITS:  # documents with invalid UTF-8 (data.decode_errors); not in older states
+        stats[s].setdefault("replaced", 0)
+        stats[s].setdefault("skipped", 0)
     chat = bool(getattr(corpus, "chat", False))
     if chat:
         for s in SPLITS:
@@ -350,9 +353,13 @@ def _encode(
         for i, doc in enumerate(corpus.documents(), start=start):
             if i < skip:  # done before the interruption: read (cheap), not encoded
                 continue
+            if doc.skipped:  # invalid UTF-8, and data.decode_errors: skip_document
+                stats[doc.split]["skipped"] += 1
+                continue
             nbytes = batches[doc.split].add_document(doc)
             stats[doc.split]["bytes"] += nbytes
             stats[doc.split]["documents"] += 1
+            stats[doc.split]["replaced"] += doc.replaced
             since += nbytes
             if since >= staging_mod.CHECKPOINT_BYTES:
                 for b in batches.values():
@@ -371,13 +378,18 @@ def _encode(
 
 
 def _check_splits(stats: dict[str, dict[str, Any]], corpus: Corpus, data: Any) -> None:
+    skipped = sum(stats[s]["skipped"] for s in SPLITS)
+    left_out = f"; {skipped} not UTF-8 left out by data.decode_errors" if skipped else ""
     if not stats["train"]["bytes"] + stats["val"]["bytes"]:
-        raise ConfigError("data.source", "no text: the corpus is empty", corpus.label)
+        message = "no text: the corpus is empty"
+        if skipped:
+            message += f" once its {skipped} documents that are not UTF-8 are left out"
+        raise ConfigError("data.source", message, corpus.label)
     key = "data.val_documents" if corpus.val_documents else "data.val_fraction"
     kept = prefix_keys(data)
     n = sum(stats[s]["documents"] for s in SPLITS)
     which = f"; {kept} kept {n} documents with text" if kept else ""
     for s in SPLITS:
         if not stats[s]["documents"]:
-            message = f"the {s} split has no text (empty documents are skipped{which})"
+            message = f"the {s} split has no text (empty documents are skipped{which}{left_out})"
             raise ConfigError(key, message, corpus.label)

@@ -44,7 +44,9 @@ def train_on_corpus(corpus: Corpus, data: DataConfig, console: Console) -> Token
     data.tokenizer_sample_bytes instead (the documents that start before that much text).
     """
     by_bytes = corpus.unit == "bytes"
-    docs = [d for d in corpus.documents() if d.split == "train"] if by_bytes else None
+    docs = None
+    if by_bytes:  # documents left out for invalid UTF-8 (data.decode_errors) are not read
+        docs = [d for d in corpus.documents() if d.split == "train" and not d.skipped]
     total = sum(d.nbytes for d in docs) if docs is not None else corpus.train_total()
     rate = _sample_rate(corpus, data, total if by_bytes else None)
     prefix = data.tokenizer_sample_bytes if not corpus.files else 0  # 0: no limit
@@ -54,7 +56,7 @@ def train_on_corpus(corpus: Corpus, data: DataConfig, console: Console) -> Token
     def texts() -> Iterator[str]:
         nonlocal seen, credit
         for doc in docs if docs is not None else corpus.documents():
-            if doc.split != "train":
+            if doc.split != "train" or doc.skipped:
                 continue
             if prefix and seen >= prefix:
                 break
