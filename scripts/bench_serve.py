@@ -101,7 +101,8 @@ def make_checkpoint(root: Path, shape: str = "tiny") -> Path:
 
     text = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:300_000]
     tok_path = root / "tokenizer.json"
-    save_tokenizer(train_tokenizer([text], 2048), tok_path)
+    tokenizer = train_tokenizer([text], 2048)
+    save_tokenizer(tokenizer, tok_path)
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",
         [
@@ -119,6 +120,11 @@ def make_checkpoint(root: Path, shape: str = "tiny") -> Path:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.1)
+        # Rows past the tokenizer's (medium pads 2048 tokens to 16384) get zero logits, as weight
+        # decay leaves a trained model's: minillm never picks them, llama.cpp would.
+        for p in model.parameters():  # tok_emb and lm_head (None when tied)
+            if p.shape[0] == cfg.model.vocab_size:
+                p[tokenizer.get_vocab_size() :] = 0.0
     run = Path(cfg.train.out_dir)
     save_checkpoint(
         run,
