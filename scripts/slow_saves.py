@@ -3,7 +3,7 @@
     python scripts/slow_saves.py SECONDS train CONFIG [--set KEY=VALUE]...
 
 A checkpoint of a tiny model is written in milliseconds, too fast for a test's signal to land
-inside it. scripts/crash_test.py (kill -9) and tests/test_newcomer.py (Ctrl-C during a save) run
+inside it. scripts/crash_test.py (kill -9) and tests/test_train_cli.py (Ctrl-C during a save) run
 training through this script instead of `python -m minillm`: it wraps the public file operations
 a save is made of (`minillm.runtime.files.save_safetensors` and `commit_dir`, and `torch.save`)
 so that each is followed by a pause of SECONDS, the same three points inside a save as before:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minillm.config import ModelConfig
+from tests.helpers import prepared_config, tiny_model_config
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 # The trainer caches its probed FLOP/s peak per machine; a probe taken while tests load the
@@ -21,8 +22,6 @@ os.environ.setdefault("MINILLM_CACHE_DIR", tempfile.mkdtemp(prefix="minillm-test
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tokenized corpus shared by the tests of a module (they only read it)."""
-    from tests.helpers import prepared_config
-
     base = tmp_path_factory.mktemp("corpus")
     prepared_config(base)
     return base
@@ -30,9 +29,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def tiny_model_cfg() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=97, d_model=64, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=96, max_seq_len=64
-    )
+    """The tiny config's (wide) model section alone, with a 97-token vocabulary."""
+    return tiny_model_config(vocab_size=97)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

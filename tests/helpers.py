@@ -1,56 +1,88 @@
-"""Small runs for trainer tests: a slice of Shakespeare, a 300-token BPE, a tiny model."""
+"""The tests' one factory of tiny configs and runs, and the helpers around them.
+
+`tiny_config(root, ...)` is the one tiny config (data under root, the run at root/run); the rest
+builds on it: `prepared_config` (its corpus written and tokenized), `run_config`, `trained_run`
+(a real 4-step training), `make_run` (a run directory with one checkpoint of a random model, no
+training, for the eval, sample and export tests) and `tiny_model_config` (the model section
+alone). `tiny_tokenizer()` is a 300-token byte-level BPE trained once per session on a few KB of
+Shakespeare plus some non-ASCII text; `write_shards` tokenizes documents with the real pipeline.
+
+Import it as `from tests.helpers import ...` (tests/ is a package), never as `helpers`: one module.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from minillm.config import Config, config_from_dict
+import torch
+from tokenizers import Tokenizer
+
+from minillm.checkpoint.store import save_checkpoint
+from minillm.config import Config, ModelConfig, config_from_dict, config_to_dict
+from minillm.model import Transformer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT / "data" / "tinyshakespeare.txt"
+EXTRA = "Grüße aus Köln — naïve café, 日本語のテキスト, emoji 🙂🚀, Ελληνικά.\n"
+VOCAB = 300
+
+# The tiny model: 2 layers, 4 query heads over 2 KV heads, 64 positions.
+TINY_MODEL: dict[str, Any] = dict(
+    d_model=32, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=64, max_seq_len=64
+)
+# Twice as wide, for the tests of a model's outputs (make_run, the model fixtures).
+WIDE: dict[str, Any] = dict(d_model=64, ffn_hidden=96)
+# A short CPU training (8 steps, checkpoints at 4 and 8): the trainer tests' train section.
+QUICK_TRAIN: dict[str, Any] = dict(
+    batch_size=4,
+    seq_len=32,
+    max_steps=8,
+    lr=1e-2,
+    min_lr=1e-3,
+    warmup_steps=2,
+    eval_every=4,
+    eval_steps=2,
+    ckpt_every=4,
+    log_every=2,
+    device="cpu",
+    precision="fp32",
+)
 
 
-def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
-    """A config whose data and run live under tmp_path; `sections` override keys per section."""
+def tiny_config(root: Path, *, quick_train: bool = True, **sections: dict[str, Any]) -> Config:
+    """The tiny config: data at root/corpus.txt tokenized into root/tokens, the run at root/run,
+    the model TINY_MODEL; `sections` override keys per section. quick_train: the train section
+    is QUICK_TRAIN, else the schema's defaults (as a user's run has them: make_run)."""
     raw: dict[str, dict[str, Any]] = {
-        "model": dict(d_model=32, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=64, max_seq_len=64),
+        "model": dict(TINY_MODEL),
         "data": dict(
-            source=str(tmp_path / "corpus.txt"),
-            vocab_size=300,
-            out_dir=str(tmp_path / "tokens"),
+            source=str(root / "corpus.txt"), vocab_size=VOCAB, out_dir=str(root / "tokens")
         ),
-        "train": dict(
-            out_dir=str(tmp_path / "run"),
-            batch_size=4,
-            seq_len=32,
-            max_steps=8,
-            lr=1e-2,
-            min_lr=1e-3,
-            warmup_steps=2,
-            eval_every=4,
-            eval_steps=2,
-            ckpt_every=4,
-            log_every=2,
-            device="cpu",
-            precision="fp32",
-        ),
+        "train": dict(out_dir=str(root / "run"), **(QUICK_TRAIN if quick_train else {})),
     }
     for name, values in sections.items():
         raw.setdefault(name, {}).update(values)
     return config_from_dict(raw)
 
 
+def tiny_model_config(**overrides: Any) -> ModelConfig:
+    """The model section of the tiny config alone (no data, no run): WIDE unless overridden."""
+    return ModelConfig(**{**TINY_MODEL, **WIDE, **overrides})
+
+
 def prepared_config(tmp_path: Path, **sections: dict[str, Any]) -> Config:
     """tiny_config with its corpus written and tokenized."""
-    from minillm.data.tokenize_pass import write_shards
+    from minillm.data.tokenize_pass import write_shards as tokenize
 
     text = SHAKESPEARE.read_text(encoding="utf-8")[:60_000]
     (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
     cfg = tiny_config(tmp_path, **sections)
-    write_shards(cfg)
+    tokenize(cfg)
     return cfg
 
 
@@ -63,8 +95,6 @@ def trained_run(base: Path) -> Path:
     """A tokenized corpus under `base`, a 4-step run with checkpoints at steps 2 and 4 (BEST names
     one of them) and its config as `base/cfg.yaml`; returns `base`."""
     import yaml
-
-    from minillm.config import config_to_dict
 
     cfg = prepared_config(base, train=dict(max_steps=4, ckpt_every=2, eval_every=2))
     trainer = make_trainer(cfg, verbose=False)
@@ -127,3 +157,123 @@ def error_line(result) -> str:  # noqa: ANN001
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     return lines[0]
+
+
+# ------------------------------------------------------------------ runs without training
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer_json() -> str:
+    from minillm.data.tokenizer import train_tokenizer
+
+    text = SHAKESPEARE.read_text(encoding="utf-8")[:6000] + EXTRA * 3
+    return train_tokenizer([text], VOCAB).to_str()
+
+
+def legacy_tokenizer_json() -> str:
+    """A tokenizer from before minillm reserved the chat tokens (only <|endoftext|>)."""
+    from tokenizers import trainers
+
+    from minillm.data.tokenizer import EOT, new_tokenizer
+
+    legacy = new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOT], show_progress=False)
+    legacy.train_from_iterator([SHAKESPEARE.read_text(encoding="utf-8")[:6000]], trainer)
+    return legacy.to_str()
+
+
+def tiny_tokenizer() -> Tokenizer:
+    tok = Tokenizer.from_str(tokenizer_json())
+    tok.encode_special_tokens = True
+    return tok
+
+
+def make_run(
+    root: Path,
+    *,
+    model: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
+    sample: dict[str, Any] | None = None,
+    seed: int = 0,
+    uniform: bool = False,
+    tokenizer: Tokenizer | None = None,
+) -> tuple[Path, Config, Transformer]:
+    """A run directory at root/run with one checkpoint of a random tiny model; data at root/tokens.
+
+    Weights are drawn with a larger spread than the trainer's init so that logits are far from
+    uniform (greedy choices are then robust to 1e-6 differences) and norms are not all ones.
+    uniform: all weights zero instead, so every token costs exactly ln(vocab_size) nats.
+    tokenizer: the run's tokenizer instead of `tiny_tokenizer()` (model.vocab_size must fit it).
+    """
+    tok_path = root / "tokenizer.json"
+    tok_path.parent.mkdir(parents=True, exist_ok=True)
+    text = tokenizer_json() if tokenizer is None else tokenizer.to_str()
+    tok_path.write_text(text, encoding="utf-8")
+    cfg = tiny_config(
+        root,
+        quick_train=False,
+        # a padded embedding table, as people round vocab up
+        model={"vocab_size": VOCAB + 20, **WIDE, **(model or {})},
+        data=dict(
+            source=str(root / "corpus.jsonl"),
+            vocab_size=VOCAB if tokenizer is None else tokenizer.get_vocab_size(),
+            tokenizer=str(tok_path),
+        ),
+        train={"batch_size": 3, "seq_len": 16, **(train or {})},
+        sample={"max_new_tokens": 20, "temperature": 0.8, "top_k": 0, **(sample or {})},
+    )
+    torch.manual_seed(seed)
+    net = Transformer(cfg.model).eval()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if uniform:
+                p.zero_()
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    run_dir = Path(cfg.train.out_dir)
+    save_checkpoint(
+        run_dir,
+        step=10,
+        model_state=net.state_dict(),
+        trainer_state={"step": 10},
+        state={"config": config_to_dict(cfg), "tokens_seen": 1000, "val_loss": 5.0},
+        tokenizer_file=tok_path,
+    )
+    return run_dir, cfg, net
+
+
+def two_checkpoint_run(root: Path) -> Path:
+    """make_run's run with a second checkpoint, step 20 (weights moved by 0.01; LATEST names it),
+    after step 10; returns the run directory."""
+    run_dir, _, net = make_run(root)
+    state = json.loads((run_dir / "checkpoints" / "step_000010" / "state.json").read_text())
+    with torch.no_grad():
+        next(net.parameters()).add_(0.01)
+    save_checkpoint(
+        run_dir,
+        step=20,
+        model_state=net.state_dict(),
+        trainer_state={"step": 20},
+        state={"config": state["config"], "tokens_seen": 2000, "val_loss": 4.0},
+        tokenizer_file=root / "tokenizer.json",
+    )
+    return run_dir
+
+
+def write_shards(cfg: Config, documents: list[str]) -> dict[str, Any]:
+    """Tokenize `documents` into the run's data.out_dir with the real pipeline; return meta.json.
+
+    The documents go to a .jsonl file (one document a row) at data.source; the run's tokenizer
+    (data.tokenizer) is reused.
+    """
+    from minillm.data.meta import load_meta
+    from minillm.data.tokenize_pass import write_shards as tokenize
+
+    source = Path(cfg.data.source)
+    with source.open("w", encoding="utf-8") as f:
+        for doc in documents:
+            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    tokenize(cfg)
+    return load_meta(cfg.data.out_dir)

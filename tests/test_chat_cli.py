@@ -13,14 +13,15 @@ from minillm.cli import app
 from minillm.data.chat_template import chat_ids, encode_prompt
 from minillm.infer.conversation import chat_checkpoint
 from minillm.infer.engine import SamplingParams, generate
-from tests import tiny_run
+from tests import helpers
+from tests.helpers import make_run
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory):
-    run_dir, _, _ = tiny_run.make_run(tmp_path_factory.mktemp("chat"))
+    run_dir, _, _ = helpers.make_run(tmp_path_factory.mktemp("chat"))
     return run_dir, load_checkpoint(run_dir)
 
 
@@ -68,17 +69,15 @@ def test_a_long_history_keeps_to_the_context(run) -> None:
     _, loaded = run
     out = io.StringIO()
     lines = "".join(f"turn number {i} of a long talk\n" for i in range(12))
-    chat_checkpoint(
-        loaded, SamplingParams.greedy(8), stdin=io.StringIO(lines), out=out
-    )
+    chat_checkpoint(loaded, SamplingParams.greedy(8), stdin=io.StringIO(lines), out=out)
     assert len(out.getvalue().split("\n")[:-1]) == 12
 
 
 def test_a_checkpoint_without_chat_tokens_is_one_line_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tiny_run, "tokenizer_json", tiny_run.legacy_tokenizer_json)
-    run_dir, _, _ = tiny_run.make_run(tmp_path)
+    monkeypatch.setattr(helpers, "tokenizer_json", helpers.legacy_tokenizer_json)
+    run_dir, _, _ = helpers.make_run(tmp_path)
     result = runner.invoke(app, ["chat", "--ckpt", str(run_dir), "--message", "hi"])
     assert result.exit_code == 2, result.output
     assert "has no chat tokens" in result.stderr
@@ -153,7 +152,7 @@ def test_chat_data_with_a_tokenizer_without_chat_tokens_is_one_line_exit_2(tmp_p
 
     import yaml
 
-    (tmp_path / "old.json").write_text(tiny_run.legacy_tokenizer_json())
+    (tmp_path / "old.json").write_text(helpers.legacy_tokenizer_json())
     rows = [[{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]
             for i in range(10)]  # fmt: skip
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
@@ -199,3 +198,18 @@ def test_terminal_conversation_streams_resets_and_leaves(run, monkeypatch) -> No
         {"role": "user", "content": "again"},
     ]
     assert replies[2] == greedy_reply(loaded, history, 5) + "\n"
+
+
+def test_chat_on_a_model_trained_on_text_warns_once(tmp_path: Path) -> None:
+    # The README's tour chats with runs/tiny: say that its replies are likely nonsense, once
+    # per session (not per reply), as eval --task does.
+    from tests.helpers import write_shards
+
+    run_dir, cfg, _ = make_run(tmp_path)
+    write_shards(cfg, ["To be, or not to be, that is the question. " * 3] * 20)
+    args = ["chat", "--ckpt", str(run_dir), "--temperature", "0", "--max-new-tokens", "4"]
+    result = runner.invoke(app, args, input="hello\nagain\n")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "trained on text, not chat" in warnings[0], result.stderr
+    assert len(result.stdout.splitlines()) == 2  # both replies still come

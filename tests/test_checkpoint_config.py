@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
-from tiny_run import make_run
 from typer.testing import CliRunner
 
 from minillm.checkpoint.store import (
@@ -23,6 +22,7 @@ from minillm.cli import app
 from minillm.config import config_from_dict
 from minillm.runtime.files import sha256_file
 from minillm.train.resume import resume_point
+from tests.helpers import make_run
 
 runner = CliRunner()
 

@@ -10,7 +10,7 @@ import pytest
 from minillm.checkpoint.store import find_latest, resolve_checkpoint, save_checkpoint
 from minillm.config import ConfigError, _type_name, config_from_dict
 from minillm.errors import CheckpointError
-from tests.tiny_run import make_run
+from tests.helpers import make_run
 
 MODEL = {"d_model": 32, "n_layer": 1, "n_head": 4}
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_run import make_run, tiny_tokenizer, write_shards
 from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.infer.evaluate import evaluate_checkpoint, evaluate_tokens, metrics
+from tests.helpers import error_line, make_run, tiny_tokenizer, trained_run, write_shards
 
 LN2 = math.log(2)
 runner = CliRunner()
@@ -172,3 +172,66 @@ def test_damaged_and_foreign_weights_are_one_line(tmp_path: Path) -> None:
     (ckpt / "state.json").write_text(json.dumps(state))
     line = one_line_error(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "x")])
     assert "not a readable safetensors file" in line
+
+
+# ----------------------------------------------------------------------------- eval --data
+
+
+def invoke(args: list[str]):  # noqa: ANN201
+    return runner.invoke(app, args, prog_name="minillm")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step run with checkpoints at steps 2 and 4 (BEST names one of them)."""
+    return trained_run(tmp_path_factory.mktemp("run")) / "run"
+
+
+def eval_json(args: list[str]) -> dict:
+    import json
+
+    result = invoke(["eval", *args, "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_eval_data_reads_tables_as_tokenize_does(run: Path, tmp_path: Path) -> None:
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["The king had three sons.", "The youngest went into the forest."]
+    jsonl = tmp_path / "stories.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(texts)))
+    pq.write_table(pa.table({"body": texts}), tmp_path / "stories.parquet")
+    plain = tmp_path / "stories.txt"
+    plain.write_text("\n".join(texts))
+
+    from_jsonl = eval_json(["--ckpt", str(run), "--data", str(jsonl)])
+    # The texts' bytes, not the JSON's: the rows were read, not the file's raw text.
+    assert from_jsonl["bytes"] == sum(len(t.encode()) for t in texts)
+    parquet = eval_json(["--ckpt", str(run), "--data", str(tmp_path / "stories.parquet"),
+                         "--text-field", "body"])  # fmt: skip
+    assert parquet == from_jsonl
+    raw = eval_json(["--ckpt", str(run), "--data", str(plain)])
+    assert raw["bytes"] == len(plain.read_bytes()) and raw != from_jsonl
+
+    line = error_line(invoke(["eval", "--ckpt", str(run), "--data", str(jsonl),
+                              "--text-field", "body"]))  # fmt: skip
+    assert line == f"error: {jsonl}: --text-field: no column 'body' (columns found: text, n)"
+
+
+def test_eval_data_scores_chat_rows_over_the_answers(run: Path, tmp_path: Path) -> None:
+    """Chat rows go through the chat template: the loss is over the assistant's tokens and its
+    <|end|>, bits per byte over the assistant's bytes (as a chat run's val/loss)."""
+    import json
+
+    from minillm.data.chat_template import assistant_bytes
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": messages}) + "\n")
+    result = eval_json(["--ckpt", str(run), "--data", str(chat), "--text-field", "messages"])
+    assert result["bytes"] == assistant_bytes(messages) == 6
+    assert 2 <= result["tokens"] <= 7  # "Hello." in 1-6 tokens, then <|end|>

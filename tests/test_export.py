@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_run import make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
 from minillm.checkpoint.hf_folder import export_checkpoint, import_hf_folder
@@ -20,6 +19,7 @@ from minillm.errors import CheckpointError, ConfigError, UserError
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer
 from minillm.model.hf_names import hf_config_dict
+from tests.helpers import make_run, tiny_tokenizer
 
 TEXT = "First Citizen:\nBefore we proceed — Grüße, 日本語 🙂 <|endoftext|> the end."
 
@@ -360,10 +360,9 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     import yaml
-    from tiny_run import write_shards
 
     from minillm.config import load_config
-    from tests.helpers import make_trainer
+    from tests.helpers import make_trainer, write_shards
 
     run_dir, cfg, net = make_run(tmp_path / "a")
     hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")
@@ -401,11 +400,9 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
 def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_path: Path) -> None:
     import copy
 
-    from tiny_run import write_shards
-
     from minillm.data.tokenizer import tokenizer_sha256
     from minillm.runtime.files import sha256_file
-    from tests.helpers import make_trainer
+    from tests.helpers import make_trainer, write_shards
 
     run_dir, cfg, _ = make_run(tmp_path)
     hf_dir = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_run import make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
@@ -24,6 +23,7 @@ from minillm.infer.sampling import (
     top_p_filter,
 )
 from minillm.infer.text_stream import TextStreamer
+from tests.helpers import make_run, tiny_tokenizer
 
 INF = math.inf
 

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tiny_run import SHAKESPEARE, make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
 from minillm.checkpoint import gguf_file
@@ -31,6 +30,7 @@ from minillm.data.chat_template import END, encode_prompt
 from minillm.data.tokenizer import EOT, eot_id, train_tokenizer
 from minillm.errors import CheckpointError
 from minillm.infer.engine import SamplingParams, generate
+from tests.helpers import SHAKESPEARE, make_run, tiny_tokenizer
 
 needs_llama_cpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
@@ -153,10 +153,10 @@ def test_a_tokenizer_without_chat_tokens_exports_plain_text_only(tmp_path: Path)
     """A tokenizer from before the chat tokens: no template, no end of turn; and one trained
     without the 256 byte tokens (llama.cpp stops on a byte it has no token for) is refused."""
     from gguf import GGUFReader
-    from tiny_run import legacy_tokenizer_json
     from tokenizers import Tokenizer, pre_tokenizers, trainers
 
     from minillm.data.tokenizer import new_tokenizer
+    from tests.helpers import legacy_tokenizer_json
 
     no_bytes = Tokenizer.from_str(legacy_tokenizer_json())
     run_dir, _, _ = make_run(tmp_path / "a", tokenizer=no_bytes)

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from tiny_run import SHAKESPEARE, VOCAB, legacy_tokenizer_json, make_run, tiny_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
@@ -21,7 +20,14 @@ from minillm.cli import app
 from minillm.config import ModelConfig
 from minillm.data.tokenizer import EOT, new_tokenizer
 from minillm.model.hf_names import hf_config_dict
-from tests.helpers import error_line
+from tests.helpers import (
+    SHAKESPEARE,
+    VOCAB,
+    error_line,
+    legacy_tokenizer_json,
+    make_run,
+    tiny_tokenizer,
+)
 
 runner = CliRunner()
 CONTEXT = 64  # max_position_embeddings of the folders: eval's windows

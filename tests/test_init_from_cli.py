@@ -19,8 +19,7 @@ from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.data.tokenizer import tokenizer_sha256
 from minillm.model import Transformer
-from tests.helpers import ROOT, error_line
-from tests.tiny_run import SHAKESPEARE, make_run
+from tests.helpers import ROOT, SHAKESPEARE, error_line, make_run
 
 runner = CliRunner()
 

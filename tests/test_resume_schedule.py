@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import make_trainer, prepared_config, tiny_config
-from tiny_run import SHAKESPEARE, make_run
 from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import config_from_dict, config_to_dict
 from minillm.train.resume import resume_point, schedule_change
+from tests.helpers import SHAKESPEARE, make_run, make_trainer, prepared_config, tiny_config
 
 KW = dict(resume=True, force=False, clear=False, verbose=True)
 

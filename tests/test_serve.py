@@ -29,7 +29,7 @@ pytest.importorskip("uvicorn")
 from typer.testing import CliRunner  # noqa: E402
 
 from minillm.cli import app  # noqa: E402
-from tests.tiny_run import ROOT, make_run  # noqa: E402
+from tests.helpers import ROOT, make_run  # noqa: E402
 
 KEY = "test-key-123"
 CONTEXT = 1024

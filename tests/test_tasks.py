@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_run import make_run, tiny_tokenizer
 from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
@@ -27,6 +26,7 @@ from minillm.infer.task_scoring import (
     score_continuations,
     score_exact_match,
 )
+from tests.helpers import make_run, tiny_tokenizer
 
 runner = CliRunner()
 CONTEXT = "First Citizen:\nBefore we proceed any further, hear me"
@@ -196,11 +196,11 @@ def test_exact_match_scores_greedy_replies_to_the_end_token(run) -> None:
 
 
 def test_eval_exact_match_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiny_run
+    from tests import helpers
 
     chat_json = chat_tokenizer().to_str()
-    monkeypatch.setattr(tiny_run, "tokenizer_json", lambda: chat_json)  # a run of a chat model
-    run_dir, cfg, model = tiny_run.make_run(tmp_path)
+    monkeypatch.setattr(helpers, "tokenizer_json", lambda: chat_json)  # a run of a chat model
+    run_dir, cfg, model = helpers.make_run(tmp_path)
     tok = load_checkpoint(run_dir).tokenizer
     end, eot = tok.token_to_id("<|end|>"), eot_id(tok)
     messages = (("system", "Be brief."), ("user", "Speak, speak."))
@@ -304,10 +304,10 @@ def test_task_options_refused_with_one_line(run, tmp_path: Path) -> None:
 def test_exact_match_on_a_model_without_chat_tokens_is_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tiny_run
+    from tests import helpers
 
-    monkeypatch.setattr(tiny_run, "tokenizer_json", tiny_run.legacy_tokenizer_json)
-    run_dir, _, _ = tiny_run.make_run(tmp_path)
+    monkeypatch.setattr(helpers, "tokenizer_json", helpers.legacy_tokenizer_json)
+    run_dir, _, _ = helpers.make_run(tmp_path)
     em = write_jsonl(tmp_path / "em.jsonl", [{"messages": [{"role": "user", "content": "Hi"}],
                                               "answer": "1"}])  # fmt: skip
     result = runner.invoke(app, ["eval", "--ckpt", str(run_dir), "--task", str(em)])
@@ -353,13 +353,12 @@ def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
     ],
 )
 def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path, row, message) -> None:
-    import tiny_run
-
+    from tests import helpers
     from tests.helpers import make_trainer, prepared_config
 
     task = write_jsonl(tmp_path / "bad.jsonl", [row])
     (tmp_path / "tokens").mkdir()  # a tokenizer from before the chat tokens, reused by tokenize
-    (tmp_path / "tokens" / "tokenizer.json").write_text(tiny_run.legacy_tokenizer_json())
+    (tmp_path / "tokens" / "tokenizer.json").write_text(helpers.legacy_tokenizer_json())
     cfg = prepared_config(tmp_path, train=dict(eval_tasks=[str(task)]))
     with pytest.raises(UserError, match=message):
         make_trainer(cfg, verbose=False)

@@ -215,7 +215,7 @@ def use_cpu_kernels(model: Transformer) -> Transformer:
     """Make model (in place) run the kernels above where they apply; returns it.
 
     Each RMSNorm, SwiGLU and the Transformer itself becomes the Fused subclass above: the same
-    parameters, state_dict and hooks, the math of the plain module (tests/test_perf.py pins it),
+    parameters, state_dict and hooks, the math of the plain module (tests/test_kernels.py pins it),
     in fewer passes over memory. Elsewhere (GPU, torch.compile, no autograd) the subclasses run
     the plain forwards.
     """
