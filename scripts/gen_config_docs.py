@@ -46,6 +46,8 @@ def _default(f: dataclasses.Field) -> str:
         value = f.default_factory()
     else:
         return "required"
+    if dataclasses.is_dataclass(value):
+        return "below"
     if value is None:
         return "`null`"
     if isinstance(value, bool):
@@ -57,18 +59,26 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{value}`"
 
 
+def _table(parts: list[str], name: str, cls: type, level: str) -> None:
+    """The section's table, then one of each nested section (train.lora) below it."""
+    hints = typing.get_type_hints(cls)
+    doc = (cls.__doc__ or "").strip().splitlines()[0]
+    parts.append(f"\n{level} `{name}`\n\n{doc}\n")
+    parts.append("| key | type | default | meaning |\n|---|---|---|---|")
+    nested = []
+    for f in dataclasses.fields(cls):
+        help_text = f.metadata.get("help", "").replace("|", "\\|")  # not a cell border
+        parts.append(f"| `{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {help_text} |")
+        if dataclasses.is_dataclass(hints[f.name]):
+            nested.append((f"{name}.{f.name}", hints[f.name]))
+    for sub, sub_cls in nested:
+        _table(parts, sub, sub_cls, level + "#")
+
+
 def render() -> str:
     parts = [HEADER]
     for name, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        parts.append(f"\n## `{name}`\n\n{doc}\n")
-        parts.append("| key | type | default | meaning |\n|---|---|---|---|")
-        for f in dataclasses.fields(cls):
-            help_text = f.metadata.get("help", "").replace("|", "\\|")  # not a cell border
-            parts.append(
-                f"| `{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {help_text} |"
-            )
+        _table(parts, name, cls, "##")
     return "\n".join(parts) + "\n"
 
 

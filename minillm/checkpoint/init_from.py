@@ -1,7 +1,8 @@
 """`train.init_from`: a run's starting model, and the config loading that applies it, once.
 
 Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and `info` read),
-`InitSource` / `init_source(path)` (what `train.init_from` names) and `init_weights(path)`.
+`InitSource` / `init_source(path)` (what `train.init_from` names), `init_weights(path)` and
+`lora_base(path, weights)` (the base identity a LoRA run records).
 
 `train.init_from` names a Hugging Face Llama folder, or a minillm run directory (its newest intact
 checkpoint) or one checkpoint. `load_run_config` is the one place it is applied to a config: the
@@ -26,6 +27,7 @@ import torch
 
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.hf_folder import hf_model_config, import_hf_folder
+from minillm.checkpoint.weights import weights_sha256
 from minillm.config import (
     Config,
     ModelConfig,
@@ -91,13 +93,32 @@ def _init_source(path: str) -> InitSource:
 def init_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
     """The float32 state_dict `train.init_from` names (a checkpoint's is integrity-checked first)
     and where it came from, for the banner: `runs/x (step_000400)` for a run directory (its
-    newest intact checkpoint), else the checkpoint or Hugging Face folder as given."""
+    newest intact checkpoint), else the checkpoint or Hugging Face folder as given. A LoRA run's
+    weights are its base with the adapters merged."""
     if not _is_minillm(path):
         return import_hf_folder(path)[1], path
     found = ckpt.resolve_checkpoint(path)
     given_one = (Path(path) / ckpt.STATE_FILE).is_file()
     label = path if given_one else f"{path} ({found.name})"
+    if ckpt.lora_base_of(ckpt.read_state(found)) is not None:
+        return ckpt.load_checkpoint(found, verify=False).model.state_dict(), label
     return ckpt.load_model_state(found), label
+
+
+def lora_base(path: str, weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The identity of a LoRA run's base, which its checkpoints record (`lora_base` in
+    state.json): train.init_from as given, the folder the weights came from (a run directory's
+    newest checkpoint, resolved now), that folder's absolute path, and the sha256 of the weights
+    (`weights_sha256`)."""
+    source = Path(path)
+    if _is_minillm(path):
+        source = ckpt.resolve_checkpoint(path)  # the one init_weights read (intact)
+    return {
+        "path": path,
+        "source": str(source),
+        "abspath": str(source.resolve()),
+        "sha256": weights_sha256(weights),
+    }
 
 
 def _same(given: Any, value: Any) -> bool:

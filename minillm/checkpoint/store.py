@@ -3,8 +3,9 @@
 Offers `save_checkpoint`, `find_latest`, `resolve_checkpoint`, `verify_checkpoint`,
 `load_model_state`, `load_trainer_state`, `read_state`, `check_model_config` (state.json's
 model config against the one stored with the weights), `load_checkpoint` (config + model +
-tokenizer from a checkpoint alone, or from a Hugging Face folder: `is_hf_folder`),
-`load_weights_into` (from minillm.checkpoint.weights) and `CheckpointError`.
+tokenizer from a checkpoint alone, or from a Hugging Face folder: `is_hf_folder`; a LoRA run's
+base + adapters, merged), `lora_base_of`, `load_weights_into` (from minillm.checkpoint.weights)
+and `CheckpointError`.
 
 Layout (docs/design.md, "Run directory and checkpoints"):
     <run>/checkpoints/step_000500/  model.safetensors, trainer_state.pt, tokenizer.json, state.json
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minillm.checkpoint.weights import load_weights_into
+from minillm.checkpoint.weights import load_weights_into, weights_sha256
 from minillm.errors import CheckpointError, UserError, warn
 from minillm.runtime.files import (
     atomic_write_json,
@@ -395,6 +396,9 @@ class LoadedCheckpoint:
     tokenizer: Tokenizer
     state: dict[str, Any]
     hf_folder: bool = False  # a Hugging Face folder: no run, no validation shards, no state.json
+    # A LoRA run's adapters as trained (`model` holds them merged into the base): for
+    # `minillm export --format peft`. None for any other checkpoint.
+    adapters: dict[str, torch.Tensor] | None = None
 
 
 def load_checkpoint(
@@ -431,7 +435,11 @@ def load_checkpoint(
         cfg = config_from_dict(state["config"], file=str(ckpt / STATE_FILE))
     except ConfigError as e:
         raise CheckpointError(f"{ckpt / STATE_FILE}: its config is invalid: {e}") from None
-    model = _model_from(cfg, load_model_state(ckpt), str(ckpt / MODEL_FILE), device)
+    adapters = None
+    if lora_base_of(state) is not None:
+        model, adapters = _lora_model(cfg, state, ckpt, device)
+    else:
+        model = _model_from(cfg, load_model_state(ckpt), str(ckpt / MODEL_FILE), device)
     tok_path = ckpt / TOKENIZER_FILE
     if not tok_path.is_file():
         tok_path = ckpt.parent.parent / TOKENIZER_FILE
@@ -440,7 +448,51 @@ def load_checkpoint(
     except UserError as e:
         raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
     _check_vocab(tokenizer, cfg, tok_path)
-    return LoadedCheckpoint(ckpt, cfg, model, tokenizer, state)
+    return LoadedCheckpoint(ckpt, cfg, model, tokenizer, state, adapters=adapters)
+
+
+# ------------------------------------------------------------------ LoRA runs
+
+
+def lora_base_of(state: dict[str, Any]) -> dict[str, str] | None:
+    """The base identity a LoRA run's checkpoint records in state.json (`lora_base`: path,
+    source, abspath, sha256, minillm.checkpoint.init_from.lora_base); None for other runs."""
+    base = state.get("lora_base")
+    return base if isinstance(base, dict) and "sha256" in base else None
+
+
+def _lora_model(
+    cfg: Config, state: dict[str, Any], ckpt: Path, device: str | torch.device
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A LoRA checkpoint's model: its recorded base (loaded as any --ckpt is, checked against
+    the recorded sha256) with the checkpoint's adapters merged in, and the adapters."""
+    from minillm.model.lora import add_lora, is_adapter, merge_lora
+
+    base = lora_base_of(state)
+    where = ckpt / STATE_FILE
+    tried = dict.fromkeys([base["source"], base.get("abspath", ""), base.get("path", "")])
+    folder = next((Path(p) for p in tried if p and Path(p).exists()), None)
+    if folder is None:
+        raise CheckpointError(
+            f"{where}: the LoRA base {base['source']} is missing (train.init_from "
+            f"{base.get('path')!r}); the adapters need the weights they were trained on"
+        )
+    try:
+        model = load_checkpoint(folder, device="cpu").model
+    except UserError as e:
+        raise CheckpointError(f"{where}: the LoRA base {folder} does not load: {e}") from None
+    if weights_sha256(model.state_dict()) != base["sha256"]:
+        raise CheckpointError(
+            f"{folder}: the LoRA base of {ckpt} has changed since the adapters were trained "
+            f"(the sha256 of its weights is not the recorded {base['sha256'][:16]}...)"
+        )
+    if getattr(model, "cfg", None) != cfg.model:
+        raise CheckpointError(f"{folder}: the LoRA base's model is not {where}'s model section")
+    add_lora(model, cfg.train.lora)
+    adapters = load_model_state(ckpt)
+    frozen = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
+    load_weights_into(model, {**frozen, **adapters}, str(ckpt / MODEL_FILE))
+    return merge_lora(model).to(device).eval(), adapters
 
 
 def _model_from(

@@ -1,11 +1,14 @@
 """Weights into a model, with errors that name the tensors at fault.
 
 Offers `load_weights_into`, what a minillm checkpoint, a Hugging Face folder (`--ckpt`,
-`train.init_from`) and the trainer's `init_from` all load through. It lives apart from `store` and
+`train.init_from`) and the trainer's `init_from` all load through, and `weights_sha256`, the
+identity of a LoRA run's base. It lives apart from `store` and
 `hf_folder` so that each can use it without the two importing each other.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -34,3 +37,14 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], wh
         raise CheckpointError(f"{where}: weights do not fit the model: {'; '.join(problems)}")
     with torch.no_grad():
         model.load_state_dict(state, strict=True)
+
+
+def weights_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 of a state_dict's names, shapes and float32 values, in name order: the same for
+    the same weights however they were stored (a checkpoint, an HF folder in bf16 or sharded)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name} {tuple(t.shape)}\n".encode())
+        h.update(t.numpy().data)
+    return h.hexdigest()

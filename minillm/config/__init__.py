@@ -18,9 +18,11 @@ from minillm.config.loading import (
 )
 from minillm.config.schema import (
     DEVICE_PATTERN,
+    LORA_TARGETS,
     SECTIONS,
     Config,
     DataConfig,
+    LoRAConfig,
     ModelConfig,
     SampleConfig,
     TrainConfig,
@@ -29,10 +31,12 @@ from minillm.errors import ConfigError
 
 __all__ = [
     "DEVICE_PATTERN",
+    "LORA_TARGETS",
     "SECTIONS",
     "Config",
     "ConfigError",
     "DataConfig",
+    "LoRAConfig",
     "ModelConfig",
     "SampleConfig",
     "TrainConfig",

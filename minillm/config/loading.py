@@ -35,6 +35,8 @@ _UNIONS = (typing.Union, types.UnionType)
 
 
 def _type_name(tp: Any) -> str:
+    if dataclasses.is_dataclass(tp):  # a nested section such as train.lora
+        return "a mapping of " + ", ".join(f.name for f in dataclasses.fields(tp))
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
@@ -65,6 +67,8 @@ def _plural(name: str) -> str:
 
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Convert a YAML value to the declared type `tp`, or raise ConfigError naming `key`."""
+    if dataclasses.is_dataclass(tp):  # a nested section (train.lora): its keys, checked alike
+        return _build_section(tp, value, key)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
     if origin in _UNIONS:  # X | None, or X | Literal[...]: the first member that takes it
@@ -255,14 +259,15 @@ def dump_config(cfg: Config) -> str:
 
 
 def apply_override(raw: dict, override: str) -> None:
-    """Apply one `section.key=value` to the raw dict; the value is parsed as YAML."""
+    """Apply one `section.key=value` (or `section.key.subkey=value` for a nested section such
+    as train.lora) to the raw dict; the value is parsed as YAML."""
     if "=" not in override:
         raise ConfigError(override, "an override must look like section.key=value", "--set")
     dotted, text = override.split("=", 1)
     parts = dotted.strip().split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(dotted, "an override key must be section.key, e.g. train.lr", "--set")
-    section, key = parts
+    section, *path, key = parts
     if section not in SECTIONS:
         hint = did_you_mean(section, SECTIONS)
         raise ConfigError(dotted, f"unknown section{hint} (valid: {', '.join(SECTIONS)})", "--set")
@@ -275,6 +280,12 @@ def apply_override(raw: dict, override: str) -> None:
         target = raw[section] = {}
     if not isinstance(target, dict):
         raise ConfigError(section, "is not a mapping", "--set")
+    for i, part in enumerate(path, start=2):
+        if target.get(part) is None:
+            target[part] = {}
+        target = target[part]
+        if not isinstance(target, dict):
+            raise ConfigError(".".join(parts[:i]), "is not a mapping", "--set")
     target[key] = value
 
 

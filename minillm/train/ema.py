@@ -33,8 +33,9 @@ class WeightEMA:
 
     @property
     def params(self) -> list[torch.Tensor]:
-        """The weights now (looked up each time: FSDP2 may move a shard to new storage)."""
-        return [_local(p.detach()) for p in self.model.parameters()]
+        """The weights now (looked up each time: FSDP2 may move a shard to new storage); the
+        trainable ones only: a LoRA run's frozen base needs no average."""
+        return [_local(p.detach()) for p in self.model.parameters() if p.requires_grad]
 
     def current_decay(self) -> float:
         """The decay the next update uses."""

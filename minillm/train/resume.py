@@ -18,8 +18,9 @@ from minillm.config import Config, config_from_dict, config_to_dict
 from minillm.errors import ConfigError, UserError, warn
 from minillm.train.schedule import schedule_lr
 
+# train.lora: another rank or other targets are other tensors (and LoRA on or off another run).
+REFUSED_KEYS = {"data.vocab_size", "train.optimizer", "train.lora"}
 # Keys a resumed run may change without a word: they only move the end or the cadence.
-REFUSED_KEYS = {"data.vocab_size", "train.optimizer"}
 SCHEDULE_KEYS = {
     "train.max_steps",
     "train.eval_every",

@@ -7,8 +7,9 @@ sha, the data and its packing, the starting weights, the checkpoint to resume fr
 
 `train.init_from` is applied to the config once, where it is read
 (`minillm.checkpoint.init_from.load_run_config`, what `minillm tokenize`, `train` and `info`
-read); here its weights are loaded for a fresh run, and a config that does not have its model or
-its tokenizer (one built some other way) is a ConfigError naming the key.
+read); here its weights are loaded for a fresh run (and for every start of a LoRA run, whose
+checkpoints hold only the adapters: its base must be the one recorded), and a config that does
+not have its model or its tokenizer (one built some other way) is a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from minillm.checkpoint import store as ckpt
-from minillm.checkpoint.init_from import InitSource, init_source
+from minillm.checkpoint.init_from import InitSource, init_source, lora_base
 from minillm.checkpoint.init_from import init_weights as load_init_weights
 from minillm.checkpoint.rundir import RunLock
 from minillm.config import Config
@@ -145,6 +146,7 @@ class Run:
     probes: TrainingProbes | None
     lock: RunLock | None
     new_dirs: tuple[Path, ...] = ()  # folders prepare_run created, removed by a failed start
+    lora_base: dict[str, str] | None = None  # train.lora: the base's identity (init_from.lora_base)
 
     @property
     def is_main(self) -> bool:
@@ -228,9 +230,13 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
             )  # fmt: skip
             # The starting weights only for a fresh run: a resume takes its own checkpoint's, so
             # init_from's are neither read nor hashed then.
-            init_weights, init_label = None, None
-            if source is not None and resume_from is None:
+            init_weights, init_label, base = None, None, None
+            # A LoRA run's checkpoints hold only the adapters: its base is loaded on a resume
+            # too, and must be the one the run started from.
+            if source is not None and (resume_from is None or cfg.train.lora.rank):
                 init_weights, init_label = load_init_weights(source.path)
+            if cfg.train.lora.rank:
+                base = _lora_base(cfg, source, init_weights, resume_from, dist)
             fsdp = dist.enabled and cfg.train.parallel == "fsdp"
             probes = TrainingProbes.create(
                 cfg, tokenizer_file, device, autocast_context(device, precision),
@@ -261,4 +267,32 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
         probes=probes,
         lock=lock,
         new_dirs=new_dirs,
+        lora_base=base,
     )
+
+
+def _lora_base(
+    cfg: Config,
+    source: InitSource,
+    weights: dict[str, torch.Tensor],
+    resume_from: Path | None,
+    dist: DistInfo,
+) -> dict[str, str]:
+    """The identity of a LoRA run's base (what its checkpoints record); on a resume, a base
+    whose weights are not those the run's checkpoint records is a ConfigError naming it."""
+    if dist.enabled and cfg.train.parallel == "fsdp":
+        raise ConfigError(
+            "train.lora.rank",
+            "LoRA does not run under train.parallel: fsdp (a frozen base is no memory for "
+            "sharding to save); use parallel: ddp",
+        )
+    base = lora_base(source.path, weights)
+    recorded = ckpt.lora_base_of(ckpt.read_state(resume_from)) if resume_from else None
+    if recorded is not None and recorded["sha256"] != base["sha256"]:
+        raise ConfigError(
+            "train.init_from",
+            f"{source.path}: its weights are not the base the LoRA run's {resume_from} was "
+            f"trained on ({recorded['source']}, sha256 {recorded['sha256'][:16]}...): it has "
+            "changed since",
+        )
+    return base

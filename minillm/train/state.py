@@ -6,7 +6,8 @@ is_best)` (those, and every rank's RNG; a collective under FSDP) and `restore_ch
 state, path)`. The files and their layout are minillm.checkpoint.store's. Under train.ema_decay
 the model file holds the average of the weights (what eval, sample and export read) and the
 trainer state holds the raw weights and the average's update count beside the optimizer's
-moments.
+moments. A LoRA run (train.lora) saves only the adapters and their optimizer state, and the
+identity of its base (`lora_base` in state.json).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from minillm.checkpoint import store as ckpt
 from minillm.config import config_to_dict
 from minillm.errors import warn
+from minillm.model.lora import adapter_state, is_adapter
 from minillm.runtime.device import rng_state, set_rng_state
 from minillm.train.distributed import all_gather_objects, all_reduce_sum
 from minillm.train.ema import WeightEMA
@@ -65,11 +68,16 @@ def save_checkpoint(run: Run, state: TrainState, is_best: bool = False) -> Path 
                  f"(the last good one: {s.last_ckpt or 'none'})")  # fmt: skip
         return None
     model_sd, optim_sd = full_state(s.model, s.optimizer)
+    lora = run.lora_base is not None  # the adapters only: the base is recorded, not copied
+    if lora:
+        model_sd = adapter_state(model_sd)
     raw_sd = None
     if s.ema is not None:
         raw_sd = model_sd
         with s.ema.swapped():
             model_sd = full_model_state(s.model)
+        if lora:
+            model_sd = adapter_state(model_sd)
     rngs = all_gather_objects(rng_state())  # index = rank
     if not run.is_main:
         return None
@@ -94,6 +102,8 @@ def save_checkpoint(run: Run, state: TrainState, is_best: bool = False) -> Path 
         "tokenizer_sha256": run.tokenizer_sha,
         "config": config_to_dict(run.cfg),
     }
+    if lora:
+        meta["lora_base"] = run.lora_base
     s.last_ckpt = ckpt.save_checkpoint(
         run.run_dir,
         s.step,
@@ -126,10 +136,12 @@ def restore_checkpoint(run: Run, state: TrainState, path: Path) -> None:
     trainer_state = ckpt.load_trainer_state(path)
     saved_ema = trainer_state.get("ema")
     if saved_ema is not None and s.ema is not None:  # the model file holds the average
-        load_full_model_state(s.model, weights)
+        load_full_model_state(s.model, _with_base(s.model, weights))
         s.ema.reset(updates=int(saved_ema["updates"]))
     if saved_ema is not None:  # training goes on from the raw weights, with or without one
         weights = saved_ema["weights"]
+    if run.lora_base is not None:  # adapters only: the base the model holds stays
+        weights = _with_base(s.model, weights)
     load_full_state(s.model, s.optimizer, weights, trainer_state["optimizer"])
     if saved_ema is None and s.ema is not None:  # an average begun at this resume
         s.ema.reset()
@@ -147,3 +159,12 @@ def restore_checkpoint(run: Run, state: TrainState, path: Path) -> None:
     if run.verbose:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(saved.get("saved_at", 0)))
         print(f"resuming from {path} (step {s.step}, saved {when})")
+
+
+def _with_base(model: torch.nn.Module, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A LoRA checkpoint's adapters completed with the frozen base the model already holds, for
+    the strict loaders (a missing or foreign adapter is still an error)."""
+    if not any(is_adapter(k) for k in adapters):
+        return adapters  # a run that is not LoRA: resume_point refused it already
+    base = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
+    return {**base, **adapters}

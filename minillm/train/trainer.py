@@ -31,6 +31,7 @@ from minillm.data.batches import MicroBatch, eval_batches, train_batch
 from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
+from minillm.model.lora import add_lora
 from minillm.runtime.device import (
     StopSignal,
     autocast_context,
@@ -97,6 +98,8 @@ class Trainer:
             with torch.no_grad():
                 for w in self.model.residual_projections():
                     w.zero_()
+        if tc.lora.rank:  # the base frozen, adapters on its linear layers: only they train
+            add_lora(self.model, tc.lora)
         self.model.to(self.device)
         self.train_model = wrap_model(self.model, self.cfg, self.device, self.precision, self.dist)
         # After the wrapping: under FSDP2 the average is of this rank's shards.

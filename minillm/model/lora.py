@@ -1,0 +1,134 @@
+"""LoRA adapters (`train.lora`): low-rank updates trained on the linear layers of a frozen model.
+
+Offers `LoRALinear`, `add_lora(model, lora)`, `is_adapter(name)`, `adapter_state(state_dict)`,
+`merge_lora(model)` and `to_peft_state_dict(adapters, cfg)` (the adapters under Hugging Face
+peft's names, for `minillm export --format peft`).
+
+A target layer W (out, in) becomes W x + (alpha / r) B A x with A (r, in) and B (out, r); B starts
+at zero, so step 0 is the base model exactly, and only A and B train. The fused projections get
+one adapter each: wqkv's A is shared by q, k and v and the rows of its B are their three B's
+(gate and up likewise), which is what peft holds for q_proj, k_proj and v_proj with equal A's.
+So `to_peft_state_dict` is a copy and a split, exact, and merging is W + (alpha / r) B A.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minillm.config import LORA_TARGETS, LoRAConfig, ModelConfig
+from minillm.model.transformer import Transformer
+
+# (module holding the layer, layer name) of a block, per target.
+_OWNER = {"wqkv": "attn", "wo": "attn", "w_gate_up": "ffn", "w_down": "ffn"}
+
+
+class LoRALinear(nn.Module):
+    """base(x) + scale B A dropout(x): a frozen nn.Linear plus a trainable rank-r update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.rank, self.scale = rank, alpha / rank
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, w.shape[1], device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # peft's (and nn.Linear's) init
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = F.linear(self.drop(x), self.lora_A)  # (..., r)
+        update = F.linear(low, self.lora_B)  # (..., out)
+        # In place on the base output (its backward needs neither): no third (..., out) tensor.
+        return self.base(x).add_(update, alpha=self.scale)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The merged W + scale B A: what a reader of the weights (the decoding fast path,
+        `minillm.model.decode.Decoder`) must multiply by to compute this layer's function."""
+        return torch.addmm(self.base.weight, self.lora_B, self.lora_A, alpha=self.scale)
+
+
+def _layers(model: Transformer, targets: Sequence[str]) -> list[tuple[nn.Module, str]]:
+    return [(getattr(block, _OWNER[t]), t) for block in model.blocks for t in targets]
+
+
+def add_lora(model: Transformer, lora: LoRAConfig) -> Transformer:
+    """Freeze every parameter of `model` and wrap its target layers in LoRALinear (in place).
+
+    A's initial values are drawn from torch's generator, block by block, so a seeded run starts
+    the same every time."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for owner, name in _layers(model, lora.targets):
+        setattr(owner, name, LoRALinear(getattr(owner, name), lora.rank, lora.alpha, lora.dropout))
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a state_dict key is an adapter's (A or B of a LoRALinear)."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters' entries of a state_dict: what a LoRA checkpoint saves."""
+    return {k: v for k, v in state.items() if is_adapter(k)}
+
+
+@torch.no_grad()
+def merge_lora(model: Transformer) -> Transformer:
+    """Fold every adapter into its base weight (W += scale B A) and put the plain nn.Linear
+    back, in place: the model is then an ordinary Transformer (for inference and export), every
+    parameter trainable again as a loaded model's are."""
+    for owner, name in _layers(model, LORA_TARGETS):
+        layer = getattr(owner, name)
+        if isinstance(layer, LoRALinear):
+            layer.base.weight.copy_(layer.weight)
+            setattr(owner, name, layer.base)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+# Our fused layer -> peft's modules (under model.layers.N.) and how B's rows split among them.
+_PEFT = {
+    "wqkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "wo": ("self_attn", ("o_proj",)),
+    "w_gate_up": ("mlp", ("gate_proj", "up_proj")),
+    "w_down": ("mlp", ("down_proj",)),
+}
+
+
+def peft_modules(targets: Sequence[str]) -> list[str]:
+    """peft's target_modules for our targets (q_proj ... down_proj)."""
+    return [m for t in LORA_TARGETS if t in targets for m in _PEFT[t][1]]
+
+
+def to_peft_state_dict(
+    adapters: dict[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Our adapters -> peft's adapter_model.safetensors names and tensors (exact: A copied to
+    each projection of a fused layer, B split by rows). Tensors are contiguous."""
+    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    rows = {
+        "wqkv": (H * D, K * D, K * D),
+        "wo": (cfg.d_model,),
+        "w_gate_up": (cfg.ffn_hidden, cfg.ffn_hidden),
+        "w_down": (cfg.d_model,),
+    }
+    out = {}
+    for i in range(cfg.n_layer):
+        for target, (part, modules) in _PEFT.items():
+            ours = f"blocks.{i}.{_OWNER[target]}.{target}."
+            if ours + "lora_A" not in adapters:
+                continue
+            a, b = adapters[ours + "lora_A"], adapters[ours + "lora_B"]
+            prefix = f"base_model.model.model.layers.{i}.{part}."
+            for module, b_rows in zip(modules, b.split(rows[target], dim=0), strict=True):
+                out[f"{prefix}{module}.lora_A.weight"] = a.clone().contiguous()
+                out[f"{prefix}{module}.lora_B.weight"] = b_rows.contiguous()
+    return out

@@ -1,0 +1,308 @@
+"""LoRA adapters (`train.lora`, issue 33): step 0 is the base exactly, only the adapters train,
+the fused adapter is peft's per-projection adapters, decoding and loading merge them into the
+same function, checkpoints hold the adapters and the base's identity, resume is bitwise, and a
+bad `train.lora` is one error line with nothing written."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from minillm.checkpoint.store import load_checkpoint, load_model_state, read_state, save_checkpoint
+from minillm.cli import app
+from minillm.config import LoRAConfig
+from minillm.errors import UserError
+from minillm.infer.engine import SamplingParams, generate
+from minillm.model import Transformer, use_cpu_kernels
+from minillm.model.lora import LoRALinear, add_lora, is_adapter, merge_lora, to_peft_state_dict
+from tests.helpers import error_line, make_trainer, tiny_config, tiny_model_config, trained_run
+
+runner = CliRunner()
+LORA = dict(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenized corpus and a 4-step base run at base/run (the LoRA runs' init_from)."""
+    return trained_run(tmp_path_factory.mktemp("lora-base"))
+
+
+def lora_config(base: Path, out: Path, **train):  # noqa: ANN201
+    train = {"out_dir": str(out), "init_from": str(base / "run"), "lora": LORA, **train}
+    return tiny_config(base, train=train)
+
+
+def random_model(seed: int = 0, **model) -> Transformer:  # noqa: ANN003
+    """A tiny model whose logits are far from uniform (weights of a larger spread)."""
+    torch.manual_seed(seed)
+    net = Transformer(tiny_model_config(vocab_size=97, **model)).eval()
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, 0.15)
+    return net
+
+
+def with_random_adapters(net: Transformer, seed: int = 1, **lora) -> Transformer:  # noqa: ANN003
+    """net with adapters whose B is not zero (a trained adapter's function)."""
+    add_lora(net, LoRAConfig(**{**LORA, **lora}))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return net.eval()
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+def test_step_zero_is_the_base_exactly() -> None:
+    net = random_model()
+    idx = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        before = net(idx)[0]
+        add_lora(net, LoRAConfig(rank=8, alpha=16.0, dropout=0.1))
+        after = net.train()(idx)[0]  # dropout on the adapters' input changes nothing: B = 0
+    assert torch.equal(before, after)
+    trainable = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert trainable and all(is_adapter(n) for n in trainable)
+    assert len(trainable) == 2 * 4 * net.cfg.n_layer
+
+
+def test_the_fused_adapter_is_pefts_per_projection_adapters() -> None:
+    """wqkv's one adapter = q, k, v adapters with A shared and B split by rows (gate/up too)."""
+    net = with_random_adapters(random_model(n_kv_head=2))
+    cfg = net.cfg
+    adapters = {k: v for k, v in net.state_dict().items() if is_adapter(k)}
+    peft = to_peft_state_dict(adapters, cfg)
+    assert len(peft) == 2 * 7 * cfg.n_layer
+    x = torch.randn(3, cfg.d_model)
+    for i, block in enumerate(net.blocks):
+        prefix = f"base_model.model.model.layers.{i}."
+        for layer, part, modules in (
+            (block.attn.wqkv, "self_attn", ("q_proj", "k_proj", "v_proj")),
+            (block.attn.wo, "self_attn", ("o_proj",)),
+            (block.ffn.w_gate_up, "mlp", ("gate_proj", "up_proj")),
+            (block.ffn.w_down, "mlp", ("down_proj",)),
+        ):
+            assert isinstance(layer, LoRALinear)
+            a = [peft[f"{prefix}{part}.{m}.lora_A.weight"] for m in modules]
+            b = [peft[f"{prefix}{part}.{m}.lora_B.weight"] for m in modules]
+            assert all(torch.equal(ai, layer.lora_A) for ai in a)
+            assert torch.equal(torch.cat(b), layer.lora_B)
+            # peft's forward of each projection, side by side with the fused layer's rows
+            xx = (
+                x
+                if layer.base.in_features == cfg.d_model
+                else torch.randn(3, layer.lora_A.shape[1])
+            )
+            bases = layer.base.weight.split([bi.shape[0] for bi in b])
+            peft_out = torch.cat(
+                [xx @ w.T + layer.scale * ((xx @ ai.T) @ bi.T) for w, ai, bi in zip(bases, a, b)],
+                dim=-1,
+            )
+            with torch.no_grad():
+                torch.testing.assert_close(layer(xx), peft_out, atol=1e-6, rtol=0)
+
+
+def test_merged_weights_give_the_unmerged_function_and_decoding() -> None:
+    """The merged model (what load_checkpoint returns) and the decoding core on the live LoRA
+    model (whose Decoder reads each layer's merged `weight`) give the unmerged forward's logits
+    and greedy tokens."""
+    net = with_random_adapters(random_model())
+    merged = merge_lora(copy.deepcopy(net)).eval()
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    idx = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(idx)[0], net(idx)[0], atol=2e-5, rtol=0)
+    prompt = [5, 17, 42, 8]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        for _ in range(12):  # greedy by the unmerged full forward
+            nxt = net(ids)[0][0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    expected = ids[0, len(prompt) :].tolist()
+    for model in (net, merged):
+        got = generate(model, [prompt], SamplingParams.greedy(12))
+        assert list(got[0]) == expected
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_only_the_adapters_train_and_the_base_stays_bitwise(base: Path, tmp_path: Path) -> None:
+    base_weights = load_model_state(next((base / "run" / "checkpoints").glob("step_000004")))
+    cfg = lora_config(base, tmp_path / "run", max_steps=3, ckpt_every=3, eval_every=3)
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        x = torch.randint(0, 300, (2, 16))
+        base_net = use_cpu_kernels(Transformer(cfg.model)).eval()  # as the trainer builds it
+        base_net.load_state_dict(base_weights)
+        trainer.model.eval()
+        with torch.no_grad():
+            assert torch.equal(trainer.model(x)[0], base_net(x)[0])  # step 0: the base exactly
+        trainer.model.train()
+        start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.fit()
+    finally:
+        trainer.close()
+    end = trainer.model.state_dict()
+    for name, value in end.items():
+        if is_adapter(name):
+            assert name.endswith("lora_A") or not torch.equal(value, start[name]), name
+        else:  # every base tensor, embedding and norms included
+            plain = name.replace(".base.weight", ".weight")
+            assert torch.equal(value, base_weights[plain]), name
+    assert any(not torch.equal(end[n], start[n]) for n in end if n.endswith("lora_A"))
+    # the optimizer holds state for the adapters alone
+    states = [p for opt in trainer.optimizer for p in opt.state]
+    adapters = {id(p) for n, p in trainer.model.named_parameters() if is_adapter(n)}
+    assert states and all(id(p) in adapters for p in states)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
+    saved = load_model_state(ckpt)
+    assert saved and all(is_adapter(k) for k in saved)
+    record = json.loads((ckpt / "state.json").read_text())["lora_base"]
+    assert record["path"] == str(base / "run") and record["source"].endswith("step_000004")
+
+
+def test_muon_trains_the_adapters_only(base: Path, tmp_path: Path) -> None:
+    cfg = lora_config(base, tmp_path / "run", max_steps=2, optimizer="muon", ckpt_every=2)
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    muon = trainer.optimizer.parts["muon"]
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    assert muon.state and all(is_adapter(names[id(p)]) for p in muon.state)
+    assert not trainer.optimizer.parts["adamw"].state  # embedding, norms: frozen
+
+
+def test_resume_of_a_lora_run_is_bitwise(base: Path, tmp_path: Path) -> None:
+    straight_cfg = lora_config(base, tmp_path / "straight", lora=dict(LORA, dropout=0.1))
+    straight = make_trainer(straight_cfg, verbose=False)
+    try:
+        straight.fit()
+    finally:
+        straight.close()
+    split_cfg = copy.deepcopy(straight_cfg)
+    split_cfg.train.out_dir = str(tmp_path / "split")
+    first = make_trainer(split_cfg, verbose=False)
+    try:
+        first.fit(stop_at=3)  # between checkpoints: saves at step 3
+    finally:
+        first.close()
+    second = make_trainer(split_cfg, verbose=False)
+    try:
+        assert second.resumed
+        second.fit()
+    finally:
+        second.close()
+    assert second.state.step == 8
+    a, b = straight.model.state_dict(), second.model.state_dict()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_a_lora_run_loads_as_base_plus_adapters_and_refuses_a_changed_base(
+    base: Path, tmp_path: Path
+) -> None:
+    own_base = tmp_path / "base"
+    shutil.copytree(base / "run", own_base)
+    cfg = lora_config(base, tmp_path / "run", max_steps=2, ckpt_every=2, eval_every=2)
+    cfg.train.init_from = str(own_base)
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    loaded = load_checkpoint(tmp_path / "run")
+    x = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model(x)[0], trainer.model.eval()(x)[0], atol=1e-5, rtol=0
+        )
+    assert loaded.adapters is not None and all(is_adapter(k) for k in loaded.adapters)
+
+    # the base changes: every command that loads the run refuses it, naming it
+    ckpt = own_base / "checkpoints" / "step_000004"
+    weights = load_model_state(ckpt)
+    weights["norm.weight"] = weights["norm.weight"] + 1.0
+    state = read_state(ckpt)
+    shutil.rmtree(own_base / "checkpoints")
+    save_checkpoint(own_base, 4, weights, {"step": 4}, {"config": state["config"]})
+    with pytest.raises(UserError, match=f"{ckpt}: the LoRA base .* has changed"):
+        load_checkpoint(tmp_path / "run")
+    result = runner.invoke(app, ["eval", "--ckpt", str(tmp_path / "run")])
+    assert "has changed" in error_line(result) and str(ckpt) in error_line(result)
+    # a resume refuses it too
+    cfg.train.max_steps = 4
+    with pytest.raises(UserError, match="train.init_from: .*has changed"):
+        make_trainer(cfg, verbose=False)
+
+    shutil.rmtree(own_base)  # gone: refused, naming it
+    result = runner.invoke(
+        app, ["sample", "--ckpt", str(tmp_path / "run"), "--max-new-tokens", "2"]
+    )
+    line = error_line(result)
+    assert "LoRA base" in line and "missing" in line and str(ckpt) in line
+
+
+# ----------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize(
+    ("lora", "init_from", "expected"),
+    [
+        ({"rank": -1}, True, "train.lora.rank: must be >= 0"),
+        (
+            {"rank": 4, "targets": ["wqkv", "q_proj"]},
+            True,
+            "train.lora.targets: unknown layer 'q_proj'",
+        ),
+        ({"rank": 4, "alpha": "sixteen"}, True, "train.lora.alpha: expected a number"),
+        ({"rank": 4, "alpha": True}, True, "train.lora.alpha: expected a number"),
+        ({"rank": 4}, False, "train.lora.rank: 4 needs train.init_from"),
+        ({"rnak": 4}, True, "train.lora.rnak: unknown key; did you mean train.lora.rank?"),
+    ],
+)
+def test_a_bad_lora_section_is_one_error_line_and_nothing_written(
+    base: Path, tmp_path: Path, lora: dict, init_from: bool, expected: str
+) -> None:
+    train = {"out_dir": str(tmp_path / "run"), "lora": lora}
+    if init_from:
+        train["init_from"] = str(base / "run")
+    raw = {
+        "data": {"out_dir": str(base / "tokens"), "vocab_size": 300},
+        "train": train,
+    }
+    if not init_from:
+        raw["model"] = {"d_model": 32, "n_layer": 2, "n_head": 4}
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    for command in (["train", str(path)], ["info", str(path)]):
+        line = error_line(runner.invoke(app, command))
+        assert line.startswith(f"error: {path}: {expected}"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_keys_take_set_overrides(base: Path, tmp_path: Path) -> None:
+    train = {"init_from": str(base / "run"), "seq_len": 32}
+    raw = {"data": {"out_dir": str(base / "tokens")}, "train": train}
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    result = runner.invoke(app, ["train", str(path), "--set", "train.lora.rank=x"])
+    assert error_line(result) == "error: --set: train.lora.rank: expected an integer, got 'x'"
+    result = runner.invoke(app, ["info", str(path), "--json", "--set", "train.lora.rank=2",
+                                 "--set", "train.lora.targets=[wo]"])  # fmt: skip
+    assert result.exit_code == 0, result.output
