@@ -169,22 +169,30 @@ def test_tf32_on_ampere_and_newer_only(matmul_precision: None) -> None:
 
 
 def test_torchrun_on_cuda_pairs_nccl_with_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.distributed_c10d import BackendConfig
+
     for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("MINILLM_DIST_TIMEOUT", "60")
     calls: list[dict] = []
 
-    def init_process_group(**kwargs) -> None:
+    def init_process_group(**kwargs) -> None:  # torch's, stood in: no GPU, no peers
         calls.append(kwargs)
+
+    def backends(call: dict) -> dict[str, str]:
+        """The backend each device type's tensors get, as torch itself reads the string."""
+        return BackendConfig(call["backend"]).get_device_backend_map()
 
     info = init_distributed(CUDA, init_process_group=init_process_group)
     assert info == DistInfo(rank=1, local_rank=1, world_size=2)
     # NCCL for the CUDA tensors, gloo for the CPU ones (NCCL alone refuses them).
-    assert calls == [{"backend": "cpu:gloo,cuda:nccl", "timeout": datetime.timedelta(seconds=60),
-                      "device_id": CUDA}]  # fmt: skip
+    ((call,),) = [calls]
+    assert backends(call) == {"cuda": "nccl", "cpu": "gloo"}, call["backend"]
+    assert call["device_id"] == CUDA and call["timeout"] == datetime.timedelta(seconds=60)
     calls.clear()
     init_distributed(torch.device("cpu"), init_process_group=init_process_group)
-    assert calls == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=60)}]
+    ((call,),) = [calls]
+    assert backends(call)["cpu"] == "gloo" and "device_id" not in call
 
 
 def test_one_gpu_per_process_under_torchrun() -> None:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillm.checkpoint import store as ckpt
 from minillm.config import ModelConfig, config_from_dict, config_to_dict
@@ -304,14 +307,59 @@ def test_prefetcher_pins_doc_masked_micro_batches(monkeypatch: pytest.MonkeyPatc
         prefetch.close()
 
 
+class DeviceReads(TorchDispatchMode):
+    """Records each read on the host (`.item()`, `bool()`, `float()`, `int()`: all
+    aten._local_scalar_dense, a device sync on CUDA) of a tensor computed from the model's
+    weights: the outputs of every op with such an input, starting from `weights`."""
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.computed: dict[int, weakref.ref] = {}  # by id: a WeakSet compares tensors with ==
+        self.reads: list[torch.dtype] = []
+        for w in weights:
+            self.add(w)
+
+    def add(self, t: torch.Tensor) -> None:
+        self.computed[id(t)] = weakref.ref(t)
+
+    def has(self, t: object) -> bool:
+        ref = self.computed.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        inputs = pytree.tree_leaves((args, kwargs or {}))
+        from_model = any(self.has(t) for t in inputs)
+        if func is torch.ops.aten._local_scalar_dense.default and from_model:
+            self.reads.append(args[0].dtype)
+        out = func(*args, **(kwargs or {}))
+        if from_model:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.add(t)
+        return out
+
+
 def test_train_step_returns_device_tensors_without_reading_them(
-    data_dir: Path, tmp_path: Path
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     trainer = make_trainer(make_cfg(data_dir, tmp_path / "run"), verbose=False)
     try:
-        out = trainer.train_step()
+        model = DeviceReads(list(trainer.model.parameters()))
+        tolist = torch.Tensor.tolist  # a host read that is no aten op: counted here
+
+        def counted_tolist(t: torch.Tensor):  # noqa: ANN202
+            if model.has(t):
+                model.reads.append(t.dtype)
+            return tolist(t)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+        with model:
+            out = trainer.train_step()
     finally:
         trainer.close()
+    # The one read is the step's decision whether it was finite; loss and norm stay unread.
+    assert model.reads == [torch.bool]
+    assert model.has(out.loss) and model.has(out.grad_norm)
     assert isinstance(out.loss, torch.Tensor) and isinstance(out.grad_norm, torch.Tensor)
     assert out.finite is True and 0 < float(out.loss) < 10
 
