@@ -6,6 +6,7 @@ bad `train.lora` is one error line with nothing written."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from minillm.checkpoint.init_from import load_run_config
 from minillm.checkpoint.store import load_checkpoint, load_model_state, read_state, save_checkpoint
 from minillm.cli import app
 from minillm.config import LoRAConfig
@@ -22,7 +24,17 @@ from minillm.errors import UserError
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import LoRALinear, add_lora, is_adapter, merge_lora, to_peft_state_dict
-from tests.helpers import error_line, make_trainer, tiny_config, tiny_model_config, trained_run
+from tests.helpers import (
+    QUICK_TRAIN,
+    SHAKESPEARE,
+    error_line,
+    make_run,
+    make_trainer,
+    tiny_config,
+    tiny_model_config,
+    trained_run,
+    write_shards,
+)
 
 runner = CliRunner()
 LORA = dict(rank=4, alpha=8.0)
@@ -306,3 +318,99 @@ def test_lora_keys_take_set_overrides(base: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["info", str(path), "--json", "--set", "train.lora.rank=2",
                                  "--set", "train.lora.targets=[wo]"])  # fmt: skip
     assert result.exit_code == 0, result.output
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@pytest.fixture(scope="module")
+def hf_lora(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A LoRA run on a Hugging Face folder of another shape (untied head, GQA 4/2): the folder,
+    the run directory and the trained model, unmerged (adapters trained at a high lr, so that
+    merging is far from a no-op)."""
+    root = tmp_path_factory.mktemp("lora-hf")
+    run_dir, _, _ = make_run(root, model=dict(tie_embeddings=False, n_kv_head=2))
+    result = runner.invoke(app, ["export", "--ckpt", str(run_dir), "--out", str(root / "hf")])
+    assert result.exit_code == 0, result.output
+    raw = {
+        "data": {"source": str(root / "sft.jsonl"), "out_dir": str(root / "tokens")},
+        "train": {"init_from": str(root / "hf"), "out_dir": str(root / "lora"), "lr": 5e-2,
+                  "lora": {"rank": 4, "alpha": 8, "targets": ["wqkv", "wo", "w_gate_up", "w_down"]},
+                  **{k: v for k, v in QUICK_TRAIN.items() if k != "lr"}},
+    }  # fmt: skip
+    path = root / "lora.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    cfg = load_run_config(path)
+    write_shards(
+        cfg, [SHAKESPEARE.read_text(encoding="utf-8")[i : i + 900] for i in range(0, 27_000, 900)]
+    )
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return root / "hf", root / "lora", trainer.model.eval()
+
+
+def test_hf_and_gguf_exports_of_a_lora_run_are_merged(hf_lora, tmp_path: Path) -> None:
+    import transformers
+
+    hf_base, run, unmerged = hf_lora
+    result = runner.invoke(app, ["export", "--ckpt", str(run), "--out", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
+    idx = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        ours = unmerged(idx)[0]
+        torch.testing.assert_close(hf.eval()(idx).logits, ours, atol=1e-5, rtol=0)
+        assert (base.eval()(idx).logits - ours).abs().max() > 1e-2  # the adapters matter
+    out = tmp_path / "m.gguf"
+    result = runner.invoke(
+        app, ["export", "--ckpt", str(run), "--format", "gguf", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (make interop)")
+    from llama_cpp import Llama
+
+    ids = idx[0].tolist()
+    llm = Llama(model_path=str(out), n_ctx=64, n_batch=64, n_ubatch=64, n_threads=2,
+                logits_all=True, type_k=0, type_v=0, verbose=False)  # fmt: skip
+    llm.eval(ids)
+    theirs = torch.tensor(llm.scores[: len(ids)])
+    rel = (theirs - ours[0]).abs().max() / (ours[0].max() - ours[0].min())
+    assert rel <= 1e-4  # tests/test_gguf.py's bound for f32 weights and an f32 KV cache
+
+
+def test_the_peft_export_loads_in_peft_onto_the_hf_base(hf_lora, tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    import transformers
+    from safetensors.torch import load_file
+
+    hf_base, run, unmerged = hf_lora
+    out = tmp_path / "adapter"
+    result = runner.invoke(
+        app, ["export", "--ckpt", str(run), "--format", "peft", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+    assert config["target_modules"] == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    ]  # fmt: skip
+    names = load_file(out / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in names
+    assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in names
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, out).eval()
+    idx = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx).logits, unmerged(idx)[0], atol=1e-5, rtol=0)
+
+    # a run that is not LoRA has no adapters: one error line, nothing written
+    result = runner.invoke(
+        app, ["export", "--ckpt", str(hf_base), "--format", "peft", "--out", str(tmp_path / "x")]
+    )
+    assert "is not a LoRA run" in error_line(result)
+    assert not (tmp_path / "x").exists()

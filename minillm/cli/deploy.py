@@ -62,20 +62,22 @@ def serve(
 
 
 @app.command(
-    cls=Command, short_help="Write a Hugging Face Llama folder or a GGUF file (llama.cpp)."
+    cls=Command,
+    short_help="Write a Hugging Face Llama folder, a GGUF file (llama.cpp) or a peft folder.",
 )
 def export(
     ckpt: Path = CkptOption,
     best: bool = BestOption,
     out: Path = typer.Option(
-        ..., "--out", metavar="PATH", help="The folder (hf) or FILE.gguf (gguf) to write."
+        ..., "--out", metavar="PATH", help="The folder (hf, peft) or FILE.gguf (gguf) to write."
     ),
     force: bool = typer.Option(False, "--force", help="Replace an earlier export at --out."),
     fmt: str = typer.Option(
         "hf",
         "--format",
         metavar="FORMAT",
-        help="hf: a transformers folder; gguf: one file for llama.cpp, Ollama, LM Studio.",
+        help="hf: a transformers folder; gguf: one file for llama.cpp, Ollama, LM Studio; "
+        "peft: a LoRA run's adapters for Hugging Face peft (hf and gguf merge them).",
     ),
     dtype: str | None = typer.Option(
         None,
@@ -88,9 +90,11 @@ def export(
     with --format gguf a llama.cpp GGUF file and an Ollama FILE.Modelfile beside it.
 
     The folder loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained.
+    A LoRA run exports merged (base + adapters); with --format peft its adapters alone, as a
+    folder that peft.PeftModel.from_pretrained puts on the hf export of its base.
     """
-    if fmt not in ("hf", "gguf"):
-        print_error(f"--format: {fmt!r} is not one of hf, gguf")
+    if fmt not in ("hf", "gguf", "peft"):
+        print_error(f"--format: {fmt!r} is not one of hf, gguf, peft")
         raise typer.Exit(2)
     if fmt == "gguf":
         from minillm.checkpoint.gguf_file import check_gguf_target, export_gguf, modelfile_path
@@ -101,8 +105,17 @@ def export(
         print(f"wrote {path} and {modelfile_path(path).name}")
         return
     if dtype is not None:
-        print_error("--dtype: only with --format gguf (an hf folder is float32)")
+        print_error(f"--dtype: only with --format gguf (an {fmt} folder is float32)")
         raise typer.Exit(2)
+    if fmt == "peft":
+        from minillm.checkpoint.hf_folder import check_export_target
+        from minillm.checkpoint.peft_folder import export_peft
+
+        run(check_export_target, out, force, ckpt)  # before the (slow) load
+        loaded = load_ckpt(ckpt, "cpu", best)
+        path = run(export_peft, loaded, out, force=force)
+        print(f"wrote {path}")
+        return
     from minillm.checkpoint.hf_folder import check_export_target, export_checkpoint
 
     run(check_export_target, out, force, ckpt)  # before the (slow) load

@@ -1,0 +1,75 @@
+"""`minillm export --format peft`: a LoRA run's adapters as a Hugging Face peft folder.
+
+Offers `export_peft(ckpt, out, force)`. The folder holds adapter_config.json and
+adapter_model.safetensors under peft's names (`base_model.model.model.layers.N.self_attn.q_proj.
+lora_A.weight`, ... `mlp.down_proj.lora_B.weight`), so that
+`peft.PeftModel.from_pretrained(base, DIR)` puts them on the Hugging Face export of the run's base
+(`minillm export --ckpt BASE --out DIR`) and computes the run's function: the fused wqkv and
+w_gate_up adapters become peft's per-projection ones exactly (minillm.model.lora).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from minillm.checkpoint.hf_folder import check_export_target
+from minillm.errors import UserError
+from minillm.model.lora import peft_modules, to_peft_state_dict
+from minillm.runtime.files import commit_dir, save_safetensors
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def adapter_config(lora: Any, base: str) -> dict[str, Any]:
+    """peft's LoraConfig of a `train.lora` section (plain LoRA: scale alpha / r, no bias)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": peft_modules(lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+
+
+def export_peft(ckpt: Any, out: str | Path, force: bool = False) -> Path:
+    """Write a LoadedCheckpoint's adapters as a peft folder at `out` (temp + rename); a run that
+    is not LoRA is a UserError, a non-empty `out` needs force."""
+    if ckpt.adapters is None:
+        raise UserError(
+            f"--format peft: {ckpt.path} is not a LoRA run (train.lora.rank is 0): it has no "
+            "adapters; export it with --format hf"
+        )
+    out = Path(out)
+    check_export_target(out, force, ckpt.path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = ckpt.config
+    base = ckpt.state["lora_base"]["path"]
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        adapters = {k: v.detach().float().cpu() for k, v in ckpt.adapters.items()}
+        tensors = to_peft_state_dict(adapters, cfg.model)
+        save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        text = json.dumps(adapter_config(cfg.train.lora, base), indent=2) + "\n"
+        (tmp / CONFIG_FILE).write_text(text, encoding="utf-8")
+        check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
+        commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
