@@ -209,7 +209,7 @@ def _edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
 
 
-MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8)
+QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=32)  # fmt: skip
 
@@ -217,8 +217,8 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
 @pytest.mark.parametrize(
     "case, where, message",
     [
-        ("mixtral", "config.json", "model_type: a 'mixtral' model (MixtralForCausalLM), not "
-         "LlamaForCausalLM, the only architecture minillm reads"),
+        ("qwen2", "config.json", "model_type: a 'qwen2' model (Qwen2ForCausalLM), not "
+         "LlamaForCausalLM or MixtralForCausalLM, the architectures minillm reads"),
         ("rope-scaling", "config.json", "rope_scaling: rope_type 'llama3' (RoPE scaling) is not "
          "supported"),
         ("attention-bias", "config.json", "attention_bias: True is not supported (minillm needs "
@@ -237,7 +237,7 @@ def test_what_minillm_cannot_compute_is_one_error_line(
         folder, _ = llama_folder(tmp_path, tokenizer=tokenizer())
     else:
         folder, _ = llama_folder(tmp_path)
-        changes = {"mixtral": MIXTRAL, "rope-scaling": {"rope_scaling": LLAMA3_ROPE},
+        changes = {"qwen2": QWEN2, "rope-scaling": {"rope_scaling": LLAMA3_ROPE},
                    "attention-bias": {"attention_bias": True}}[case]  # fmt: skip
         _edit_config(folder, **changes)
     for command in (["sample", "--prompt", "x"], ["export", "--out", str(tmp_path / "o.gguf"),

@@ -77,9 +77,33 @@ class ModelConfig(_Section):
     dropout: float = _f(
         0.0, help="Dropout on the embedding output, attention weights and residual branches."
     )
+    n_experts: int = _f(
+        0,
+        help="Experts in each block's FFN (a mixture of experts, as Mixtral): a linear router "
+        "sends each token to n_experts_per_token of these SwiGLUs. 0 = the dense SwiGLU.",
+    )
+    n_experts_per_token: int = _f(
+        2,
+        help="Experts each token goes through (top-k of the router's softmax, their weights "
+        "renormalised to sum to 1); at most n_experts.",
+    )
+    moe_ffn_hidden: int | None = _f(
+        None, help="Each expert's SwiGLU hidden width. null = ffn_hidden (the dense width)."
+    )
 
     def __post_init__(self) -> None:
         self._positive("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden")
+        self._positive("moe_ffn_hidden", "n_experts_per_token")
+        self._non_negative("n_experts")
+        if self.n_experts == 1:
+            self._fail(
+                "n_experts", "1 expert is the dense FFN behind a router: use 0 (dense) or >= 2"
+            )
+        if self.n_experts and self.n_experts_per_token > self.n_experts:
+            self._fail(
+                "n_experts_per_token",
+                f"{self.n_experts_per_token} is more than n_experts={self.n_experts}",
+            )
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
         if self.d_model % self.n_head:
             self._fail("n_head", f"{self.n_head} does not divide d_model={self.d_model}")
@@ -97,6 +121,8 @@ class ModelConfig(_Section):
         if self.ffn_hidden is None:  # LLaMA's int(8/3 d) rounded up to multiple_of
             hidden = int(2 * (4 * self.d_model) / 3)
             self.ffn_hidden = self.multiple_of * math.ceil(hidden / self.multiple_of)
+        if self.n_experts and self.moe_ffn_hidden is None:
+            self.moe_ffn_hidden = self.ffn_hidden
 
     @property
     def head_dim(self) -> int:
@@ -324,6 +350,13 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = _f((0.9, 0.95), help="AdamW betas.")
     adam_eps: float = _f(1e-8, help="AdamW epsilon.")
     grad_clip: float = _f(1.0, help="Clip the global gradient norm to this (0 = no clipping).")
+    moe_aux_loss: float = _f(
+        0.0,
+        help="Coefficient of the load-balancing loss added to the training loss of a mixture "
+        "of experts (model.n_experts): Switch/Mixtral's E * sum_e f_e P_e, as transformers' "
+        "load_balancing_loss_func (Mixtral-8x7B's router_aux_loss_coef is 0.02, Switch's "
+        "0.01); 0 = none. Logged as moe/aux_loss beside each layer's expert load.",
+    )
     ema_decay: float = _f(
         0.0,
         help="Decay of an exponential moving average of the weights, updated after every "
@@ -406,6 +439,7 @@ class TrainConfig(_Section):
             self._fail("muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
         self._positive("keep_last", "log_every", "max_bad_steps")
         self._non_negative("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every")
+        self._non_negative("moe_aux_loss")
         self._non_negative("eval_steps", "ckpt_every", "peak_flops", "sample_every")
         self._positive("sample_max_new_tokens")
         if len(set(self.log_to)) != len(self.log_to):
@@ -464,6 +498,12 @@ class Config:
             raise ConfigError(
                 "model.vocab_size",
                 f"{self.model.vocab_size} is smaller than data.vocab_size={self.data.vocab_size}",
+            )
+        if self.train.moe_aux_loss and not self.model.n_experts:
+            raise ConfigError(
+                "train.moe_aux_loss",
+                f"{self.train.moe_aux_loss} needs a mixture of experts (model.n_experts >= 2): "
+                "the dense model has no router to balance",
             )
 
 

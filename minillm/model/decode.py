@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.model.kv_cache import KVCache
+from minillm.model.moe import MoE
 from minillm.model.transformer import Transformer, attention, rms_norm, rope_rotation, swiglu
 
 
@@ -35,8 +36,9 @@ class Decoder:
     `swiglu`, `attention`; RoPE as one (D, D) matmul per layer, `rope_rotation`), with the residual
     adds folded into the output projections (addmm). Only the wiring of a block is written here a
     second time (pre-norm, residuals, the q/k/v split); tests/test_model.py pins it to the module
-    forward. The KV cache places each row's token (`KVCache.append`). Make a new Decoder for each
-    cache: it holds the parameters and the cache it was made with.
+    forward. The KV cache places each row's token (`KVCache.append`). A mixture-of-experts FFN
+    runs as its module (`minillm.model.moe.MoE`): its routing is not written a second time. Make
+    a new Decoder for each cache: it holds the parameters and the cache it was made with.
     """
 
     def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
@@ -45,16 +47,22 @@ class Decoder:
         self.model, self.cache = model, kv_cache
         cfg = model.cfg
         self.heads = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
+        # The FFN as (w_gate_up, w_down^T), or (the MoE module, None).
+        ffns = [
+            (block.ffn, None)
+            if isinstance(block.ffn, MoE)
+            else (block.ffn.w_gate_up.weight, block.ffn.w_down.weight.t())
+            for block in model.blocks
+        ]
         self.layers = [
             (
                 block.attn_norm.weight,
                 block.attn.wqkv.weight,
                 block.attn.wo.weight.t(),
                 block.ffn_norm.weight,
-                block.ffn.w_gate_up.weight,
-                block.ffn.w_down.weight.t(),
+                *ffn,
             )
-            for block in model.blocks
+            for block, ffn in zip(model.blocks, ffns)
         ]
         self.embedding, self.head = model.tok_emb.weight, model.head_weight
         self.norm, self.eps = model.norm.weight, cfg.norm_eps
@@ -106,6 +114,9 @@ class Decoder:
             keys, values = write.update(layer, qk[:, H:, None], qkv[:, H + K :, None])
             y = attention(qk[:, :H, None], keys, values, key_mask)  # (n, H, 1, D)
             x = torch.addmm(x, y.reshape(n, H * D), wo_t)  # x + wo(y)
+            if w_down_t is None:  # w_gate_up is a mixture of experts
+                x = x + w_gate_up(rms_norm(x, norm2, eps))
+                continue
             h = swiglu(F.linear(rms_norm(x, norm2, eps), w_gate_up))
             x = torch.addmm(x, h, w_down_t)  # x + w_down(swiglu(...))
         return F.linear(rms_norm(x, self.norm, eps), self.head)

@@ -8,7 +8,7 @@ Eager PyTorch makes one pass over memory per elementwise op, and autograd's gene
 small formulas makes several more. On CPU, where these passes cost as much as the matmuls around
 them, the Functions below compute the same math in fewer passes and with fewer temporaries.
 `minillm.model.transformer` holds the plain formulas; a caller that wants these kernels (the
-trainer) asks for them with `use_cpu_kernels(model)`, which gives the RMSNorm, SwiGLU and
+trainer) asks for them with `use_cpu_kernels(model)`, which gives the RMSNorm, SwiGLU, MoE and
 Transformer modules subclasses whose forwards call them. They serve eager training only: under
 torch.compile the plain formulas are traced and fused by inductor, without autograd (eval,
 decoding) the native ops are as fast and cost less, and on a GPU the native fused kernels
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minillm.model.moe import MoE
 from minillm.model.transformer import (
     RMSNorm,
     Rope,
@@ -177,6 +178,12 @@ class FusedSwiGLU(SwiGLU):
     activation = staticmethod(fused_swiglu)
 
 
+class FusedMoE(MoE):
+    """A mixture of experts whose experts' activation is fused_swiglu."""
+
+    activation = staticmethod(fused_swiglu)
+
+
 def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rope` through the RoPE Function in eager mode, `rotate` without autograd."""
     if compiling():  # the plain formula: inductor fuses it and its backward
@@ -208,13 +215,18 @@ class FusedTransformer(Transformer):
         return lambda x: fused_rope(x, cos, sin)
 
 
-_FUSED = {RMSNorm: FusedRMSNorm, SwiGLU: FusedSwiGLU, Transformer: FusedTransformer}
+_FUSED = {
+    RMSNorm: FusedRMSNorm,
+    SwiGLU: FusedSwiGLU,
+    MoE: FusedMoE,
+    Transformer: FusedTransformer,
+}
 
 
 def use_cpu_kernels(model: Transformer) -> Transformer:
     """Make model (in place) run the kernels above where they apply; returns it.
 
-    Each RMSNorm, SwiGLU and the Transformer itself becomes the Fused subclass above: the same
+    Each RMSNorm, SwiGLU, MoE and the Transformer itself becomes the Fused subclass above: the same
     parameters, state_dict and hooks, the math of the plain module (tests/test_kernels.py pins it),
     in fewer passes over memory. Elsewhere (GPU, torch.compile, no autograd) the subclasses run
     the plain forwards.

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from minillm.config import ModelConfig
 from minillm.model.inputs import AttentionMask, forward_inputs
 from minillm.model.kv_cache import CacheWrite, KVCache
+from minillm.model.moe import MoE
 
 # `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -197,14 +198,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + Attn(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+    """Pre-norm residual block: x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)), the FFN a SwiGLU
+    or, with model.n_experts, a mixture of SwiGLU experts (minillm.model.moe)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg)
+        self.ffn = MoE(cfg) if cfg.n_experts else SwiGLU(cfg)
 
     def forward(
         self,
@@ -259,8 +261,16 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02)
 
     def residual_projections(self) -> list[nn.Parameter]:
-        """The weights that write into the residual stream: each block's attn.wo and ffn.w_down."""
-        return [w for b in self.blocks for w in (b.attn.wo.weight, b.ffn.w_down.weight)]
+        """The weights that write into the residual stream: each block's attn.wo and ffn.w_down
+        (an MoE's (E, C, F) stack of its experts' down projections)."""
+        return [
+            w
+            for b in self.blocks
+            for w in (
+                b.attn.wo.weight,
+                b.ffn.w_down if isinstance(b.ffn, MoE) else b.ffn.w_down.weight,
+            )
+        ]
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -324,16 +334,30 @@ class Transformer(nn.Module):
                 n -= self.lm_head.weight.numel()
         return n
 
+    def active_param_count(self) -> int:
+        """Parameters one token uses: param_count less the experts it is not routed to."""
+        return self.param_count() - self._inactive_expert_params()
+
+    def _inactive_expert_params(self) -> int:
+        n = 0
+        for ffn in (b.ffn for b in self.blocks):
+            if isinstance(ffn, MoE):
+                E = ffn.w_down.shape[0]
+                n += (ffn.w_gate_up.numel() + ffn.w_down.numel()) // E * (E - ffn.k)
+        return n
+
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per matmul weight (head included, tied or not) + attention.
 
-        The embedding lookup is no matmul; the head always is. The attention term is the PaLM one,
-        12 * n_layer * d_model * seq_len (scores and weighted values, forward and backward).
+        The embedding lookup is no matmul; the head always is. An MoE counts its router and the
+        k experts a token goes through (the active parameters). The attention term is the PaLM
+        one, 12 * n_layer * d_model * seq_len (scores and weighted values, forward and backward).
         """
         cfg = self.cfg
         matmul = sum(
-            p.numel() for n, p in self.named_parameters() if p.dim() == 2 and n != "tok_emb.weight"
+            p.numel() for n, p in self.named_parameters() if p.dim() >= 2 and n != "tok_emb.weight"
         )
+        matmul -= self._inactive_expert_params()
         if self.lm_head is None:
             matmul += self.tok_emb.weight.numel()
         return 6 * matmul + 12 * cfg.n_layer * cfg.d_model * seq_len

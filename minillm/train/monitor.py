@@ -1,9 +1,10 @@
 """What a person watches during training: a rich progress bar (or plain lines), and the scalars
 and texts in TensorBoard and/or Weights & Biases (`train.log_to`).
 
-Offers `Monitor`, `Meter` (tokens/s and MFU over a window of steps) and `open_monitor(trainer,
-end)` (both, for a Trainer's loop, with the run's opening lines). Only rank 0 creates a Monitor
-that writes; other ranks get a silent one.
+Offers `Monitor`, `Meter` (tokens/s and MFU over a window of steps), `ExpertLoad` (a mixture of
+experts' routing over the same window) and `open_monitor(trainer, end)` (a Monitor and a Meter,
+for a Trainer's loop, with the run's opening lines). Only rank 0 creates a Monitor that writes;
+other ranks get a silent one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rich.console import Console
 from minillm.config import Config, ConfigError, config_to_dict, dump_config
 from minillm.errors import warn
 from minillm.model import Transformer
+from minillm.model.moe import RouterStats, load_balancing_loss
 from minillm.model.param_groups import describe
 from minillm.runtime.files import atomic_write_text
 from minillm.runtime.perf import peak_flops, reprobe_peak
@@ -147,6 +149,40 @@ def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> An
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
     return run
+
+
+class ExpertLoad:
+    """A mixture of experts' routing over the steps since the last log line: the
+    load-balancing loss and, per layer, the fraction of tokens routed to each expert (k/E each
+    when balanced), as TensorBoard scalars moe/aux_loss and moe/layer{i}/expert{e}."""
+
+    def __init__(self, n_experts: int) -> None:
+        self.n_experts = n_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.aux, self.micro_batches = 0.0, 0
+        self.counts: torch.Tensor | float = 0.0  # (L, E) tokens per expert, on the device
+        self.tokens = 0
+
+    def add(self, stats: list[RouterStats]) -> torch.Tensor:
+        """Record one forward's routing (`router_stats(model)`); returns its load-balancing
+        loss, differentiable. Nothing here waits for the device."""
+        aux = load_balancing_loss(stats, self.n_experts)
+        self.aux = self.aux + aux.detach()
+        self.counts = self.counts + torch.stack([s.counts for s in stats])
+        self.tokens += stats[0].tokens
+        self.micro_batches += 1
+        return aux
+
+    def scalars(self) -> dict[str, float]:
+        if not self.micro_batches:
+            return {}
+        out = {"moe/aux_loss": float(self.aux) / self.micro_batches}
+        load = (self.counts / self.tokens).tolist()
+        for i, layer in enumerate(load):
+            out.update({f"moe/layer{i}/expert{e}": f for e, f in enumerate(layer)})
+        return out
 
 
 class Meter:

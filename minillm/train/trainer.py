@@ -32,6 +32,7 @@ from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora
+from minillm.model.moe import router_stats
 from minillm.runtime.device import (
     StopSignal,
     autocast_context,
@@ -43,7 +44,7 @@ from minillm.runtime.progress import format_duration
 from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.train.distributed import all_reduce_sum, barrier
 from minillm.train.ema import WeightEMA
-from minillm.train.monitor import Meter, Monitor, open_monitor
+from minillm.train.monitor import ExpertLoad, Meter, Monitor, open_monitor
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.parallel import no_sync, release_groups, wrap_model
 from minillm.train.prefetch import Prefetcher
@@ -108,6 +109,9 @@ class Trainer:
         self.scaler = make_grad_scaler(self.device, self.precision)
         self.autocast = autocast_context(self.device, self.precision)
 
+        # A mixture of experts: its routing (logged) and its load-balancing loss (moe_aux_loss).
+        n_experts = self.cfg.model.n_experts
+        self.expert_load = ExpertLoad(n_experts) if n_experts else None
         self.state = TrainState(self.model, self.optimizer, self.scaler, self.ema)
         self.last_eval: dict[str, float] = {}
         if run.resume_from is not None:
@@ -140,6 +144,7 @@ class Trainer:
         ).item()
         # DDP/FSDP average gradients over ranks; multiplying by world size undoes that.
         scale = self.dist.world_size / max(n_tokens, 1.0)
+        inputs = sum(m.tokens.numel() for m in micro)  # this rank's
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         for i, m in enumerate(micro):
             m = m.to(self.device, non_blocking=True)  # asynchronous from pinned memory (CUDA)
@@ -149,6 +154,12 @@ class Trainer:
                         m.tokens, m.targets, doc_ids=m.doc_ids, reduction="sum"
                     )
                 loss = loss_sum * scale
+                if self.expert_load is not None:
+                    # The load-balancing loss of each micro-batch, weighted by its share of the
+                    # inputs: the step's loss gets their mean (DDP then averages over ranks).
+                    aux = self.expert_load.add(router_stats(self.model))
+                    if tc.moe_aux_loss:
+                        loss = loss + tc.moe_aux_loss * m.tokens.numel() / inputs * aux
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss_sum.detach().double()
         loss_mean = all_reduce_sum(total) / max(n_tokens, 1.0)
@@ -301,6 +312,9 @@ class Trainer:
             monitor.scalars(meter.scalars(loss, result.lr, grad_norm, self.state.skipped_steps),
                             self.state.step)  # fmt: skip
             shown = meter.stats(loss, result.lr)
+            if self.expert_load is not None:
+                monitor.scalars(self.expert_load.scalars(), self.state.step)
+                self.expert_load.reset()
         monitor.step(self.state.step, shown, log)
         if log:
             meter.reset()

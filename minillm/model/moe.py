@@ -1,0 +1,143 @@
+"""The mixture-of-experts FFN (`model.n_experts` > 0): SwiGLU experts routed per token, as Mixtral.
+
+Offers `MoE`, `route`, `moe_reference`, `moe_dispatch`, `RouterStats`, `router_stats(model)`
+and `load_balancing_loss(stats, n_experts)`.
+
+A linear router scores the E experts of each token; softmax over experts, the top k kept, their
+weights renormalised to sum to 1 (Mixtral; HF's `MixtralSparseMoeBlock`); the output is the
+weighted sum of those k experts' SwiGLU outputs. Dropless: every token reaches its k experts,
+however many tokens pick the same one (no capacity factor). `moe_reference` computes it plainly
+(every expert on every token, zero weights on the others); `moe_dispatch`, which the module
+runs, sorts the (token, expert) pairs by expert and makes one pair of matmuls per expert, so
+each token costs k experts, not E (tests/test_moe.py pins the two together).
+
+Shape legend: N tokens (B*T), C model dim, E experts, k experts per token, F expert hidden dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minillm.config import ModelConfig
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused projection [gate, up] (..., 2F) -> (..., F)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def route(
+    x: torch.Tensor, router: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router probabilities (N, E) in float32, and each token's k experts (N, k) with their
+    weights (N, k), renormalised over the k, for tokens x (N, C) and router weight (E, C)."""
+    probs = F.linear(x, router).float().softmax(dim=-1)  # (N, E)
+    weights, experts = probs.topk(k, dim=-1)  # (N, k) each, the most likely first
+    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def moe_reference(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> torch.Tensor:
+    """sum_e gate_e(x) * expert_e(x) over all E experts, gate_e zero unless e is chosen: the
+    definition, at E/k times the cost. x (N, C), weights/experts (N, k), w_gate_up (E, 2F, C),
+    w_down (E, C, F) -> (N, C)."""
+    gates = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=weights.dtype, device=x.device)
+    gates = gates.scatter(1, experts, weights)  # (N, E)
+    y = torch.zeros_like(x)
+    for e in range(w_gate_up.shape[0]):
+        out = F.linear(swiglu(F.linear(x, w_gate_up[e])), w_down[e])  # (N, C)
+        y = y + (out * gates[:, e, None]).to(x.dtype)
+    return y
+
+
+def moe_dispatch(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+) -> torch.Tensor:
+    """`moe_reference`'s function, computing each token's k experts only: the N*k (token,
+    expert) pairs sorted by expert, one pair of matmuls per expert on its contiguous rows."""
+    N, k = experts.shape
+    E = w_gate_up.shape[0]
+    flat = experts.flatten()  # (N*k,) the expert of each (token, slot)
+    order = flat.argsort(stable=True)  # the pairs grouped by expert
+    token = order // k  # (N*k,) the token of each sorted pair
+    # The group sizes go to the host (one sync per layer) to split the rows. Every expert runs,
+    # an empty one on 0 rows: its weights are then in the graph with a zero gradient, which DDP
+    # needs (a parameter without a gradient would stall its all-reduce).
+    counts = torch.bincount(flat, minlength=E).tolist()
+    rows = x[token].split(counts)  # E tensors (n_e, C)
+    outs = [
+        F.linear(activation(F.linear(xe, w_gate_up[e])), w_down[e]) for e, xe in enumerate(rows)
+    ]
+    ys = torch.cat(outs) * weights.flatten()[order, None]  # (N*k, C), weighted in float32
+    return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))  # each token's k summed
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's routing in the last forward: the load-balancing loss's ingredients."""
+
+    prob_sum: torch.Tensor  # (E,) sum over tokens of the router probabilities (differentiable)
+    counts: torch.Tensor  # (E,) float: how many tokens chose each expert (among their k)
+    tokens: int  # N
+
+
+class MoE(nn.Module):
+    """Router, softmax, top-k renormalised, and E SwiGLU experts stacked in 3-D weights.
+
+    The stacked weights are Hugging Face's `MixtralExperts` layout: w_gate_up[e] is
+    [w1; w3] (gate; up) of expert e, w_down[e] its w2; the router is HF's
+    `block_sparse_moe.gate`. `stats` holds the last forward's `RouterStats`, for the trainer's
+    load-balancing loss and the expert-load scalars.
+    """
+
+    activation = staticmethod(swiglu)  # kernels_cpu swaps in a fused one
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, C = cfg.n_experts, cfg.d_model
+        self.k, self.hidden = cfg.n_experts_per_token, cfg.moe_ffn_hidden
+        self.router = nn.Linear(C, E, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * self.hidden, C))
+        self.w_down = nn.Parameter(torch.empty(E, C, self.hidden))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.stats: RouterStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, C), N = B*T
+        probs, weights, experts = route(flat, self.router.weight, self.k)
+        counts = torch.bincount(experts.flatten(), minlength=probs.shape[1]).float()
+        self.stats = RouterStats(probs.sum(dim=0), counts, flat.shape[0])
+        y = moe_dispatch(flat, weights, experts, self.w_gate_up, self.w_down, self.activation)
+        return self.drop(y.view(x.shape))
+
+
+def router_stats(model: nn.Module) -> list[RouterStats]:
+    """The `RouterStats` of each MoE layer of `model` (a Transformer) from its last forward."""
+    return [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
+
+
+def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
+    """Switch/Mixtral load balancing, HF's `load_balancing_loss_func` exactly: E * sum_e f_e P_e
+    with f_e the mean over layers and tokens of 1[e among the token's k] (sums to k) and P_e the
+    mean router probability of e (sums to 1), both pooled over the layers. Its minimum, where
+    every expert gets as many tokens and as much probability, is k (1 for Switch's top-1)."""
+    total = sum(s.tokens for s in stats)
+    f = torch.stack([s.counts for s in stats]).sum(0) / total  # (E,)
+    p = torch.stack([s.prob_sum for s in stats]).sum(0) / total  # (E,)
+    return n_experts * (f * p).sum()

@@ -1,0 +1,272 @@
+"""The mixture-of-experts FFN (model.n_experts): against Hugging Face's MixtralForCausalLM, its
+plain reference, the decoder, the load-balancing loss, training and the config's errors."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from minillm.cli import app
+from minillm.config import ModelConfig
+from minillm.model import KVCache, Transformer, use_cpu_kernels
+from minillm.model.decode import Decoder
+from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from minillm.model.moe import (
+    RouterStats,
+    load_balancing_loss,
+    moe_dispatch,
+    moe_reference,
+    route,
+    router_stats,
+)
+from tests.helpers import error_line, make_trainer, prepared_config, run_trainer
+
+BASE = dict(vocab_size=101, d_model=64, n_layer=2, n_head=4, ffn_hidden=96, max_seq_len=64)
+CASES = {
+    "top1-mha-tied": dict(n_experts=4, n_experts_per_token=1, n_kv_head=4),
+    "top2-gqa-untied": dict(n_experts=4, n_experts_per_token=2, n_kv_head=2, tie_embeddings=False),
+    "top2-mha-width": dict(n_experts=3, n_experts_per_token=2, moe_ffn_hidden=48),
+}
+
+
+def make_pair(**kw) -> tuple[Transformer, transformers.MixtralForCausalLM, ModelConfig]:
+    """A tiny HF Mixtral with random weights and our Transformer holding the same weights."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**BASE, **kw})
+    hf_cfg = hf_config_dict(cfg, bos_id=0, eos_id=0, router_aux_loss_coef=0.02)
+    assert hf_cfg.pop("architectures") == ["MixtralForCausalLM"]
+    for key in ("model_type", "torch_dtype"):
+        hf_cfg.pop(key)
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**hf_cfg)).eval()
+    with torch.no_grad():  # HF initialises norms to 1 and experts to 0.02: make them informative
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "gate" in name and "experts" not in name:
+                p.normal_(0.0, 0.5)  # a router with clear preferences: no near-ties in top-k
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
+    return ours, hf, cfg
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_gradients_match_hf_mixtral(case: str) -> None:
+    ours, hf, cfg = make_pair(**CASES[case])
+    idx = torch.randint(0, cfg.vocab_size, (3, 40))
+    probe = torch.randn(3, 40, cfg.vocab_size)
+    out = hf(idx, output_router_logits=True)
+    got, _ = ours(idx)
+    torch.testing.assert_close(got, out.logits, atol=1e-5, rtol=0)
+    aux = load_balancing_loss(router_stats(ours), cfg.n_experts)
+    torch.testing.assert_close(aux, out.aux_loss, atol=1e-6, rtol=0)
+    # A loss that weighs every logit, plus the load-balancing loss (the router's own gradient).
+    ((out.logits * probe).sum() + out.aux_loss).backward()
+    ((got * probe).sum() + aux).backward()
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    if cfg.tie_embeddings:
+        hf_grads.pop("lm_head.weight", None)
+    want = from_hf_state_dict(hf_grads, cfg)
+    for name, p in ours.named_parameters():
+        scale = want[name].abs().max().item()
+        torch.testing.assert_close(p.grad, want[name], atol=1e-5 * max(1.0, scale), rtol=0)
+
+
+def test_hf_names_round_trip_through_the_published_mixtral_layout() -> None:
+    ours, hf, cfg = make_pair(**CASES["top2-gqa-untied"])
+    theirs = to_hf_state_dict(ours.state_dict(), cfg)
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in theirs
+    assert theirs["model.layers.0.block_sparse_moe.gate.weight"].shape == (4, 64)
+    back = from_hf_state_dict(theirs, cfg)
+    assert back.keys() == ours.state_dict().keys()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(back[name], value), name
+
+
+def test_dispatch_equals_the_plain_reference_forward_and_gradients() -> None:
+    torch.manual_seed(1)
+    N, C, E, F, k = 50, 16, 6, 24, 2
+    x, router = torch.randn(N, C), torch.randn(E, C)
+    x[:5] = x[5]  # identical tokens
+    x[:, 0], router[E - 1] = 5.0, 0.0
+    router[E - 1, 0] = -20.0  # an expert no token picks
+    w_gate_up, w_down = torch.randn(E, 2 * F, C) * 0.2, torch.randn(E, C, F) * 0.2
+    leaves = tuple(t.requires_grad_() for t in (x, router, w_gate_up, w_down))
+    probe = torch.randn(N, C)
+    results = []
+    for fn in (moe_reference, moe_dispatch):
+        _, weights, experts = route(x, router, k)
+        y = fn(x, weights, experts, w_gate_up, w_down)
+        grads = torch.autograd.grad((y * probe).sum(), leaves)
+        results.append((y, grads))
+    assert not (experts == E - 1).any()  # the unused expert: a zero gradient, not None
+    (y_ref, g_ref), (y_fast, g_fast) = results
+    torch.testing.assert_close(y_fast, y_ref, atol=1e-5, rtol=0)
+    for a, b in zip(g_fast, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert g_fast[2][E - 1].abs().max() == 0 and g_ref[1].abs().max() > 0
+
+
+def test_each_token_gets_its_top_k_renormalised() -> None:
+    probs, weights, experts = route(torch.eye(4), torch.tensor([[0.0, 0, 0, 0], [0, 0, 3, 0]]), 1)
+    assert experts[:, 0].tolist() == [0, 0, 1, 0] and torch.equal(weights, torch.ones(4, 1))
+    x = torch.randn(7, 8)
+    probs, weights, experts = route(x, torch.randn(5, 8), 3)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(7))
+    top = probs.gather(1, experts)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_balanced_router_gives_the_minimum_load_balancing_loss_k(k: int) -> None:
+    # Uniform probabilities and every expert chosen equally often: E * sum_e (k/E)(1/E) = k.
+    E, N = 4, 8
+    stats = [RouterStats(torch.full((E,), N / E), torch.full((E,), N * k / E), N)] * 3
+    assert load_balancing_loss(stats, E).item() == pytest.approx(k, abs=1e-12)
+    # All tokens on one expert, all probability on it: E * k, the maximum.
+    skewed = RouterStats(torch.tensor([N, 0.0, 0, 0]), torch.tensor([N * k, 0.0, 0, 0]), N)
+    assert load_balancing_loss([skewed], E).item() == pytest.approx(E * k)
+    # A real router: the loss never goes below k.
+    ours, _, cfg = make_pair(**CASES["top2-gqa-untied"])
+    ours(torch.randint(0, cfg.vocab_size, (2, 30)))
+    assert load_balancing_loss(router_stats(ours), cfg.n_experts).item() >= 2.0 - 1e-6
+
+
+@pytest.mark.parametrize("case", ["top1-mha-tied", "top2-gqa-untied"])
+def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
+    ours, _, cfg = make_pair(**CASES[case])
+    idx = torch.randint(1, cfg.vocab_size, (3, 9))
+    nxt = torch.randint(1, cfg.vocab_size, (3, 8))
+    with torch.inference_mode():
+        full, _ = ours(torch.cat([idx, nxt], dim=1))
+        ref_cache, cache = KVCache(cfg, 3, 17), KVCache(cfg, 3, 17)
+        for r in range(3):
+            ours(idx[r : r + 1], kv_cache=ref_cache.rows(r, r + 1))
+            ours(idx[r : r + 1], kv_cache=cache.rows(r, r + 1))
+        decoder = Decoder(ours, cache)
+        for t in range(8):
+            ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
+            got = decoder.step(nxt[:, t])
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got, full[:, 9 + t], atol=1e-5, rtol=0)
+
+
+def test_cpu_kernels_train_an_moe_as_the_plain_modules_do() -> None:
+    ours, _, cfg = make_pair(**CASES["top2-gqa-untied"])
+    fused = use_cpu_kernels(Transformer(cfg))
+    fused.load_state_dict(ours.state_dict())
+    assert type(fused.blocks[0].ffn).__name__ == "FusedMoE"
+    idx = torch.randint(0, cfg.vocab_size, (2, 24))
+    targets = torch.randint(0, cfg.vocab_size, (2, 24))
+    for model in (ours.train(), fused.train()):
+        _, loss = model(idx, targets)
+        (loss + load_balancing_loss(router_stats(model), cfg.n_experts)).backward()
+    for (name, a), b in zip(ours.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_param_counts_flops_and_residual_init() -> None:
+    cfg = ModelConfig(**BASE, n_experts=4, n_experts_per_token=2)
+    model = Transformer(cfg)
+    C, F, E, L = 64, 96, 4, 2
+    expert = 3 * C * F
+    assert cfg.moe_ffn_hidden == F
+    assert model.param_count() - model.active_param_count() == L * (E - 2) * expert
+    dense_part = model.param_count() - L * (E * expert + E * C)
+    assert model.active_param_count() == dense_part + L * (2 * expert + E * C)
+    matmul = model.active_param_count() - (2 * L + 1) * C  # less the norm gains; the tied head
+    assert model.flops_per_token(32) == 6 * matmul + 12 * L * C * 32
+    downs = model.residual_projections()
+    assert downs[1] is model.blocks[0].ffn.w_down and downs[1].dim() == 3
+    assert downs[1].std().item() == pytest.approx(0.02 / 2, rel=0.1)
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "sets,expected",
+    [
+        (
+            ["model.n_experts=4", "model.n_experts_per_token=5"],
+            "model.n_experts_per_token: 5 is more than n_experts=4",
+        ),
+        (["model.n_experts=1"], "model.n_experts: 1 expert is the dense FFN behind a router"),
+        (["train.moe_aux_loss=0.01"], "train.moe_aux_loss: 0.01 needs a mixture of experts"),
+    ],
+)
+def test_config_errors_are_one_line(tmp_path: Path, sets: list[str], expected: str) -> None:
+    path = tmp_path / "moe.yaml"
+    path.write_text("model: {d_model: 64, n_layer: 2, n_head: 4}\n")
+    args = ["info", str(path)] + [a for s in sets for a in ("--set", s)]
+    line = error_line(runner.invoke(app, args))
+    assert line.startswith(f"error: --set: {expected}") or line.startswith(
+        f"error: {path}: {expected}"
+    ), line
+
+
+# ------------------------------------------------------------------ training
+
+MOE = dict(n_experts=4, n_experts_per_token=2)
+
+
+def test_training_adds_the_aux_loss_and_logs_the_expert_load(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = prepared_config(
+        tmp_path, model=MOE, train=dict(moe_aux_loss=0.05, max_steps=4, log_every=2)
+    )
+    trainer = run_trainer(cfg)
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    aux = [e.value for e in acc.Scalars("moe/aux_loss")]
+    assert len(aux) == 2 and all(a >= 2.0 - 1e-4 for a in aux)  # k = 2 at best
+    for layer in range(cfg.model.n_layer):
+        load = [acc.Scalars(f"moe/layer{layer}/expert{e}")[-1].value for e in range(4)]
+        assert sum(load) == pytest.approx(2.0)  # each token counted at its k = 2 experts
+    assert trainer.expert_load.micro_batches == 0  # reset at the log
+
+
+def _grads(cfg, micro: list) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """The gradients of one train_step on `micro`, taken before the clip and step."""
+    trainer = make_trainer(cfg, verbose=False, batches=lambda step: micro)
+    grads = {}
+
+    def capture(loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return torch.zeros(()), True
+
+    trainer._clip_and_step = capture
+    try:
+        trainer.train_step()
+    finally:
+        trainer.close()
+    return grads
+
+
+def test_the_aux_loss_gradient_and_its_accumulation(tmp_path: Path) -> None:
+    cfg = prepared_config(tmp_path, model=MOE, train=dict(moe_aux_loss=0.5, grad_clip=0.0))
+    trainer = make_trainer(cfg, verbose=False)
+    micro = trainer.batches(0)[:1]
+    trainer.close()
+    m = micro[0]
+    with_aux = _grads(cfg, [m])
+    twice = _grads(replace(cfg, train=replace(cfg.train, grad_accum=2)), [m, m])
+    for name, g in with_aux.items():  # two equal micro-batches: the gradient of one
+        torch.testing.assert_close(twice[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    without = _grads(replace(cfg, train=replace(cfg.train, moe_aux_loss=0.0)), [m])
+    # The aux loss reaches the routers only (and what feeds them): the experts' gradients agree.
+    assert torch.equal(without["blocks.1.ffn.w_down"], with_aux["blocks.1.ffn.w_down"])
+    router = "blocks.1.ffn.router.weight"
+    assert not torch.allclose(without[router], with_aux[router], atol=1e-6)
+    # ... by exactly coef * d(aux)/d(router): the loss of the same forward, differentiated alone.
+    model = Transformer(cfg.model)
+    model.load_state_dict(trainer.model.state_dict())
+    model(m.tokens)
+    aux = load_balancing_loss(router_stats(model), 4)
+    (grad,) = torch.autograd.grad(aux, model.blocks[1].ffn.router.weight)
+    torch.testing.assert_close(with_aux[router] - without[router], 0.5 * grad, atol=1e-6, rtol=1e-4)
