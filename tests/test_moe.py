@@ -270,3 +270,17 @@ def test_the_aux_loss_gradient_and_its_accumulation(tmp_path: Path) -> None:
     aux = load_balancing_loss(router_stats(model), 4)
     (grad,) = torch.autograd.grad(aux, model.blocks[1].ffn.router.weight)
     torch.testing.assert_close(with_aux[router] - without[router], 0.5 * grad, atol=1e-6, rtol=1e-4)
+
+
+def test_lora_on_the_experts_is_refused_attention_adapters_are_not(tmp_path: Path) -> None:
+    from minillm.config import ConfigError, config_from_dict
+
+    raw = dict(
+        model={**BASE, **MOE, "vocab_size": 300},
+        data=dict(vocab_size=300),
+        train=dict(init_from=str(tmp_path), seq_len=32, lora=dict(rank=4)),
+    )
+    with pytest.raises(ConfigError, match="train.lora.targets: w_gate_up, w_down on a mixture"):
+        config_from_dict(raw)
+    raw["train"]["lora"]["targets"] = ["wqkv", "wo"]
+    assert config_from_dict(raw).train.lora.targets == ["wqkv", "wo"]

@@ -505,6 +505,14 @@ class Config:
                 f"{self.train.moe_aux_loss} needs a mixture of experts (model.n_experts >= 2): "
                 "the dense model has no router to balance",
             )
+        ffn_targets = [t for t in self.train.lora.targets if t in ("w_gate_up", "w_down")]
+        if self.model.n_experts and self.train.lora.rank and ffn_targets:
+            raise ConfigError(
+                "train.lora.targets",
+                f"{', '.join(ffn_targets)} on a mixture of experts (model.n_experts): its experts "
+                "are stacked weights, not linear layers, and get no adapters; use targets: "
+                "[wqkv, wo]",
+            )
 
 
 SECTIONS: dict[str, type] = {
