@@ -24,11 +24,15 @@ def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
     the SwiGLU gate/up/product, residuals. Roughly 10 C + 3 K D + 4 F values; plus the logits and
     their gradient in fp32. With activation checkpointing only each block's input (fp32, the
     residual stream) is kept, and one block's activations live at a time during the recompute.
-    An estimate, good to about 20%.
+    A mixture of experts keeps 4 F for each of the k experts a token goes through and its k
+    gathered inputs and weighted outputs (3 k C). An estimate, good to about 20%.
     """
     m, t = cfg.model, cfg.train
     act = 2 if half else 4
     per_token_layer = 10 * m.d_model + 3 * m.n_kv_head * m.head_dim + 4 * m.ffn_hidden
+    if m.n_experts:
+        k = m.n_experts_per_token
+        per_token_layer += 4 * (k * m.moe_ffn_hidden - m.ffn_hidden) + 3 * k * m.d_model
     blocks = (m.n_layer * 4 * m.d_model + per_token_layer * act) if checkpointing else (
         m.n_layer * per_token_layer * act
     )  # fmt: skip
@@ -74,6 +78,11 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
     return {
         "params": params,
         "params_non_embedding": model.param_count(non_embedding=True),
+        # A mixture of experts: the parameters one token uses (its k experts of E); FLOPs too.
+        "params_active": model.active_param_count(),
+        "n_experts": m.n_experts,
+        "n_experts_per_token": m.n_experts_per_token if m.n_experts else 0,
+        "moe_ffn_hidden": m.moe_ffn_hidden,
         "flops_per_token": flops_token,
         "flops_per_step": flops_token * global_batch * t.seq_len,
         "tokens_per_step": global_batch * t.seq_len,
@@ -112,13 +121,26 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
     table.add_column("value", justify="right")
     table.add_row("parameters", f"{info['params']:,} ({_human(info['params'])})")
     table.add_row("parameters without embeddings", f"{info['params_non_embedding']:,}")
+    if info["n_experts"]:
+        table.add_row(
+            "active parameters per token",
+            f"{info['params_active']:,} ({_human(info['params_active'])}: "
+            f"{info['n_experts_per_token']} of {info['n_experts']} experts)",
+        )
     shape = (
         f"d_model {info['d_model']}, {info['n_layer']} layers, {info['n_head']} heads "
         f"({info['n_kv_head']} kv), head dim {info['head_dim']}, ffn {info['ffn_hidden']}, "
         f"vocab {info['vocab_size']}"
     )
+    if info["n_experts"]:
+        shape = shape.replace(
+            f"ffn {info['ffn_hidden']}",
+            f"{info['n_experts']} experts of ffn {info['moe_ffn_hidden']}, "
+            f"top-{info['n_experts_per_token']}",
+        )
     table.add_row("shape", shape)
-    table.add_row("FLOPs per token (train)", _human(info["flops_per_token"]))
+    flops = "FLOPs per token (train" + (", active parameters)" if info["n_experts"] else ")")
+    table.add_row(flops, _human(info["flops_per_token"]))
     table.add_row(
         "tokens per step",
         f"{info['tokens_per_step']:,} (batch x accum x world = {info['global_batch']} seqs "

@@ -284,3 +284,72 @@ def test_lora_on_the_experts_is_refused_attention_adapters_are_not(tmp_path: Pat
         config_from_dict(raw)
     raw["train"]["lora"]["targets"] = ["wqkv", "wo"]
     assert config_from_dict(raw).train.lora.targets == ["wqkv", "wo"]
+
+
+# ------------------------------------------------------------------ info
+
+MIXTRAL_8X7B = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    sliding_window=None, model_type="mixtral", architectures=["MixtralForCausalLM"],
+)  # fmt: skip
+
+
+def test_info_counts_mixtral_8x7b_as_transformers_does(tmp_path: Path) -> None:
+    from minillm.config import Config
+    from minillm.info import model_info
+    from minillm.model.hf_names import model_config_from_hf
+
+    cfg = model_config_from_hf(MIXTRAL_8X7B)
+    hf_cfg = {k: v for k, v in MIXTRAL_8X7B.items() if k not in ("model_type", "architectures")}
+    with torch.device("meta"):
+        hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**hf_cfg))
+    hf_params = sum(p.numel() for p in hf.parameters())
+    info = model_info(Config(model=cfg))
+    assert info["params"] == hf_params == 46_702_792_704
+    expert = 3 * 4096 * 14336
+    assert info["params_active"] == hf_params - 32 * 6 * expert == 12_879_925_248
+    # 6 FLOPs per active matmul weight: the embedding is a lookup, the untied head a matmul.
+    matmul = info["params_active"] - 32000 * 4096 - (2 * 32 + 1) * 4096
+    assert info["flops_per_token"] == 6 * matmul + 12 * 32 * 4096 * info["seq_len"]
+
+
+def test_info_cli_shows_total_and_active_parameters(tmp_path: Path) -> None:
+    path = tmp_path / "moe.yaml"
+    path.write_text(
+        "model: {d_model: 64, n_layer: 2, n_head: 4, n_experts: 8, n_experts_per_token: 2}\n"
+    )
+    result = runner.invoke(app, ["info", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "active parameters per token" in result.output
+    assert "2 of 8 experts" in result.output and "8 experts of ffn 256, top-2" in result.output
+
+
+# ------------------------------------------------------------------ resume, sample
+
+
+def test_an_moe_run_resumes_bitwise(tmp_path: Path) -> None:
+    from tests.helpers import weights
+
+    cfg = prepared_config(
+        tmp_path, model={**MOE, "dropout": 0.1}, train=dict(moe_aux_loss=0.02, grad_accum=2)
+    )
+    straight = run_trainer(cfg)
+    split_cfg = replace(cfg, train=replace(cfg.train, out_dir=str(tmp_path / "split")))
+    assert run_trainer(split_cfg, stop_at=3).state.step == 3  # saves at step 3
+    second = run_trainer(split_cfg)
+    assert second.state.step == 8
+    a, b = weights(straight), weights(second)
+    assert "blocks.0.ffn.w_gate_up" in a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_sample_cli_decodes_an_moe_run(tmp_path: Path) -> None:
+    cfg = prepared_config(tmp_path, model=MOE, train=dict(max_steps=2, ckpt_every=2))
+    run_trainer(cfg)
+    args = ["sample", "--ckpt", cfg.train.out_dir, "--prompt", "ROMEO:", "--max-new-tokens", "8"]
+    greedy = [runner.invoke(app, [*args, "--temperature", "0"]) for _ in range(2)]
+    assert greedy[0].exit_code == 0, greedy[0].output
+    assert greedy[0].stdout.startswith("ROMEO:") and greedy[0].stdout == greedy[1].stdout
