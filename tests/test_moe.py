@@ -3,6 +3,8 @@ plain reference, the decoder, the load-balancing loss, training and the config's
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
@@ -353,3 +355,124 @@ def test_sample_cli_decodes_an_moe_run(tmp_path: Path) -> None:
     greedy = [runner.invoke(app, [*args, "--temperature", "0"]) for _ in range(2)]
     assert greedy[0].exit_code == 0, greedy[0].output
     assert greedy[0].stdout.startswith("ROMEO:") and greedy[0].stdout == greedy[1].stdout
+
+
+# ------------------------------------------------------------------ export: HF, init_from, GGUF
+
+# An awkward MoE: GQA, untied head, 5 experts of their own width, top-2, an aux loss.
+EXPORT_MODEL = dict(
+    n_experts=5, n_experts_per_token=2, n_kv_head=2, tie_embeddings=False, moe_ffn_hidden=64
+)
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory: pytest.TempPathFactory):
+    from minillm.checkpoint.store import load_checkpoint
+    from tests.helpers import make_run
+
+    root = tmp_path_factory.mktemp("moe-export")
+    run_dir, cfg, net = make_run(root, model=EXPORT_MODEL, train=dict(moe_aux_loss=0.02))
+    return root, run_dir, load_checkpoint(run_dir)
+
+
+def test_hf_export_is_a_mixtral_transformers_runs_with_our_logits(moe_run) -> None:
+    import json
+
+    root, run_dir, loaded = moe_run
+    out = root / "hf"
+    result = runner.invoke(app, ["export", "--ckpt", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["architectures"] == ["MixtralForCausalLM"] and hf_cfg["model_type"] == "mixtral"
+    assert (hf_cfg["num_local_experts"], hf_cfg["num_experts_per_tok"]) == (5, 2)
+    assert hf_cfg["intermediate_size"] == 64 and hf_cfg["router_aux_loss_coef"] == 0.02
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    idx = torch.randint(0, loaded.config.model.vocab_size, (2, 40))
+    with torch.no_grad():
+        ours, _ = loaded.model(idx)
+        ref = hf(idx).logits
+    torch.testing.assert_close(ref, ours, atol=1e-5, rtol=0)
+
+
+def test_init_from_an_hf_mixtral_folder_starts_from_its_weights(moe_run, tmp_path: Path) -> None:
+    import yaml
+
+    from minillm.checkpoint.hf_folder import export_checkpoint
+    from minillm.checkpoint.init_from import load_run_config
+    from tests.helpers import write_shards
+
+    root, run_dir, loaded = moe_run
+    hf_dir = export_checkpoint(loaded, tmp_path / "hf")
+    vocab = loaded.config.data.vocab_size
+    raw = {
+        "data": dict(source=str(tmp_path / "corpus.jsonl"), vocab_size=vocab,
+                     tokenizer=str(hf_dir / "tokenizer.json"), out_dir=str(tmp_path / "tok")),
+        "train": dict(out_dir=str(tmp_path / "run2"), init_from=str(hf_dir), batch_size=2,
+                      seq_len=16, max_steps=1, device="cpu", precision="fp32"),
+    }  # fmt: skip
+    path = tmp_path / "init.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_run_config(path)  # no model section: the folder's config.json gives it
+    assert (cfg.model.n_experts, cfg.model.n_experts_per_token, cfg.model.moe_ffn_hidden) == (
+        5, 2, 64
+    )  # fmt: skip
+    write_shards(cfg, ["First document, long enough to train on. " * 20] * 6)
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        got = trainer.model.state_dict()
+        want = loaded.model.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        trainer.close()
+
+
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
+)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("dtype,bound", [("f32", 1e-4), ("q8_0", 6e-2)])
+def test_gguf_export_runs_in_llama_cpp_with_our_logits_and_greedy_tokens(
+    moe_run, dtype: str, bound: float
+) -> None:
+    import gguf
+    import numpy as np
+    from llama_cpp import Llama
+
+    from minillm.checkpoint.gguf_file import export_gguf
+    from minillm.data.tokenizer import eot_id
+    from minillm.infer.engine import SamplingParams, generate
+
+    root, run_dir, loaded = moe_run
+    path = export_gguf(loaded, root / f"moe-{dtype}.gguf", dtype)
+    reader = gguf.GGUFReader(path)
+    fields = {f.name: f.parts[-1][0] for f in reader.fields.values() if len(f.parts[-1]) == 1}
+    assert (fields["llama.expert_count"], fields["llama.expert_used_count"]) == (5, 2)
+    assert fields["llama.feed_forward_length"] == 64
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    assert shapes["blk.1.ffn_gate_inp.weight"] == (64, 5)  # ggml's order: (C, E)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == shapes["blk.1.ffn_up_exps.weight"] == (64, 64, 5)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (64, 64, 5)
+    assert not any(".ffn_gate.weight" in name for name in shapes)
+
+    text = "First Citizen:\nBefore we proceed any further, hear me speak."
+    ids = [eot_id(loaded.tokenizer), *loaded.tokenizer.encode(text).ids][:40]
+    kw = dict(n_ctx=64, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2, verbose=False)
+    llm = Llama(model_path=str(path), logits_all=True, type_k=0, type_v=0, **kw)
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids[1:]
+    llm.eval(ids)
+    theirs = np.asarray(llm.scores[: len(ids)])
+    with torch.no_grad():
+        ours = loaded.model(torch.tensor([ids]))[0][0].numpy()
+    rel = np.abs(theirs - ours).max() / (ours.max() - ours.min())
+    print(f"\nMoE {dtype}: max |diff| {rel:.2e} of the logit range")
+    assert rel <= bound
+    if dtype == "f32":
+        n = loaded.config.model.max_seq_len - 20
+        want = generate(loaded.model, [ids[:20]], SamplingParams.greedy(n))[0]
+        llm = Llama(model_path=str(path), type_k=0, type_v=0, **kw)
+        got = list(itertools.islice(llm.generate(ids[:20], temp=0.0, repeat_penalty=1.0), n))
+        assert got == want

@@ -172,7 +172,9 @@ def gguf_tensors(
     Norms stay f32 (llama.cpp adds them to f32 activations). f16 and q8_0 apply to the 2-D
     weights; a q8_0 weight whose rows are not a multiple of 32 long is written f16 instead, as
     llama.cpp's converter falls back. A tied head writes no `output.weight`: llama.cpp then uses
-    the token embedding, as our model does.
+    the token embedding, as our model does. A mixture of experts' router is `ffn_gate_inp`
+    (E, C), kept f32 as llama.cpp's converter keeps it, and its experts the stacks
+    `ffn_gate_exps`, `ffn_up_exps` (E, F, C) and `ffn_down_exps` (E, C, F).
     """
     import gguf
     from gguf.quants import quantize
@@ -181,8 +183,10 @@ def gguf_tensors(
 
     qtypes = gguf.GGMLQuantizationType
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.n_layer)
-    out = []
+    named: list[tuple[str, torch.Tensor]] = []
     for hf_name, w in to_hf_state_dict(state, cfg).items():
+        if ".block_sparse_moe." in hf_name:  # llama.cpp stacks the experts: written below
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight",))
         if name is None:  # a name gguf does not know would be a bug in the mapping
             raise RuntimeError(f"gguf has no llama tensor for {hf_name}")
@@ -190,8 +194,20 @@ def gguf_tensors(
             w = rope_pairs_permute(w, cfg.n_head)
         elif hf_name.endswith("k_proj.weight"):
             w = rope_pairs_permute(w, cfg.n_kv_head)
+        named.append((name, w))
+    for i in range(cfg.n_layer if cfg.n_experts else 0):
+        gate, up = state[f"blocks.{i}.ffn.w_gate_up"].chunk(2, dim=1)  # (E, F, C) each
+        for tensor, w in (
+            (gguf.MODEL_TENSOR.FFN_GATE_INP, state[f"blocks.{i}.ffn.router.weight"]),
+            (gguf.MODEL_TENSOR.FFN_GATE_EXP, gate),
+            (gguf.MODEL_TENSOR.FFN_UP_EXP, up),
+            (gguf.MODEL_TENSOR.FFN_DOWN_EXP, state[f"blocks.{i}.ffn.w_down"]),
+        ):
+            named.append((gguf.TENSOR_NAMES[tensor].format(bid=i) + ".weight", w))
+    out = []
+    for name, w in named:
         data = w.detach().float().cpu().contiguous().numpy()
-        if data.ndim == 1 or dtype == "f32":
+        if data.ndim == 1 or dtype == "f32" or name.endswith("ffn_gate_inp.weight"):
             out.append((name, data, qtypes.F32))
         elif dtype == "q8_0" and data.shape[-1] % Q8_0_BLOCK == 0:
             out.append((name, quantize(data, qtypes.Q8_0), qtypes.Q8_0))
@@ -283,7 +299,10 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_context_length(m.max_seq_len)
         w.add_embedding_length(m.d_model)
         w.add_block_count(m.n_layer)
-        w.add_feed_forward_length(m.ffn_hidden)
+        w.add_feed_forward_length(m.moe_ffn_hidden if m.n_experts else m.ffn_hidden)
+        if m.n_experts:  # llama.cpp's llama with experts: softmax, top-k, renormalised (Mixtral)
+            w.add_expert_count(m.n_experts)
+            w.add_expert_used_count(m.n_experts_per_token)
         w.add_head_count(m.n_head)
         w.add_head_count_kv(m.n_kv_head)
         w.add_key_length(m.head_dim)

@@ -12,9 +12,11 @@ tokenizer_config.json, special_tokens_map.json and generation_config.json; it lo
 tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids)
 and generation stops at `<|end|>` as well as at end-of-text.
 
-A folder is read only where minillm computes what transformers would: a LlamaForCausalLM without
-RoPE scaling or biases (hf_names says which key is not), and a byte-level BPE tokenizer with
-`<|endoftext|>`; anything else is one CheckpointError or ConfigError naming the file and the key.
+A model with `model.n_experts` is written as a MixtralForCausalLM. A folder is read only where
+minillm computes what transformers would: a LlamaForCausalLM or MixtralForCausalLM (without
+sliding-window attention) without RoPE scaling or biases (hf_names says which key is not), and a
+byte-level BPE tokenizer with `<|endoftext|>`; anything else is one CheckpointError or
+ConfigError naming the file and the key.
 """
 
 from __future__ import annotations
@@ -174,7 +176,9 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         tensors = to_hf_state_dict(state, cfg.model)
         save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         files: dict[str, Any] = {
-            CONFIG_FILE: hf_config_dict(cfg.model, bos_id=eot, eos_id=eot),
+            CONFIG_FILE: hf_config_dict(
+                cfg.model, bos_id=eot, eos_id=eot, router_aux_loss_coef=cfg.train.moe_aux_loss
+            ),
             "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len, specials),
             "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
             "generation_config.json": generation_config(cfg.sample, eot, specials.get(END)),
