@@ -29,6 +29,10 @@ def tokenize(
     from minillm.data.tokenize_pass import write_shards
 
     cfg = load_config(config, set_, require_model=False)  # tokenize reads the data section only
+    if cfg.train.objective != "lm":  # dpo, grpo read their jsonl at the start of training
+        print(f"nothing to tokenize: train.objective {cfg.train.objective} reads "
+              f"{cfg.data.source} itself; run `minillm train {config}`")  # fmt: skip
+        return
     summary = run(write_shards, cfg, retrain=retrain)
     print_summary(summary)
 
@@ -54,7 +58,7 @@ def train(
         print_error("--force: only with --no-resume (it deletes the run's checkpoints)")
         raise typer.Exit(2)
     cfg = load_config(config, set_)
-    summary = run(run_training, cfg, resume=resume, force=force)
+    summary = run(run_training, cfg, resume=resume, force=force, config_dir=config.parent)
     if summary.get("interrupted"):
         raise typer.Exit(130)
 

@@ -1,6 +1,7 @@
 """The config schema: four typed sections (model, data, train, sample) and their checks.
 
-Offers `ModelConfig`, `DataConfig`, `TrainConfig` (with `LoRAConfig`, its `lora` key),
+Offers `ModelConfig`, `DataConfig`, `TrainConfig` (with `LoRAConfig`, `DPOConfig` and
+`GRPOConfig`, its `lora`, `dpo` and `grpo` keys),
 `SampleConfig`, `Config`, `SECTIONS`, `LORA_TARGETS` and `DEVICE_PATTERN`. Each field's `help`
 metadata is its documentation (`scripts/gen_config_docs.py` turns it into docs/config.md);
 `__post_init__` checks name the key at fault.
@@ -283,6 +284,77 @@ class LoRAConfig(_Section):
             self._fail("targets", f"names a layer twice: {self.targets}")
 
 
+# What train.grpo.reward names besides a user's python:module:function (minillm.train.rewards).
+GRPO_REWARDS = ("exact", "number")
+
+
+@dataclass
+class DPOConfig(_Section):
+    """Direct preference optimisation (train.objective: dpo) on pairs of replies."""
+
+    _section: typing.ClassVar[str] = "train.dpo"
+
+    beta: float = _f(
+        0.1,
+        help="Strength of the pull towards the reference (train.init_from): the loss is "
+        "-log sigmoid(beta ((log pi - log ref)(chosen) - (log pi - log ref)(rejected))); larger "
+        "keeps the policy closer to the reference.",
+    )
+    sft_weight: float = _f(
+        0.0,
+        help="Weight of the chosen reply's cross-entropy (per token) added to the DPO loss "
+        "(TRL's rpo_alpha); 0 = plain DPO. 1 keeps the chosen replies likely where plain DPO "
+        'lowers both likelihoods (docs/training.md, "Preference tuning").',
+    )
+
+    def __post_init__(self) -> None:
+        self._positive("beta")
+        self._non_negative("sft_weight")
+
+
+@dataclass
+class GRPOConfig(_Section):
+    """Group relative policy optimisation (train.objective: grpo) against a checkable reward."""
+
+    _section: typing.ClassVar[str] = "train.grpo"
+
+    group_size: int = _f(
+        8,
+        help="Replies sampled per prompt; each reply's advantage is its reward against its "
+        "group's (mean, std). At least 2.",
+    )
+    max_new_tokens: int = _f(64, help="Longest reply sampled (it stops earlier at <|end|>).")
+    temperature: float = _f(1.0, help="Sampling temperature of the replies; > 0.")
+    clip: float = _f(0.2, help="Clip of the policy ratio, to [1 - clip, 1 + clip] (PPO's epsilon).")
+    kl: float = _f(
+        0.0,
+        help="Weight of the KL penalty to the reference (train.init_from; the k3 estimator, as "
+        "DeepSeekMath and TRL); 0 = none, and no reference is held.",
+    )
+    reward: str = _f(
+        "exact",
+        help="exact: 1 if the reply equals the prompt's answer (as `eval --task` exact match), "
+        "else 0; number: its last number equals the answer (as --extract-number); "
+        "python:module:function: a function (prompt_messages, reply_text, answer) -> float "
+        "from module.py in the config file's folder.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            self._fail("group_size", f"must be >= 2 (advantages compare a group), got "
+                       f"{self.group_size}")  # fmt: skip
+        self._positive("max_new_tokens", "temperature")
+        if not 0.0 < self.clip < 1.0:
+            self._fail("clip", f"must be in (0, 1), got {self.clip}")
+        self._non_negative("kl")
+        python = re.fullmatch(r"python:([\w.]+):(\w+)", self.reward)
+        if self.reward not in GRPO_REWARDS and python is None:
+            self._fail(
+                "reward",
+                f"{self.reward!r} is not exact, number or python:module:function",
+            )
+
+
 @dataclass
 class TrainConfig(_Section):
     """The optimisation loop, its precision and devices, evaluation and checkpoints."""
@@ -399,6 +471,24 @@ class TrainConfig(_Section):
             "rank 0 (the default) trains every weight."
         },
     )
+    objective: Literal["lm", "dpo", "grpo"] = _f(
+        "lm",
+        help="lm: next-token cross-entropy on the token shards. dpo: preference pairs "
+        "(data.source, jsonl) against the frozen train.init_from (train.dpo). grpo: replies "
+        "sampled to the prompts of data.source (exact-match task jsonl) and rewarded "
+        "(train.grpo). dpo and grpo need train.init_from and no `minillm tokenize`.",
+    )
+    dpo: DPOConfig = field(
+        default_factory=DPOConfig,
+        metadata={"help": "The DPO objective's settings: beta, sft_weight (below)."},
+    )
+    grpo: GRPOConfig = field(
+        default_factory=GRPOConfig,
+        metadata={
+            "help": "The GRPO objective's settings: group_size, max_new_tokens, temperature, "
+            "clip, kl, reward (below)."
+        },
+    )
     doc_mask: bool | None = _f(
         None,
         help="Keep attention inside each document of a packed window (RoPE positions restart "
@@ -456,6 +546,12 @@ class TrainConfig(_Section):
                 "rank",
                 f"{self.lora.rank} needs train.init_from (the model the adapters are trained "
                 "on); rank 0 trains every weight",
+            )
+        if self.objective != "lm" and not self.init_from:
+            self._fail(
+                "objective",
+                f"{self.objective} needs train.init_from (the policy's start and the frozen "
+                "reference), e.g. an SFT run",
             )
         if not DEVICE_PATTERN.fullmatch(self.device):
             self._fail("device", f"unknown device {self.device!r} (auto, cpu, cuda, cuda:N, mps)")

@@ -121,6 +121,15 @@ def check_data(
 
 # ------------------------------------------------------------------ the run
 
+_NO_TOKENS = np.zeros(0, dtype=np.uint16)  # the token splits of a run that reads none
+
+
+def init_from_tokenizer_sha(tokenizer_file: Path) -> str:
+    """The sha256 of the tokenizer of a run without shards (train.objective dpo, grpo)."""
+    if not Path(tokenizer_file).is_file():
+        raise ConfigError("data.tokenizer", f"{tokenizer_file}: tokenizer not found")
+    return tokenizer_sha256(tokenizer_file)
+
 
 @dataclass(frozen=True)
 class Run:
@@ -139,7 +148,7 @@ class Run:
     meta: dict[str, Any]  # the shards' meta.json
     train_tokens: np.ndarray
     val_tokens: np.ndarray
-    packing: Packing
+    packing: Packing | None  # None: an objective that reads its own data (dpo, grpo)
     init_weights: dict[str, torch.Tensor] | None  # init_from's weights; None: from the seed
     init_label: str | None  # where they came from: `runs/x (step_000400)`, or the HF folder
     resume_from: Path | None  # the checkpoint to continue from; None: a fresh start
@@ -147,6 +156,7 @@ class Run:
     lock: RunLock | None
     new_dirs: tuple[Path, ...] = ()  # folders prepare_run created, removed by a failed start
     lora_base: dict[str, str] | None = None  # train.lora: the base's identity (init_from.lora_base)
+    config_dir: Path | None = None  # the config file's folder (train.grpo.reward's python: module)
 
     @property
     def is_main(self) -> bool:
@@ -176,7 +186,13 @@ def _new_dirs(folder: Path) -> tuple[Path, ...]:
     return tuple(new)
 
 
-def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: bool = True) -> Run:
+def prepare_run(
+    cfg: Config,
+    resume: bool = True,
+    force: bool = False,
+    verbose: bool = True,
+    config_dir: Path | None = None,
+) -> Run:
     """Resolve a run from its config: device, precision and process group; the lock; init_from
     (once); batch_size: auto and its split; the shards, their packing and the tokenizer check;
     the checkpoint to resume from (one integrity check); the probes' task files.
@@ -217,13 +233,17 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
                     cfg.train, batch_size=batch_size, grad_accum=grad_accum
                 ),  # fmt: skip
             )
-            meta = load_meta(cfg.data.out_dir)
-            train_tokens = open_split(cfg.data.out_dir, "train")
-            val_tokens = open_split(cfg.data.out_dir, "val")
-            packing = Packing(cfg, meta, train_tokens, val_tokens)
-            if verbose and packing.note:
-                print(packing.note)
-            sha = check_data(cfg, meta, tokenizer_file, len(train_tokens), warn_=main)
+            if cfg.train.objective == "lm":
+                meta = load_meta(cfg.data.out_dir)
+                train_tokens = open_split(cfg.data.out_dir, "train")
+                val_tokens = open_split(cfg.data.out_dir, "val")
+                packing = Packing(cfg, meta, train_tokens, val_tokens)
+                if verbose and packing.note:
+                    print(packing.note)
+                sha = check_data(cfg, meta, tokenizer_file, len(train_tokens), warn_=main)
+            else:  # dpo, grpo: the objective reads data.source itself (minillm.train.objectives)
+                meta, train_tokens, val_tokens, packing = {}, _NO_TOKENS, _NO_TOKENS, None
+                sha = init_from_tokenizer_sha(tokenizer_file)
             resume_from = resume_point(
                 run_dir, cfg, tokenizer_file, sha, dist.world_size, resume=resume, force=force,
                 clear=main, verbose=verbose, latest=latest,
@@ -233,7 +253,9 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
             init_weights, init_label, base = None, None, None
             # A LoRA run's checkpoints hold only the adapters: its base is loaded on a resume
             # too, and must be the one the run started from.
-            if source is not None and (resume_from is None or cfg.train.lora.rank):
+            # The objectives compare against init_from (their reference) on a resume too.
+            keep = cfg.train.lora.rank or cfg.train.objective != "lm"
+            if source is not None and (resume_from is None or keep):
                 init_weights, init_label = load_init_weights(source.path)
             if cfg.train.lora.rank:
                 base = _lora_base(cfg, source, init_weights, resume_from, dist)
@@ -268,6 +290,7 @@ def prepare_run(cfg: Config, resume: bool = True, force: bool = False, verbose: 
         lock=lock,
         new_dirs=new_dirs,
         lora_base=base,
+        config_dir=config_dir,
     )
 
 

@@ -19,7 +19,6 @@ import gc
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from minillm.checkpoint.store import load_weights_into
 from minillm.config import Config, dump_config
 from minillm.data.batches import MicroBatch, eval_batches, train_batch
-from minillm.errors import UserError, warn
+from minillm.errors import ConfigError, UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora
@@ -45,6 +44,7 @@ from minillm.train.diagnostics import activation_rms, block_snapshot, update_rat
 from minillm.train.distributed import all_reduce_sum, barrier
 from minillm.train.ema import WeightEMA
 from minillm.train.monitor import ExpertLoad, Meter, Monitor, open_monitor
+from minillm.train.objectives import Objective, StepResult
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.parallel import no_sync, release_groups, wrap_model
 from minillm.train.prefetch import Prefetcher
@@ -56,17 +56,16 @@ class TrainingDiverged(UserError):
     """Too many non-finite steps in a row."""
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did. loss and grad_norm stay 0-d device tensors: reading them
-    waits for the device, so the loop does it on logging steps only."""
+def make_objective(run: Run, model: Transformer) -> Objective | None:
+    """The objective of `train.objective` over `model` (holding init_from's weights, before a
+    resume loads its own), its data read and checked; None for `lm`, this module's own loss."""
+    if run.cfg.train.objective == "dpo":
+        from minillm.train.dpo import DPO
 
-    loss: torch.Tensor  # mean cross-entropy over the global batch's targets
-    grad_norm: torch.Tensor  # before clipping
-    lr: float
-    tokens: int  # input tokens of the global batch (throughput, MFU, tokens_seen)
-    targets: float  # target tokens of the global batch (fewer, with a target mask)
-    finite: bool  # loss (and, without a grad scaler, gradient) finite: the step was taken
+        return DPO(run, model)
+    if run.cfg.train.objective == "grpo":
+        raise ConfigError("train.objective", "grpo is not built yet (issue 35, slice 2)")
+    return None
 
 
 class Trainer:
@@ -102,6 +101,9 @@ class Trainer:
         if tc.lora.rank:  # the base frozen, adapters on its linear layers: only they train
             add_lora(self.model, tc.lora)
         self.model.to(self.device)
+        # train.objective dpo | grpo: its data, reference (init_from's weights, before a resume
+        # loads the run's) and step; None for lm, the next-token loss below.
+        self.objective = make_objective(run, self.model)
         self.train_model = wrap_model(self.model, self.cfg, self.device, self.precision, self.dist)
         # After the wrapping: under FSDP2 the average is of this rank's shards.
         self.ema = WeightEMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
@@ -136,8 +138,10 @@ class Trainer:
         """Run optimizer step `state.step` on `micro` (default: `batches(state.step)`). Deciding
         whether it was finite is the step's one host sync."""
         tc = self.cfg.train
-        lr = set_lr(self.optimizer, self.state.step, tc)
         micro = self.batches(self.state.step) if micro is None else micro
+        if self.objective is not None:
+            return self.objective.train_step(self, micro)
+        lr = set_lr(self.optimizer, self.state.step, tc)
         # Token-weighted accumulation: divide by the target tokens of the whole global batch.
         n_tokens = all_reduce_sum(
             torch.tensor(sum(int((m.targets != -100).sum()) for m in micro), dtype=torch.float64)
@@ -195,7 +199,10 @@ class Trainer:
 
     def batches(self, step: int) -> list[MicroBatch]:
         """This rank's micro-batches of optimizer step `step`: a pure function of seed, step,
-        rank and world size over the train split (what a resume relies on)."""
+        rank and world size over the train split (what a resume relies on); an objective's
+        own (pairs, prompts)."""
+        if self.objective is not None:
+            return self.objective.batches(step)
         tc = self.cfg.train
         return train_batch(
             self.run.train_tokens,
@@ -274,7 +281,8 @@ class Trainer:
         end = min(tc.max_steps, stop_at) if stop_at is not None else tc.max_steps
         monitor, meter = open_monitor(self, end)
         saved_at = self.state.step if self.state.last_ckpt is not None else -1
-        prefetch = Prefetcher(self.batches, end, pin=self.device.type == "cuda")
+        pin = self.device.type == "cuda" and self.objective is None  # tensors to pin: lm's
+        prefetch = Prefetcher(self.batches, end, pin=pin)
         notice = "stopping after this step; checkpointing it (interrupt again to stop at once)"
         stop = StopSignal(notice if self.verbose else "")
         shown: dict[str, str] = {}
@@ -315,6 +323,8 @@ class Trainer:
             if self.expert_load is not None:
                 monitor.scalars(self.expert_load.scalars(), self.state.step)
                 self.expert_load.reset()
+            if self.objective is not None:
+                monitor.scalars(self.objective.scalars(), self.state.step)
         monitor.step(self.state.step, shown, log)
         if log:
             meter.reset()
@@ -326,6 +336,7 @@ class Trainer:
         tc = self.cfg.train
         probe = self.is_main and (self.state.step + 1) % (tc.log_every * 10) == 0
         probe = probe and not (self.dist.enabled and tc.parallel == "fsdp")
+        probe = probe and self.objective is None  # activation RMS reads the token shards
         return block_snapshot(self.model) if probe else None
 
     def _log_layers(self, before: list[torch.Tensor] | None, monitor: Monitor) -> None:
@@ -345,13 +356,20 @@ class Trainer:
         if not ((tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps):
             return False
         with self.averaged():  # one swap for the validation loss and the task scores
-            self.last_eval = self._evaluate()
+            if self.objective is not None:  # its own held-out measure ({} for none)
+                self.last_eval = self.objective.evaluate(self)
+            else:
+                self.last_eval = self._evaluate()
             monitor.scalars({f"val/{k}": v for k, v in self.last_eval.items()}, self.state.step)
-            monitor.print(f"step {self.state.step}: val loss {self.last_eval['loss']:.4f}, "
-                          f"bits/byte {self.last_eval['bits_per_byte']:.4f}")  # fmt: skip
+            if self.objective is None:
+                monitor.print(f"step {self.state.step}: val loss {self.last_eval['loss']:.4f}, "
+                              f"bits/byte {self.last_eval['bits_per_byte']:.4f}")  # fmt: skip
+            elif self.last_eval:
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items())
+                monitor.print(f"step {self.state.step}: val {shown}")
             if self.probes is not None:
                 self.probes.score_tasks(self.model, self.state.step, monitor)
-        is_best = self.last_eval["loss"] < self.state.best_val
+        is_best = self.last_eval.get("loss", math.inf) < self.state.best_val
         if is_best:
             self.state.best_val = self.last_eval["loss"]
         return is_best
@@ -410,9 +428,11 @@ class Trainer:
             self.train_model = self.model
 
 
-def train(cfg: Config, resume: bool = True, force: bool = False) -> dict[str, Any]:
-    """What `minillm train` runs."""
-    trainer = Trainer(prepare_run(cfg, resume=resume, force=force))
+def train(
+    cfg: Config, resume: bool = True, force: bool = False, config_dir: Path | None = None
+) -> dict[str, Any]:
+    """What `minillm train` runs; config_dir: the config file's folder."""
+    trainer = Trainer(prepare_run(cfg, resume=resume, force=force, config_dir=config_dir))
     try:
         result = trainer.fit()
         # Every rank leaves its last collective before any tears the group down: gloo aborts a

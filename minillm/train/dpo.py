@@ -1,0 +1,301 @@
+"""Direct preference optimisation (`train.objective: dpo`, Rafailov et al. 2023) on pairs of
+replies, against the frozen train.init_from.
+
+Offers `read_pairs(path)` (TRL's preference formats, checked line by line), `encode_pair`,
+`dpo_loss` (the sigmoid loss, TRL's `DPOTrainer` default) and `DPO` (the objective the Trainer
+runs).
+
+Data (`data.source`, jsonl), one pair a line, in TRL's formats:
+- standard: `{"prompt": str, "chosen": str, "rejected": str}`: the prompt is a user turn, each
+  reply an assistant turn;
+- conversational: `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`, or
+  without `prompt` (TRL's implicit prompt: the messages both replies start with).
+Each side is rendered with the chat template of SFT (minillm.data.chat_template), and its
+log-probability is the sum over the reply's assistant tokens and their `<|end|>`: the loss is on
+the response only. The reference log-probabilities are computed on the fly, in the same step, by
+the reference model (`objectives.Reference`: with LoRA, the policy with its adapters off), not
+stored: nothing to precompute, and a resume needs nothing but the checkpoint.
+
+A pair's log-ratio is h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)); the loss is
+-log sigmoid(beta h), ln 2 when the policy is the reference (step 0). The rewards are
+beta (log pi - log ref) of each reply; accuracy is the share of pairs whose chosen reward is
+the higher, margin their mean difference. With `train.dpo.sft_weight` w the loss adds
+w x the chosen replies' cross-entropy per token (TRL's rpo_alpha).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from minillm.data.chat_template import ROLES, chat_ids, encode_conversation
+from minillm.data.corpus import val_mask
+from minillm.data.tokenizer import load_tokenizer
+from minillm.errors import ConfigError, UserError
+from minillm.model import Transformer
+from minillm.runtime.files import read_user_text
+from minillm.train.distributed import all_reduce_sum
+from minillm.train.objectives import (
+    MeanMeter,
+    Reference,
+    StepResult,
+    pad_rows,
+    step_indices,
+    token_logps,
+)
+from minillm.train.optim import set_lr
+from minillm.train.parallel import no_sync
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from minillm.train.run import Run
+
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference: a prompt (messages) and two replies (messages); `line` in its file."""
+
+    prompt: Messages
+    chosen: Messages
+    rejected: Messages
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """Token ids of prompt + reply for each side, and per token whether it is a target."""
+
+    chosen: list[int]
+    chosen_mask: list[bool]
+    rejected: list[int]
+    rejected_mask: list[bool]
+
+
+def _messages(value: Any, where: str, key: str) -> Messages:
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{where}: {key}: expected a non-empty list of {{role, content}} "
+                        f"messages, got {value!r:.60}")  # fmt: skip
+    out = []
+    for i, m in enumerate(value):
+        role = m.get("role") if isinstance(m, dict) else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if role not in ROLES:
+            raise UserError(f"{where}: {key}[{i}].role: expected one of {', '.join(ROLES)}, "
+                            f"got {role!r}")  # fmt: skip
+        if not isinstance(content, str):
+            raise UserError(f"{where}: {key}[{i}].content: expected a string, got {content!r}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_pair(obj: Any, where: str, line: int = 0) -> Pair:
+    """A Pair from one jsonl row, or a UserError `where: key: what`."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("chosen", "rejected"):
+        if key not in obj:
+            raise UserError(f"{where}: {key}: missing (a pair is prompt, chosen, rejected)")
+    prompt, chosen, rejected = obj.get("prompt"), obj["chosen"], obj["rejected"]
+    if isinstance(prompt, str):  # standard: strings
+        for key, value in (("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, str):
+                raise UserError(f"{where}: {key}: expected a string like prompt, got {value!r:.60}")
+        return Pair(
+            [{"role": "user", "content": prompt}],
+            [{"role": "assistant", "content": chosen}],
+            [{"role": "assistant", "content": rejected}],
+            line,
+        )
+    c, r = _messages(chosen, where, "chosen"), _messages(rejected, where, "rejected")
+    if prompt is None:  # implicit prompt: the messages both replies start with
+        if "prompt" in obj:
+            raise UserError(f"{where}: prompt: expected a string or a list of messages, got null")
+        n = 0
+        while n < min(len(c), len(r)) - 1 and c[n] == r[n]:
+            n += 1
+        p, c, r = c[:n], c[n:], r[n:]
+        if not p:
+            raise UserError(f"{where}: prompt: missing, and chosen and rejected share no "
+                            "first messages to take as the prompt")  # fmt: skip
+    else:
+        p = _messages(prompt, where, "prompt")
+    for key, reply in (("chosen", c), ("rejected", r)):
+        if not any(m["role"] == "assistant" for m in reply):
+            raise UserError(f"{where}: {key}: no assistant turn, so nothing to score")
+    return Pair(p, c, r, line)
+
+
+def read_pairs(path: str | Path) -> list[Pair]:
+    """The pairs of a jsonl file (blank lines skipped); a malformed line is one UserError
+    `<file>: line N: <key>: <what>`, raised before any model runs."""
+    path = Path(path)
+    if path.suffix != ".jsonl":
+        raise ConfigError("data.source", f"{path}: DPO reads a .jsonl file of preference pairs")
+    pairs = []
+    for n, raw in enumerate(read_user_text(path, "data.source").splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"{path}: line {n}"
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        pairs.append(parse_pair(obj, where, n))
+    if not pairs:
+        raise ConfigError("data.source", f"{path}: no preference pairs")
+    return pairs
+
+
+def encode_pair(tok: Tokenizer, pair: Pair, ids: dict[str, int] | None = None) -> EncodedPair:
+    """Each side as prompt + reply through the chat template; targets: the reply's assistant
+    contents and their <|end|>."""
+    ids = ids or chat_ids(tok)
+    prompt = encode_conversation(tok, pair.prompt, ids)[0]
+    sides = []
+    for reply in (pair.chosen, pair.rejected):
+        reply_ids, mask = encode_conversation(tok, reply, ids)
+        sides += [prompt + reply_ids, [False] * len(prompt) + mask]
+    return EncodedPair(*sides)
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair sigmoid DPO loss and the chosen and rejected rewards (detached), from each
+    reply's summed log-probability (N,) under the policy and the reference."""
+    chosen = policy_chosen - ref_chosen
+    rejected = policy_rejected - ref_rejected
+    losses = -F.logsigmoid(beta * (chosen - rejected))
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+class DPO:
+    """The DPO objective of a run: its pairs (train and held-out), reference and step."""
+
+    def __init__(self, run: Run, model: Transformer) -> None:
+        cfg = run.cfg
+        self.cfg, self.dist, self.device = cfg, run.dist, run.device
+        tok = load_tokenizer(run.tokenizer_file)
+        ids = chat_ids(tok, str(run.tokenizer_file))
+        pairs = read_pairs(cfg.data.source)
+        limit = cfg.train.seq_len + 1  # inputs are all tokens but the last
+        encoded = []
+        for p in pairs:
+            e = encode_pair(tok, p, ids)
+            longest = max(len(e.chosen), len(e.rejected))
+            if longest > limit:
+                raise ConfigError(
+                    "train.seq_len",
+                    f"{cfg.data.source}: line {p.line}: a side of {longest} tokens does not fit "
+                    f"train.seq_len={cfg.train.seq_len} (+1)",
+                )
+            encoded.append(e)
+        held = val_mask(len(encoded), cfg.data.val_fraction, cfg.data.seed) if len(encoded) > 1 \
+            else [False] * len(encoded)  # fmt: skip
+        self.train_pairs = [e for e, v in zip(encoded, held, strict=True) if not v]
+        self.val_pairs = [e for e, v in zip(encoded, held, strict=True) if v]
+        self.reference = Reference(model, lora=bool(cfg.train.lora.rank))
+        self.meter = MeanMeter()
+
+    def batches(self, step: int) -> list[list[EncodedPair]]:
+        """This rank's micro-batches of pairs for optimizer step `step` (seed and step only)."""
+        tc, d = self.cfg.train, self.dist
+        per_rank = tc.batch_size * tc.grad_accum
+        rows = step_indices(len(self.train_pairs), tc.seed, step, per_rank * d.world_size,
+                            offset=0)[d.rank * per_rank : (d.rank + 1) * per_rank]  # fmt: skip
+        pairs = [self.train_pairs[i] for i in rows]
+        return [pairs[i : i + tc.batch_size] for i in range(0, per_rank, tc.batch_size)]
+
+    def _logps(
+        self, model: torch.nn.Module, micro: list[EncodedPair], autocast: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Per-token log-probabilities (2N, T) of chosen then rejected, the targets, tokens."""
+        rows = [p.chosen for p in micro] + [p.rejected for p in micro]
+        masks = [p.chosen_mask for p in micro] + [p.rejected_mask for p in micro]
+        idx, tgt = pad_rows(rows, masks)
+        idx, tgt = idx.to(self.device), tgt.to(self.device)
+        with autocast:
+            return token_logps(model, idx, tgt), tgt, sum(len(r) for r in rows)
+
+    def _reference_logps(self, micro: list[EncodedPair], autocast: Any) -> torch.Tensor:
+        with torch.no_grad(), self.reference.model() as ref:
+            return self._logps(ref, micro, autocast)[0].sum(-1)
+
+    def train_step(self, trainer: Any, micro: list[list[EncodedPair]]) -> StepResult:
+        """One optimizer step over the step's pairs: the mean loss over the global batch's
+        pairs (plus sft_weight x the chosen tokens' mean cross-entropy)."""
+        tc, dc = self.cfg.train, self.cfg.train.dpo
+        lr = set_lr(trainer.optimizer, trainer.state.step, tc)
+        counts = torch.tensor(
+            [sum(len(m) for m in micro),
+             sum(sum(p.chosen_mask[1:]) for m in micro for p in m)], dtype=torch.float64,
+        )  # fmt: skip
+        n_pairs, n_chosen = (max(v, 1.0) for v in all_reduce_sum(counts).tolist())
+        world = self.dist.world_size  # DDP averages gradients over ranks: undo that
+        total = torch.zeros(5, dtype=torch.float64, device=self.device)
+        tokens = 0
+        for i, m in enumerate(micro):
+            ref = self._reference_logps(m, trainer.autocast)
+            with no_sync(trainer.train_model, trainer.model, sync=i == len(micro) - 1):
+                lp_tok, _, n = self._logps(trainer.train_model, m, trainer.autocast)
+                lp = lp_tok.sum(-1)
+                k = len(m)
+                losses, r_c, r_r = dpo_loss(lp[:k], lp[k:], ref[:k], ref[k:], dc.beta)
+                nll = -lp_tok[:k].sum()
+                loss = losses.sum() * world / n_pairs + dc.sft_weight * nll * world / n_chosen
+                loss.backward()
+            tokens += n
+            total += torch.stack([losses.sum(), r_c.sum(), r_r.sum(),
+                                  (r_c > r_r).sum(), nll]).detach().double()  # fmt: skip
+        total = all_reduce_sum(total)
+        dpo, nll = total[0] / n_pairs, total[4] / n_chosen
+        loss_mean = dpo + dc.sft_weight * nll
+        norm, finite = trainer._clip_and_step(loss_mean)
+        self.meter.add({
+            "dpo/loss": dpo, "dpo/nll": nll,
+            "dpo/rewards_chosen": total[1] / n_pairs, "dpo/rewards_rejected": total[2] / n_pairs,
+            "dpo/reward_accuracy": total[3] / n_pairs,
+            "dpo/margin": (total[1] - total[2]) / n_pairs,
+        })  # fmt: skip
+        return StepResult(loss_mean, norm, lr, tokens * world, float(n_pairs), finite)
+
+    def scalars(self) -> dict[str, float]:
+        return self.meter.scalars()
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Any) -> dict[str, float]:
+        """The held-out pairs (data.val_fraction of the file): DPO loss, reward accuracy and
+        margin; {} without held-out pairs. Every rank scores them all."""
+        if not self.val_pairs:
+            return {}
+        tc, beta = self.cfg.train, self.cfg.train.dpo.beta
+        model = trainer.model
+        training = model.training
+        model.eval()
+        sums = [0.0, 0.0, 0.0]
+        try:
+            for s in range(0, len(self.val_pairs), tc.batch_size):
+                m = self.val_pairs[s : s + tc.batch_size]
+                ref = self._reference_logps(m, trainer.autocast)
+                lp = self._logps(model, m, trainer.autocast)[0].sum(-1)
+                k = len(m)
+                losses, r_c, r_r = dpo_loss(lp[:k], lp[k:], ref[:k], ref[k:], beta)
+                sums[0] += float(losses.sum())
+                sums[1] += float((r_c > r_r).sum())
+                sums[2] += float((r_c - r_r).sum())
+        finally:
+            model.train(training)
+        n = len(self.val_pairs)
+        return {"loss": sums[0] / n, "reward_accuracy": sums[1] / n, "margin": sums[2] / n}
