@@ -17,8 +17,9 @@ ARGS  ?=
 SETS   = $(if $(STEPS),--set train.max_steps=$(STEPS)) $(ARGS)
 RUN   ?= runs/tiny
 CHAT_RUN ?= runs/tiny-chat
+LORA_RUN ?= runs/tiny-lora
 
-.PHONY: setup interop test test-fast demo chat-demo lint format bench clean
+.PHONY: setup interop test test-fast demo chat-demo lora-demo lint format bench clean
 
 setup: $(BIN)/.installed
 
@@ -78,6 +79,22 @@ chat-demo: setup
 	$(BIN)/minillm train configs/tiny-chat.yaml $(SETS)
 	$(BIN)/minillm eval --ckpt $(CHAT_RUN) --task data/tiny_chat_test.jsonl
 	$(BIN)/minillm chat --ckpt $(CHAT_RUN) --message "Reverse: m a k"
+
+# LoRA (after `make demo`, which it runs first when RUN has no checkpoint): rank-8 adapters on the
+# demo's Shakespeare model, trained on the chat demo's data (configs/tiny-chat.yaml, whose model
+# section init_from replaces) with the base frozen, then scored, exported merged and as peft.
+LORA_SETS = --set train.init_from=$(RUN) --set train.lora.rank=8 --set train.lora.alpha=16 \
+	--set train.lr=3e-3 --set train.min_lr=3e-4 --set train.weight_decay=0 \
+	--set data.out_dir=data/tokens/tiny-lora --set train.out_dir=$(LORA_RUN)
+lora-demo: setup
+	test -d $(RUN)/checkpoints || $(MAKE) demo
+	$(BIN)/minillm tokenize configs/tiny-chat.yaml $(LORA_SETS) $(SETS)
+	$(BIN)/minillm train configs/tiny-chat.yaml $(LORA_SETS) $(SETS)
+	$(BIN)/minillm eval --ckpt $(LORA_RUN) --task data/tiny_chat_test.jsonl
+	$(BIN)/minillm chat --ckpt $(LORA_RUN) --message "Reverse: m a k"
+	$(BIN)/minillm export --ckpt $(LORA_RUN) --out hf/tiny-lora --force
+	$(BIN)/minillm export --ckpt $(LORA_RUN) --format gguf --out gguf/tiny-lora.gguf --force
+	$(BIN)/minillm export --ckpt $(LORA_RUN) --format peft --out hf/tiny-lora-peft --force
 
 lint: setup
 	$(BIN)/ruff check minillm tests scripts

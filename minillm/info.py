@@ -1,7 +1,8 @@
 """`minillm info`: sizes, FLOPs and a training-memory estimate of a config, without allocating it.
 
 Offers `model_info(cfg) -> dict` and `print_info(info)`. The model is built on the meta device, so
-a 7B config costs no RAM.
+a 7B config costs no RAM. With train.lora the adapters are added, and the memory is that of a
+LoRA run: gradients and optimizer state for the adapters only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from minillm.config import Config
 from minillm.model import Transformer
+from minillm.model.lora import add_lora, trainable_frozen
 from minillm.model.param_groups import split_summary
 
 GiB = 1024**3
@@ -39,11 +41,15 @@ def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
     return t.seq_len * (blocks + 2 * m.vocab_size * 4)
 
 
-def static_bytes(params: int, optimizers: list[dict[str, Any]]) -> dict[str, int]:
+def static_bytes(
+    params: int, optimizers: list[dict[str, Any]], trainable: int | None = None
+) -> dict[str, int]:
     """fp32 master weights (also under autocast), gradients and the optimizers' fp32 state:
-    AdamW keeps two moments per parameter, Muon one momentum buffer (`split_summary` rows)."""
+    AdamW keeps two moments per parameter, Muon one momentum buffer (`split_summary` rows).
+    Gradients only for the `trainable` parameters (train.lora: the adapters; default all)."""
     state = sum((4 if o["optimizer"] == "muon" else 8) * o["params"] for o in optimizers)
-    return {"weights": 4 * params, "grads": 4 * params, "optimizer_state": state}
+    grads = params if trainable is None else trainable
+    return {"weights": 4 * params, "grads": 4 * grads, "optimizer_state": state}
 
 
 def runs_half(cfg: Config) -> bool:
@@ -61,13 +67,16 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
     """
     with torch.device("meta"):
         model = Transformer(cfg.model)
+        if cfg.train.lora.rank:
+            add_lora(model, cfg.train.lora)
     m, t = cfg.model, cfg.train
     params = model.param_count()
+    trainable, frozen = trainable_frozen(model)
     half = runs_half(cfg)
     micro = 1 if t.batch_size == "auto" else t.batch_size
     per_seq = {ck: activation_bytes(cfg, half, ck) for ck in (False, True)}
     optimizers = split_summary(model, t)
-    memory = static_bytes(params, optimizers)
+    memory = static_bytes(params, optimizers, trainable)
     memory["activations"] = micro * per_seq[t.activation_checkpointing]
     memory["total"] = sum(memory.values())
     flops_token = model.flops_per_token(t.seq_len)
@@ -83,6 +92,10 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "n_experts": m.n_experts,
         "n_experts_per_token": m.n_experts_per_token if m.n_experts else 0,
         "moe_ffn_hidden": m.moe_ffn_hidden,
+        # train.lora: the adapters train, the base (and every other parameter) is frozen
+        "params_trainable": trainable,
+        "params_frozen": frozen,
+        "lora_rank": t.lora.rank,
         "flops_per_token": flops_token,
         "flops_per_step": flops_token * global_batch * t.seq_len,
         "tokens_per_step": global_batch * t.seq_len,
@@ -126,6 +139,12 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
             "active parameters per token",
             f"{info['params_active']:,} ({_human(info['params_active'])}: "
             f"{info['n_experts_per_token']} of {info['n_experts']} experts)",
+        )
+    if info["lora_rank"]:
+        table.add_row(
+            f"LoRA rank {info['lora_rank']}",
+            f"{info['params_trainable']:,} trainable (the adapters), "
+            f"{info['params_frozen']:,} frozen",
         )
     shape = (
         f"d_model {info['d_model']}, {info['n_layer']} layers, {info['n_head']} heads "

@@ -26,8 +26,10 @@ from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import LoRALinear, add_lora, is_adapter, merge_lora, to_peft_state_dict
 from tests.helpers import (
     QUICK_TRAIN,
+    ROOT,
     SHAKESPEARE,
     error_line,
+    load_script,
     make_run,
     make_trainer,
     tiny_config,
@@ -184,13 +186,18 @@ def test_only_the_adapters_train_and_the_base_stays_bitwise(base: Path, tmp_path
     assert record["path"] == str(base / "run") and record["source"].endswith("step_000004")
 
 
-def test_muon_trains_the_adapters_only(base: Path, tmp_path: Path) -> None:
+def test_muon_trains_the_adapters_only(base: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     cfg = lora_config(base, tmp_path / "run", max_steps=2, optimizer="muon", ckpt_every=2)
-    trainer = make_trainer(cfg, verbose=False)
+    trainer = make_trainer(cfg)
     try:
         trainer.fit()
     finally:
         trainer.close()
+    banner = capsys.readouterr().out
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in trainer.model.parameters()) - trainable
+    assert f"LoRA rank 4: {trainable:,} trainable parameters, {frozen:,} frozen" in banner
+    assert "muon (lr 0.02, weight decay 0) on" in banner and "the LoRA adapters" not in banner
     muon = trainer.optimizer.parts["muon"]
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     assert muon.state and all(is_adapter(names[id(p)]) for p in muon.state)
@@ -318,6 +325,15 @@ def test_lora_keys_take_set_overrides(base: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["info", str(path), "--json", "--set", "train.lora.rank=2",
                                  "--set", "train.lora.targets=[wo]"])  # fmt: skip
     assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    base_params = info["params_frozen"]
+    assert info["params_trainable"] == 2 * (2 * 32 + 32 * 2)  # wo of 2 layers: A (2, 32), B (32, 2)
+    assert info["params"] == base_params + info["params_trainable"]
+    memory = info["memory_bytes"]
+    assert memory["grads"] == 4 * info["params_trainable"]
+    assert memory["optimizer_state"] == 8 * info["params_trainable"]
+    result = runner.invoke(app, ["info", str(path), "--set", "train.lora.rank=2"])
+    assert "LoRA rank 2" in result.stdout and f"{base_params:,} frozen" in result.stdout
 
 
 # ----------------------------------------------------------------------------- export
@@ -414,3 +430,60 @@ def test_the_peft_export_loads_in_peft_onto_the_hf_base(hf_lora, tmp_path: Path)
     )
     assert "is not a LoRA run" in error_line(result)
     assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------- chat fine-tuning
+
+
+def test_chat_fine_tuning_with_lora_keeps_answer_only_loss_and_doc_masking(
+    base: Path, tmp_path: Path
+) -> None:
+    """LoRA on chat data: assistant-only targets and windows masked per conversation, as any chat
+    SFT; then `chat` and `eval --task` take the run as they take any."""
+    chats = tmp_path / "chats.jsonl"
+    lines = (ROOT / "data" / "tiny_chat.jsonl").read_text(encoding="utf-8").splitlines()[:300]
+    chats.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    task = tmp_path / "task.jsonl"
+    tests = (ROOT / "data" / "tiny_chat_test.jsonl").read_text(encoding="utf-8").splitlines()[:3]
+    task.write_text("\n".join(tests) + "\n", encoding="utf-8")
+    raw = {
+        "data": {"source": str(chats), "text_field": "messages", "out_dir": str(tmp_path / "tok")},
+        "train": {"init_from": str(base / "run"), "out_dir": str(tmp_path / "run"),
+                  "lora": {"rank": 8, "alpha": 16}, **QUICK_TRAIN, "max_steps": 10, "lr": 5e-2,
+                  "eval_every": 10},
+    }  # fmt: skip
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    assert runner.invoke(app, ["tokenize", str(path)]).exit_code == 0
+    cfg = load_run_config(path)
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        assert trainer.packing.chat and trainer.packing.doc_mask
+        micro = trainer.batches(0)[0]
+        assert micro.doc_ids is not None  # attention stays inside a conversation
+        targets = micro.targets[micro.targets != -100]
+        assert 0 < targets.numel() < micro.targets.numel() // 2  # the assistant's tokens only
+        before = trainer.evaluate()["loss"]  # step 0: the base, on the assistant tokens
+        trainer.fit()
+    finally:
+        trainer.close()
+    # the adapters moved the function (this 4-step base, random embeddings frozen, learns little)
+    assert abs(trainer.last_eval["loss"] - before) > 1e-3
+    chat = ["--message", "Copy: a b c", "--max-new-tokens", "4", "--temperature", "0"]
+    result = runner.invoke(app, ["chat", "--ckpt", str(tmp_path / "run"), *chat])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["eval", "--ckpt", str(tmp_path / "run"), "--task", str(task),
+                                 "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tasks"]["task"]["examples"] == 3
+
+
+def test_bench_lora_prints_full_and_lora_rows(monkeypatch, capsys) -> None:  # noqa: ANN001
+    bench = load_script("bench_lora", monkeypatch)
+    rows = bench.main(["--shapes", "tiny", "--steps", "1", "--ranks", "4"])
+    full, lora = rows
+    assert full["frozen"] == 0 and full["trainable"] == lora["frozen"]
+    assert lora["trainable"] == 2 * 4 * (64 + 192 + 64 + 64 + 64 + 2 * 256 + 256 + 64)
+    assert 0 < lora["peak_bytes"] < full["peak_bytes"]
+    out = capsys.readouterr().out
+    assert "| full fine-tuning |" in out and "| LoRA rank 4 |" in out

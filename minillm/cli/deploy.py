@@ -63,7 +63,7 @@ def serve(
 
 @app.command(
     cls=Command,
-    short_help="Write a Hugging Face Llama folder, a GGUF file (llama.cpp) or a peft folder.",
+    short_help="Write a Hugging Face Llama folder, a GGUF file or peft adapters.",
 )
 def export(
     ckpt: Path = CkptOption,

@@ -1,8 +1,8 @@
 """LoRA adapters (`train.lora`): low-rank updates trained on the linear layers of a frozen model.
 
 Offers `LoRALinear`, `add_lora(model, lora)`, `is_adapter(name)`, `adapter_state(state_dict)`,
-`merge_lora(model)` and `to_peft_state_dict(adapters, cfg)` (the adapters under Hugging Face
-peft's names, for `minillm export --format peft`).
+`merge_lora(model)`, `trainable_frozen(model)` and `to_peft_state_dict(adapters, cfg)` (the
+adapters under Hugging Face peft's names, for `minillm export --format peft`).
 
 A target layer W (out, in) becomes W x + (alpha / r) B A x with A (r, in) and B (out, r); B starts
 at zero, so step 0 is the base model exactly, and only A and B train. The fused projections get
@@ -38,7 +38,8 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, w.shape[1], device=w.device, dtype=w.dtype))
         self.lora_B = nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # peft's (and nn.Linear's) init
-        self.drop = nn.Dropout(dropout)
+        # No dropout module at p = 0: even then it would copy x, an activation kept per layer.
+        self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low = F.linear(self.drop(x), self.lora_A)  # (..., r)
@@ -67,6 +68,12 @@ def add_lora(model: Transformer, lora: LoRAConfig) -> Transformer:
     for owner, name in _layers(model, lora.targets):
         setattr(owner, name, LoRALinear(getattr(owner, name), lora.rank, lora.alpha, lora.dropout))
     return model
+
+
+def trainable_frozen(model: torch.nn.Module) -> tuple[int, int]:
+    """Parameters that train and that are frozen (a tied head counted once)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters()) - trainable
 
 
 def is_adapter(name: str) -> bool:

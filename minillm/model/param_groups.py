@@ -1,7 +1,8 @@
 """Which optimizer trains which parameter: the one rule that `train` and `info` both follow.
 
 Offers `optimizer_split(model, optimizer)`, `split_summary(model, cfg)` (for `info`) and
-`describe(model, cfg)` (the banner's line).
+`describe(model, cfg)` (the banner's line; with train.lora also the trainable and frozen
+parameter counts).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def split_summary(model: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, An
 
 
 def _adamw_what(named: list[tuple[str, torch.nn.Parameter]], optimizer: str) -> str:
+    adapters = sum(1 for n, _ in named if n.endswith(".lora_A"))
+    if adapters and len(named) == 2 * adapters:
+        return f"the LoRA adapters (A and B of {adapters} layers; the rest is frozen)"
     if optimizer == "adamw":
         return "every parameter (weight decay on matrices only)"
     gains = sum(1 for _, p in named if p.dim() < 2)
@@ -63,6 +67,12 @@ def describe(model: torch.nn.Module, cfg: TrainConfig) -> str:
     parts = [
         f"{r['optimizer']} (lr {r['lr']:g}, weight decay {r['weight_decay']:g}) on "
         f"{r['params'] / 1e6:.2f}M params in {r['tensors']} tensors: {r['what']}"
-        for r in split_summary(model, cfg)
-    ]
-    return "optimizer: " + "; ".join(parts)
+        for r in split_summary(model, cfg) if r["tensors"]
+    ]  # fmt: skip
+    line = "optimizer: " + "; ".join(parts)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters()) - trainable
+    if frozen:  # train.lora: say how little trains
+        line += (f"\nLoRA rank {cfg.lora.rank}: {trainable:,} trainable parameters, {frozen:,} "
+                 f"frozen ({trainable / (trainable + frozen):.2%} train)")  # fmt: skip
+    return line
