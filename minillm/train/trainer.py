@@ -27,7 +27,7 @@ import torch
 from minillm.checkpoint.store import load_weights_into
 from minillm.config import Config, dump_config
 from minillm.data.batches import MicroBatch, eval_batches, train_batch
-from minillm.errors import ConfigError, UserError, warn
+from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora
@@ -64,7 +64,9 @@ def make_objective(run: Run, model: Transformer) -> Objective | None:
 
         return DPO(run, model)
     if run.cfg.train.objective == "grpo":
-        raise ConfigError("train.objective", "grpo is not built yet (issue 35, slice 2)")
+        from minillm.train.grpo import GRPO
+
+        return GRPO(run, model)
     return None
 
 
