@@ -1,8 +1,9 @@
 """Typed configuration: one YAML file, four sections (model, data, train, sample).
 
 `from minillm.config import load_config, ModelConfig` is the stable entry (docs/design.md,
-"Python API"). Modules: `schema` (the typed sections and their checks), `loading` (YAML, `--set`
-overrides, type conversion, suggestions). A leaf of the layers: it imports only minillm.errors.
+"Python API"). Modules: `schema` (the typed sections and their checks; the train section in
+`train_schema`, what they share in `section`), `loading` (YAML, `--set` overrides, type
+conversion, suggestions). A leaf of the layers: it imports only minillm.errors.
 """
 
 from minillm.config.loading import (
@@ -16,17 +17,9 @@ from minillm.config.loading import (
     override_keys,
     read_raw_config,
 )
-from minillm.config.schema import (
-    DEVICE_PATTERN,
-    LORA_TARGETS,
-    SECTIONS,
-    Config,
-    DataConfig,
-    LoRAConfig,
-    ModelConfig,
-    SampleConfig,
-    TrainConfig,
-)
+from minillm.config.schema import SECTIONS, Config, DataConfig, ModelConfig, SampleConfig
+from minillm.config.section import DEVICE_PATTERN
+from minillm.config.train_schema import LORA_TARGETS, LoRAConfig, TrainConfig
 from minillm.errors import ConfigError
 
 __all__ = [
