@@ -81,6 +81,22 @@ def eval_(
     extract_number: bool = typer.Option(
         False, "--extract-number", help="Exact-match tasks: compare the reply's last number."
     ),
+    temperature: float = typer.Option(
+        0.0,
+        "--temperature",
+        metavar="T",
+        help="Exact-match tasks: sample the replies at temperature T (0 = greedy).",
+    ),
+    samples: int = typer.Option(
+        1,
+        "--samples",
+        metavar="N",
+        help="Exact-match tasks, with --temperature: N replies per example; exact_match is "
+        "their mean accuracy, pass_at_n the share of examples with one right.",
+    ),
+    seed: int = typer.Option(
+        0, "--seed", metavar="S", help="Seed of the sampled replies (--temperature)."
+    ),
     show: int = typer.Option(
         0,
         "--show",
@@ -127,6 +143,9 @@ def eval_(
             extract_number=extract_number,
             progress=True,
             details=bool(show or details is not None),
+            temperature=temperature,
+            samples=samples,
+            seed=seed,
         )
     records = [r for t in result.get("tasks", {}).values() for r in t.get("details", [])]
     if details is not None:

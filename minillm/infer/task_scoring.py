@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import sys
 import time
@@ -225,8 +226,16 @@ def score_exact_match(
     progress: bool = False,
     err: TextIO | None = None,
     details: list[dict] | None = None,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|>.
+
+    With a temperature > 0, `samples` replies per example, sampled on the decoding core
+    (sample k of example j seeded from (seed, k), as `minillm sample`): exact_match is then
+    the mean accuracy of all the replies, and pass_at_n the share of examples with at least
+    one right (an unbiased pass@n, n = samples, as every reply is drawn independently).
 
     max_new_tokens is cut, with a note on `err`, to what the longest prompt leaves of the
     context, for every example alike: a reply then does not depend on its batch. details: a
@@ -255,24 +264,36 @@ def score_exact_match(
         max_new_tokens = room
     # The rows run on the decoding core, batch_size at a time, each joining as one leaves.
     engine = Engine(model, tokenizer, max_batch=batch_size)
-    params = SamplingParams.greedy(max_new_tokens, stop_ids=frozenset([end, eot]))
-    rows = engine.submit(prompts, params)
-    bar = Progress(task.name, len(prompts), enabled=progress, stderr=True)
+    stops = frozenset([end, eot])
+    if temperature > 0:
+        params = SamplingParams(max_new_tokens, temperature, 0, 1.0, seed=seed, stop_ids=stops)
+    else:
+        params = SamplingParams.greedy(max_new_tokens, stop_ids=stops)
+    rows = engine.submit(prompts, params, n=samples)
+    bar = Progress(task.name, len(rows), enabled=progress, stderr=True)
     try:
         engine.run(lambda event: bar.advance() if event.finish_reason else None)
     finally:
         bar.close()
-    hits = 0
-    for ex, row in zip(task.examples, rows, strict=True):
-        reply = row.tokens
-        stops = [i for i, t in enumerate(reply) if t in (end, eot)]
-        text = tokenizer.decode(reply[: stops[0]] if stops else reply)
-        hit = answer_matches(text, ex.answer, number)
-        hits += hit
+    hits = solved = 0
+    for j, ex in enumerate(task.examples):
+        texts = []
+        for row in rows[j * samples : (j + 1) * samples]:
+            reply = row.tokens
+            cut = [i for i, t in enumerate(reply) if t in (end, eot)]
+            texts.append(tokenizer.decode(reply[: cut[0]] if cut else reply))
+        right = [answer_matches(text, ex.answer, number) for text in texts]
+        hits += sum(right)
+        solved += any(right)
         if details is not None:
             record = {"line": ex.line, "prompt": ex.messages[-1][1], "expected": ex.answer}
-            details.append({**record, "output": text, "correct": hit})
-    return {"exact_match": hits / len(prompts), "examples": len(prompts)}
+            details.append({**record, "output": texts[0], "correct": right[0]})
+            if samples > 1:
+                details[-1].update(outputs=texts, right=sum(right))
+    result = {"exact_match": hits / len(rows), "examples": len(prompts)}
+    if temperature > 0:
+        result.update(pass_at_n=solved / len(prompts), samples=samples, temperature=temperature)
+    return result
 
 
 # ----------------------------------------------------------------------------- the command
@@ -285,13 +306,24 @@ def evaluate_tasks(
     extract_number: bool = False,
     progress: bool = False,
     details: bool = False,
+    temperature: float = 0.0,
+    samples: int = 1,
+    seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Score a LoadedCheckpoint on task files: {name: {accuracy, accuracy_norm, examples}} for
     multiple choice, {name: {exact_match, examples}} for exact match. batch_size: choices (or
     prompts) per forward pass, default the run's train.batch_size. details: each result also
-    holds `details`, one record per example (`eval --show`, `--details`)."""
+    holds `details`, one record per example (`eval --show`, `--details`). temperature,
+    samples, seed: exact-match replies sampled (`--temperature`, `--samples`, `--seed`)."""
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    if temperature < 0 or not math.isfinite(temperature):
+        raise UserError(f"--temperature: must be >= 0, got {temperature}")
+    if samples < 1:
+        raise UserError(f"--samples: must be >= 1, got {samples}")
+    if samples > 1 and temperature == 0:
+        raise UserError(f"--samples: {samples} greedy replies would all be the same; give "
+                        "--temperature T > 0 too")  # fmt: skip
     model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.config
     batch_size = batch_size or cfg.train.batch_size
     device = next(model.parameters()).device
@@ -309,7 +341,7 @@ def evaluate_tasks(
         else:
             result = score_exact_match(
                 model, tok, task, batch_size, cfg.sample.max_new_tokens, extract_number,
-                progress, details=records,
+                progress, details=records, temperature=temperature, samples=samples, seed=seed,
             )  # fmt: skip
         if records is not None:
             result["details"] = [{"task": task.name, **r} for r in records]
@@ -350,7 +382,11 @@ def format_tasks(results: dict[str, dict[str, Any]]) -> str:
     """One human line per task."""
     lines = []
     for name, r in results.items():
-        if "exact_match" in r:
+        if "pass_at_n" in r:
+            n, t = r["samples"], r["temperature"]
+            score = (f"exact_match {r['exact_match']:.4f} (mean of {n} replies at temperature "
+                     f"{t:g})   pass@{n} {r['pass_at_n']:.4f}")  # fmt: skip
+        elif "exact_match" in r:
             score = f"exact_match {r['exact_match']:.4f}"
         else:
             score = f"accuracy {r['accuracy']:.4f}   accuracy_norm {r['accuracy_norm']:.4f}"
