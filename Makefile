@@ -82,10 +82,12 @@ chat-demo: setup
 
 # LoRA (after `make demo`, which it runs first when RUN has no checkpoint): rank-8 adapters on the
 # demo's Shakespeare model, trained on the chat demo's data (configs/tiny-chat.yaml, whose model
-# section init_from replaces) with the base frozen, then scored, exported merged and as peft.
+# section init_from replaces, with a warning) with the base frozen, then scored, exported merged
+# and as peft. data.vocab_size is configs/tiny.yaml's: the tokenizer is the demo run's.
 LORA_SETS = --set train.init_from=$(RUN) --set train.lora.rank=8 --set train.lora.alpha=16 \
 	--set train.lr=3e-3 --set train.min_lr=3e-4 --set train.weight_decay=0 \
-	--set data.out_dir=data/tokens/tiny-lora --set train.out_dir=$(LORA_RUN)
+	--set data.vocab_size=2048 --set data.out_dir=data/tokens/tiny-lora \
+	--set train.out_dir=$(LORA_RUN)
 lora-demo: setup
 	test -d $(RUN)/checkpoints || $(MAKE) demo
 	$(BIN)/minillm tokenize configs/tiny-chat.yaml $(LORA_SETS) $(SETS)
