@@ -14,6 +14,12 @@ peak probed between the steps of the same run (see minillm/runtime/perf.py).
 --checkpointing both adds a row per minillm row with train.activation_checkpointing on: the
 peak memory column shows what it saves, tokens/s what the recompute costs.
 
+--moe E,k adds a mixture-of-experts row (eager): E experts, each token through k of them, each
+expert of width ffn_hidden / k, so its active parameters are the dense minillm row's (plus the
+router); it trains with a load-balancing loss of 0.01. "vs dense" compares it to that row.
+
+    python scripts/bench_train.py --shapes small --compile no --moe 8,2
+
 Timings on a shared machine drift between runs; compare rows within one run, not across runs.
 """
 
@@ -38,6 +44,7 @@ import transformers
 from minillm.config import ModelConfig
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
+from minillm.model.moe import load_balancing_loss, router_stats
 from minillm.runtime.device import enable_tf32
 from minillm.runtime.perf import known_peak_flops, measure_matmul_peak, mfu, synchronize
 
@@ -84,6 +91,7 @@ class Row:
     first_loss: float = float("nan")
     warmup_s: float = 0.0
     peak_mem: float | None = None
+    model: torch.nn.Module | None = None  # its own model (--moe): its parameters and FLOPs
 
 
 def build_models(cfg: ModelConfig, device: torch.device) -> tuple[Transformer, torch.nn.Module]:
@@ -298,6 +306,22 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
             step = make_step(compiled, call_ours, idx, targets, device, autocast)
             rows.append(Row("minillm compiled" + suffix, step))
 
+    if args.moe:
+        E, k = (int(v) for v in args.moe.split(","))
+        moe_cfg = dataclasses.replace(
+            cfg, n_experts=E, n_experts_per_token=k, moe_ffn_hidden=cfg.ffn_hidden // k
+        )
+        torch.manual_seed(0)
+        moe = use_cpu_kernels(Transformer(moe_cfg)).to(device)
+
+        def call_moe(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor):
+            loss = model(idx, targets)[1]
+            return loss + 0.01 * load_balancing_loss(router_stats(model), E)  # of that forward
+
+        rows.append(Row(f"minillm MoE {E}x{moe_cfg.moe_ffn_hidden} top-{k}",
+                        make_step(moe, call_moe, idx, targets, device, autocast),
+                        model=moe))  # fmt: skip
+
     if args.doc_mask:
         # Packed documents of 1..seq/4 tokens (mean ~seq/8): attention kept inside each one.
         lengths = torch.randint(1, max(2, shape.seq // 4), (batch, shape.seq), generator=gen)
@@ -357,7 +381,9 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
         if load is None or load.share(since) <= args.max_other:
             probes_clean.append(probes[-1])
     for row in rows:
-        row.peak_mem = peak_step_memory(row.step, hf if row is rows[0] else ours, device)
+        row.peak_mem = peak_step_memory(
+            row.step, row.model or (hf if row is rows[0] else ours), device
+        )
 
     peak = statistics.median(probes_clean or probes)
     datasheet = known_peak_flops(device, peak_dtype)
@@ -384,14 +410,25 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
     for row in rows:
         med = _typical(row)
         tps = tokens / med
+        fl = row.model.flops_per_token(shape.seq) if row.model is not None else flops
         print(
             f"{row.name:22} {med * 1e3:8.1f} {min(row.times) * 1e3:7.1f} "
             f"{len(row.clean):>3}/{len(row.times):<2} {tps:9,.0f} {ref / med:5.2f}x "
-            f"{flops * tps / 1e9:8.1f} {mfu(flops, tps, peak):6.1%}"
-            + (f" {mfu(flops, tps, datasheet):7.1%}" if datasheet else "")
+            f"{fl * tps / 1e9:8.1f} {mfu(fl, tps, peak):6.1%}"
+            + (f" {mfu(fl, tps, datasheet):7.1%}" if datasheet else "")
             + f" {row.peak_mem / 2**20:9.0f} {row.warmup_s:9.1f} {row.first_loss:8.5f}",
             flush=True,
         )
+
+    dense = next((r for r in rows if r.name == "minillm"), None)
+    for row in rows:
+        if row.model is not None and dense is not None:
+            params = f"{row.model.param_count() / 1e6:.2f}M params, "
+            active = f"{row.model.active_param_count() / 1e6:.2f}M active"
+            print(f"{row.name}: {params}{active}; vs dense "
+                  f"(minillm, {ours.param_count() / 1e6:.2f}M): "
+                  f"{_typical(dense) / _typical(row):.2f}x tokens/s, "
+                  f"{row.peak_mem / dense.peak_mem:.2f}x peak memory")  # fmt: skip
 
     if args.profile:
         profile_rows(rows, args.profile_steps, args.profile_top, device)
@@ -435,6 +472,11 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.1,
         help="CPU share of other processes above which a step is set aside",
+    )
+    p.add_argument(
+        "--moe",
+        default="",
+        help="E,k: add a mixture-of-experts row, E experts of width ffn_hidden/k, top-k",
     )
     p.add_argument(
         "--doc-mask", action="store_true", help="add a row with train.doc_mask's packed documents"

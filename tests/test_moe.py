@@ -171,6 +171,20 @@ def test_cpu_kernels_train_an_moe_as_the_plain_modules_do() -> None:
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_activation_checkpointing_gives_the_same_gradients_aux_loss_included() -> None:
+    ours, _, cfg = make_pair(**CASES["top2-gqa-untied"])
+    recomputed = Transformer(cfg)
+    recomputed.load_state_dict(ours.state_dict())
+    recomputed.activation_checkpointing = True
+    idx = torch.randint(0, cfg.vocab_size, (2, 24))
+    targets = torch.randint(0, cfg.vocab_size, (2, 24))
+    for model in (ours.train(), recomputed.train()):
+        _, loss = model(idx, targets)
+        (loss + load_balancing_loss(router_stats(model), cfg.n_experts)).backward()
+    for (name, a), b in zip(ours.named_parameters(), recomputed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_param_counts_flops_and_residual_init() -> None:
     cfg = ModelConfig(**BASE, n_experts=4, n_experts_per_token=2)
     model = Transformer(cfg)
@@ -476,3 +490,31 @@ def test_gguf_export_runs_in_llama_cpp_with_our_logits_and_greedy_tokens(
         llm = Llama(model_path=str(path), type_k=0, type_v=0, **kw)
         got = list(itertools.islice(llm.generate(ids[:20], temp=0.0, repeat_penalty=1.0), n))
         assert got == want
+
+
+# ------------------------------------------------------------------ the bench
+
+
+def test_bench_train_has_an_moe_row_against_the_dense_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.helpers import load_script
+
+    bench = load_script("bench_train", monkeypatch)
+    bench.main(["--shapes", "tiny", "--compile", "no", "--steps", "2", "--warmup", "1",
+                "--peak-seconds", "0.05", "--threads", "0", "--moe", "4,2"])  # fmt: skip
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("minillm MoE 4x128 top-2 "))
+    assert float(row.split()[-1]) == pytest.approx(5.545, abs=0.05)  # loss@0 about ln(256)
+    assert "minillm MoE 4x128 top-2: " in out and "x tokens/s" in out and "x peak memory" in out
+
+
+def test_muon_takes_the_router_adamw_the_stacked_experts(tmp_path: Path) -> None:
+    from minillm.model.param_groups import optimizer_split
+
+    cfg = prepared_config(tmp_path, model=MOE, train=dict(optimizer="muon", max_steps=2))
+    trainer = run_trainer(cfg)
+    split = {k: [n for n, _ in v] for k, v in optimizer_split(trainer.model, "muon").items()}
+    assert "blocks.0.ffn.router.weight" in split["muon"]
+    assert "blocks.0.ffn.w_gate_up" in split["adamw"] and "blocks.0.ffn.w_down" in split["adamw"]
+    assert trainer.state.step == 2

@@ -80,9 +80,11 @@ def moe_dispatch(
     # an empty one on 0 rows: its weights are then in the graph with a zero gradient, which DDP
     # needs (a parameter without a gradient would stall its all-reduce).
     counts = torch.bincount(flat, minlength=E).tolist()
-    rows = x[token].split(counts)  # E tensors (n_e, C)
+    rows = x.index_select(0, token).split(counts)  # E tensors (n_e, C)
+    # unbind, not w[e]: the backward of E indexings would fill and add E full-size gradients.
     outs = [
-        F.linear(activation(F.linear(xe, w_gate_up[e])), w_down[e]) for e, xe in enumerate(rows)
+        F.linear(activation(F.linear(xe, w1)), w2)
+        for xe, w1, w2 in zip(rows, w_gate_up.unbind(0), w_down.unbind(0))
     ]
     ys = torch.cat(outs) * weights.flatten()[order, None]  # (N*k, C), weighted in float32
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))  # each token's k summed
