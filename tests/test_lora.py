@@ -487,3 +487,18 @@ def test_bench_lora_prints_full_and_lora_rows(monkeypatch, capsys) -> None:  # n
     assert 0 < lora["peak_bytes"] < full["peak_bytes"]
     out = capsys.readouterr().out
     assert "| full fine-tuning |" in out and "| LoRA rank 4 |" in out
+
+
+def test_a_mixture_of_experts_takes_attention_adapters_only() -> None:
+    from minillm.errors import ConfigError
+
+    moe = tiny_model_config(vocab_size=97, n_experts=2)
+    with pytest.raises(ConfigError, match="train.lora.targets: w_gate_up: this model has no"):
+        add_lora(Transformer(moe), LoRAConfig(rank=4))
+    net = add_lora(Transformer(moe), LoRAConfig(rank=4, targets=["wqkv", "wo"]))
+    trainable = [n for n, p in net.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 2 * moe.n_layer and all(is_adapter(n) for n in trainable)
+    idx = torch.randint(0, 97, (1, 8))
+    with torch.no_grad():
+        before = net(idx)[0]
+        assert torch.equal(merge_lora(net)(idx)[0], before)  # B = 0: merging adds nothing

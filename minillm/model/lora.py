@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import LORA_TARGETS, LoRAConfig, ModelConfig
+from minillm.errors import ConfigError
 from minillm.model.transformer import Transformer
 
 # (module holding the layer, layer name) of a block, per target.
@@ -63,9 +64,18 @@ def add_lora(model: Transformer, lora: LoRAConfig) -> Transformer:
 
     A's initial values are drawn from torch's generator, block by block, so a seeded run starts
     the same every time."""
+    layers = _layers(model, lora.targets)
+    for owner, name in layers:
+        if not isinstance(getattr(owner, name, None), nn.Linear):
+            raise ConfigError(
+                "train.lora.targets",
+                f"{name}: this model has no such linear layer (a mixture of experts, "
+                "model.n_experts, has no dense w_gate_up/w_down: LoRA on its experts is not "
+                "built; target wqkv and wo)",
+            )
     for p in model.parameters():
         p.requires_grad_(False)
-    for owner, name in _layers(model, lora.targets):
+    for owner, name in layers:
         setattr(owner, name, LoRALinear(getattr(owner, name), lora.rank, lora.alpha, lora.dropout))
     return model
 
@@ -92,7 +102,7 @@ def merge_lora(model: Transformer) -> Transformer:
     back, in place: the model is then an ordinary Transformer (for inference and export), every
     parameter trainable again as a loaded model's are."""
     for owner, name in _layers(model, LORA_TARGETS):
-        layer = getattr(owner, name)
+        layer = getattr(owner, name, None)  # a mixture of experts has no w_gate_up
         if isinstance(layer, LoRALinear):
             layer.base.weight.copy_(layer.weight)
             setattr(owner, name, layer.base)
