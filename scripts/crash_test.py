@@ -45,7 +45,7 @@ def env() -> dict[str, str]:
 
 def check_run(run: Path) -> str | None:
     """Every checkpoint folder intact and LATEST naming one; the name LATEST gives."""
-    from minillm.checkpoint.store import list_checkpoints, verify_checkpoint
+    from minillm.checkpoint.layout import list_checkpoints, verify_checkpoint
 
     root = run / "checkpoints"
     if not root.is_dir():

@@ -253,6 +253,7 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     """init_from a run: its model, weights and tokenizer; differing keys are named."""
     import yaml
 
+    from minillm.checkpoint import layout
     from minillm.checkpoint import store as ckpt
     from minillm.checkpoint.init_from import load_run_config
     from tests.helpers import prepared_config
@@ -282,7 +283,7 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     write_shards(cfg)
     trainer = make_trainer(cfg, verbose=False)
     try:
-        start = ckpt.load_model_state(ckpt.resolve_checkpoint(run_dir))
+        start = ckpt.load_model_state(layout.resolve_checkpoint(run_dir))
         for name, value in trainer.model.state_dict().items():
             assert torch.equal(value, start[name]), name
         trainer.fit()

@@ -10,14 +10,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from minillm.checkpoint.store import (
-    CONFIG_KEY,
-    MODEL_FILE,
-    STATE_FILE,
-    CheckpointError,
-    find_latest,
-    load_checkpoint,
-)
+from minillm.checkpoint.layout import CONFIG_KEY, MODEL_FILE, STATE_FILE, find_latest
+from minillm.checkpoint.store import CheckpointError, load_checkpoint
 from minillm.cli import app
 from minillm.config import config_from_dict
 from minillm.runtime.files import sha256_file

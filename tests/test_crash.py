@@ -31,7 +31,7 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(
 
     import torch
 
-    from minillm.checkpoint import store
+    from minillm.checkpoint import layout, store
 
     weights = {"w": torch.ones(2)}
     for step in (1, 2):
@@ -47,10 +47,10 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(
         store.save_checkpoint(tmp_path, 3, weights, {"step": 3}, {"config": {}}, keep_last=2)
     monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     root = tmp_path / "checkpoints"
-    names = [p.name for p in store.list_checkpoints(root)]
+    names = [p.name for p in layout.list_checkpoints(root)]
     assert names == ["step_000002", "step_000003"]
-    for ckpt in store.list_checkpoints(root):
-        store.verify_checkpoint(ckpt)  # whole
+    for ckpt in layout.list_checkpoints(root):
+        layout.verify_checkpoint(ckpt)  # whole
     (trash,) = root.glob(".trash-step_000001-*")  # out of sight; a later run clears it
     trash.rename(root / ".trash-step_000001-999999999")  # as left by a process now dead
     store.prune_checkpoints(root, keep_last=2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.cli import app
 from minillm.infer.evaluate import evaluate_checkpoint
@@ -19,7 +20,7 @@ from tests.test_trainer import nan_at
 
 
 def latest(cfg) -> Path:  # noqa: ANN001
-    return ckpt.find_latest(cfg.train.out_dir)
+    return layout.find_latest(cfg.train.out_dir)
 
 
 def test_average_warms_up_then_decays_and_swaps_back(data_dir: Path) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from minillm.checkpoint.store import find_latest, resolve_checkpoint, save_checkpoint
+from minillm.checkpoint.layout import find_latest, resolve_checkpoint
+from minillm.checkpoint.store import save_checkpoint
 from minillm.config import ConfigError, _type_name, config_from_dict
 from minillm.errors import CheckpointError
 from tests.helpers import make_run

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minillm.checkpoint import store as ckpt
+from minillm.checkpoint import layout
 from minillm.config import ModelConfig, config_from_dict, config_to_dict
 from minillm.data.batches import MicroBatch
 from minillm.errors import ConfigError, UserError
@@ -218,7 +218,7 @@ def test_auto_is_stored_in_the_run_and_resume_keeps_it(
     assert (first.cfg.train.batch_size, first.cfg.train.grad_accum) == (2, 4)
     written = yaml.safe_load((run / "config.yaml").read_text())["train"]
     assert (written["batch_size"], written["grad_accum"]) == (2, 4)
-    state = ckpt.read_state(ckpt.find_latest(run))
+    state = layout.read_state(layout.find_latest(run))
     assert state["config"]["train"]["batch_size"] == 2
     # More memory now: a fresh search would pick 8 x 1, but the run resumes with its own split.
     memory["bytes"] *= 100

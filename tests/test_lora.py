@@ -17,7 +17,8 @@ import yaml
 from typer.testing import CliRunner
 
 from minillm.checkpoint.init_from import load_run_config
-from minillm.checkpoint.store import load_checkpoint, load_model_state, read_state, save_checkpoint
+from minillm.checkpoint.layout import read_state
+from minillm.checkpoint.store import load_checkpoint, load_model_state, save_checkpoint
 from minillm.cli import app
 from minillm.config import LoRAConfig
 from minillm.errors import UserError

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.config import config_from_dict, config_to_dict
 from minillm.data.batches import MicroBatch
@@ -101,7 +102,7 @@ def test_failed_save_leaves_previous_checkpoint_and_latest(
         trainer.close()
     assert (ckpt_root / "LATEST").read_text().strip() == "step_000004"
     assert sorted(p.name for p in ckpt_root.iterdir()) == ["BEST", "LATEST", "step_000004"]
-    ckpt.verify_checkpoint(ckpt_root / "step_000004")
+    layout.verify_checkpoint(ckpt_root / "step_000004")
     loaded = ckpt.load_checkpoint(tmp_path / "run")
     assert loaded.state["step"] == 4
 
@@ -226,7 +227,7 @@ def test_mixed_precision_trains_keeps_fp32_weights_and_resumes(
         trainer.save()
     finally:
         trainer.close()
-    state = ckpt.load_trainer_state(ckpt.find_latest(cfg.train.out_dir))
+    state = ckpt.load_trainer_state(layout.find_latest(cfg.train.out_dir))
     if precision == "fp16":
         assert state["scaler"]["scale"] > 0  # the loss scale resumes with the run
     resumed = run_trainer(cfg)
@@ -243,7 +244,7 @@ def test_overflowed_weights_are_never_checkpointed(data_dir: Path, tmp_path: Pat
                    ckpt_every=1, eval_every=0, max_bad_steps=3)  # fmt: skip
     with pytest.raises(TrainingDiverged) as err:
         run_trainer(cfg)
-    latest = ckpt.find_latest(cfg.train.out_dir)
+    latest = layout.find_latest(cfg.train.out_dir)
     saved = sorted((Path(cfg.train.out_dir) / "checkpoints").glob("step_*"))
     for folder in saved:
         assert all(

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.hf_folder import hf_model_config, import_hf_folder
 from minillm.checkpoint.weights import weights_sha256
@@ -53,7 +54,7 @@ class InitSource:
 def _is_minillm(path: str | Path) -> bool:
     """Whether train.init_from names a minillm run or checkpoint (else an HF folder)."""
     p = Path(path)
-    return (p / ckpt.CKPT_DIR).is_dir() or (p / ckpt.STATE_FILE).is_file()
+    return (p / layout.CKPT_DIR).is_dir() or (p / layout.STATE_FILE).is_file()
 
 
 def init_source(path: str, file: str | None = None) -> InitSource:
@@ -72,18 +73,18 @@ def init_source(path: str, file: str | None = None) -> InitSource:
 def _init_source(path: str) -> InitSource:
     if not _is_minillm(path):
         model = hf_model_config(path)
-        tok = Path(path) / ckpt.TOKENIZER_FILE
+        tok = Path(path) / layout.TOKENIZER_FILE
         if not tok.is_file():
             raise UserError(
-                f"{path}: no {ckpt.TOKENIZER_FILE} (minillm needs the fast tokenizer file of "
+                f"{path}: no {layout.TOKENIZER_FILE} (minillm needs the fast tokenizer file of "
                 "the model)"
             )
         return InitSource(path, model, tok, load_tokenizer(tok).get_vocab_size(), False)
-    found = ckpt.resolve_checkpoint(path, verify=False)  # the config only; init_weights verifies
-    cfg = config_from_dict(ckpt.read_state(found)["config"], file=str(found / ckpt.STATE_FILE))
+    found = layout.resolve_checkpoint(path, verify=False)  # the config only; init_weights verifies
+    cfg = config_from_dict(layout.read_state(found)["config"], file=str(found / layout.STATE_FILE))
     # A run directory's own copy (stable while its checkpoints get pruned), else the checkpoint's.
-    tok = found.parent.parent / ckpt.TOKENIZER_FILE
-    for candidate in (Path(path) / ckpt.TOKENIZER_FILE, found / ckpt.TOKENIZER_FILE):
+    tok = found.parent.parent / layout.TOKENIZER_FILE
+    for candidate in (Path(path) / layout.TOKENIZER_FILE, found / layout.TOKENIZER_FILE):
         if candidate.is_file():
             tok = candidate
             break
@@ -97,10 +98,10 @@ def init_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
     weights are its base with the adapters merged."""
     if not _is_minillm(path):
         return import_hf_folder(path)[1], path
-    found = ckpt.resolve_checkpoint(path)
-    given_one = (Path(path) / ckpt.STATE_FILE).is_file()
+    found = layout.resolve_checkpoint(path)
+    given_one = (Path(path) / layout.STATE_FILE).is_file()
     label = path if given_one else f"{path} ({found.name})"
-    if ckpt.lora_base_of(ckpt.read_state(found)) is not None:
+    if ckpt.lora_base_of(layout.read_state(found)) is not None:
         return ckpt.load_checkpoint(found, verify=False).model.state_dict(), label
     return ckpt.load_model_state(found), label
 
@@ -112,7 +113,7 @@ def lora_base(path: str, weights: dict[str, torch.Tensor]) -> dict[str, str]:
     (`weights_sha256`)."""
     source = Path(path)
     if _is_minillm(path):
-        source = ckpt.resolve_checkpoint(path)  # the one init_weights read (intact)
+        source = layout.resolve_checkpoint(path)  # the one init_weights read (intact)
     return {
         "path": path,
         "source": str(source),

@@ -12,10 +12,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from minillm.checkpoint import store as ckpt
+from minillm.checkpoint import layout
 from minillm.errors import UserError
 
-LOCK_FILE = ckpt.LOCK_FILE
+LOCK_FILE = layout.LOCK_FILE
 
 
 class RunLock:

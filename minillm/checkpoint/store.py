@@ -1,16 +1,11 @@
-"""Checkpoints: atomic save, integrity-checked load, latest/best bookkeeping, loading a run.
+"""Checkpoints: atomic save, pruning, integrity-checked load, loading a run.
 
-Offers `save_checkpoint`, `find_latest`, `resolve_checkpoint`, `verify_checkpoint`,
-`load_model_state`, `load_trainer_state`, `read_state`, `check_model_config` (state.json's
-model config against the one stored with the weights), `load_checkpoint` (config + model +
-tokenizer from a checkpoint alone, or from a Hugging Face folder: `is_hf_folder`; a LoRA run's
-base + adapters, merged), `lora_base_of`, `load_weights_into` (from minillm.checkpoint.weights)
-and `CheckpointError`.
-
-Layout (docs/design.md, "Run directory and checkpoints"):
-    <run>/checkpoints/step_000500/  model.safetensors, trainer_state.pt, tokenizer.json, state.json
-    <run>/checkpoints/LATEST         name of the newest complete checkpoint
-    <run>/checkpoints/BEST           name of the checkpoint with the lowest validation loss
+Offers `save_checkpoint`, `prune_checkpoints`, `load_model_state`, `load_trainer_state`,
+`check_model_config` (state.json's model config against the one stored with the weights),
+`load_checkpoint` (config + model + tokenizer from a checkpoint alone, or from a Hugging Face
+folder; a LoRA run's base + adapters, merged), `lora_base_of` and `LoadedCheckpoint`. The
+layout on disk, and finding the checkpoint a `--ckpt` means (`find_latest`,
+`resolve_checkpoint`, `verify_checkpoint`, `read_state`), are `minillm.checkpoint.layout`.
 
 A checkpoint is written into a hidden temporary folder, every file fsynced, then the folder is
 renamed into place and only then LATEST is replaced (temp file + rename). A crash at any instant
@@ -23,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 import time
 import warnings
@@ -33,8 +27,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minillm.checkpoint.layout import (
+    CKPT_DIR,
+    CONFIG_KEY,
+    FORMAT_VERSION,
+    MODEL_FILE,
+    STATE_FILE,
+    TOKENIZER_FILE,
+    TRAINER_FILE,
+    checkpoint_name,
+    is_hf_folder,
+    list_checkpoints,
+    read_pointer,
+    read_state,
+    resolve_checkpoint,
+)
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
-from minillm.errors import CheckpointError, UserError, warn
+from minillm.errors import CheckpointError, UserError
 from minillm.runtime.files import (
     atomic_write_json,
     atomic_write_text,
@@ -47,20 +56,6 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from minillm.config import Config
-
-CKPT_DIR = "checkpoints"
-MODEL_FILE = "model.safetensors"
-TRAINER_FILE = "trainer_state.pt"
-STATE_FILE = "state.json"
-TOKENIZER_FILE = "tokenizer.json"
-HF_CONFIG_FILE = "config.json"  # a Hugging Face folder's (minillm.checkpoint.hf_folder)
-FORMAT_VERSION = 1
-CONFIG_KEY = "minillm.model_config"  # safetensors metadata: the model config, JSON
-_STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step_{step:06d}"
 
 
 def save_checkpoint(
@@ -118,28 +113,9 @@ def save_checkpoint(
     return final
 
 
-def _read_pointer(ckpt_root: Path, pointer: str) -> str | None:
-    try:
-        return (ckpt_root / pointer).read_text().strip() or None
-    except OSError:
-        return None
-
-
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete-looking checkpoint folders (renamed into place), oldest first."""
-    if not ckpt_root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := _STEP_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def _step_of(path: Path) -> int:
-    return int(_STEP_RE.match(path.name).group(1))
-
-
 def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` checkpoints (not LATEST, BEST) and dead temp dirs."""
-    keep = {_read_pointer(ckpt_root, "LATEST"), _read_pointer(ckpt_root, "BEST")}
+    keep = {read_pointer(ckpt_root, "LATEST"), read_pointer(ckpt_root, "BEST")}
     ckpts = list_checkpoints(ckpt_root)
     keep.update(p.name for p in ckpts[-keep_last:])
     for p in ckpts:
@@ -164,156 +140,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def read_state(ckpt: str | Path) -> dict[str, Any]:
-    path = Path(ckpt) / STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; {ckpt} is not a minillm checkpoint") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e})") from None
-    if not isinstance(state, dict) or "files" not in state or "config" not in state:
-        raise CheckpointError(f"{path}: not a minillm checkpoint state (no files/config)")
-    return state
-
-
-def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
-    """state.json of `ckpt` after checking every recorded file's sha256; CheckpointError if not."""
-    ckpt = Path(ckpt)
-    state = read_state(ckpt)
-    for name, digest in state["files"].items():
-        path = ckpt / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing")
-        if sha256_file(path) != digest:
-            raise CheckpointError(f"{path}: sha256 does not match state.json (damaged file)")
-    return state
-
-
-def find_latest(run_dir: str | Path, verify: bool = True) -> Path | None:
-    """The checkpoint LATEST names (else the newest), or None if the run has none.
-
-    If it fails its integrity check, older ones are tried in turn and a warning names the damaged
-    checkpoint and the one used instead.
-    """
-    ckpt_root = Path(run_dir) / CKPT_DIR
-    candidates = list_checkpoints(ckpt_root)
-    latest = _read_pointer(ckpt_root, "LATEST")
-    if latest in [p.name for p in candidates]:
-        # LATEST decides; a folder newer than it is one whose LATEST update a crash cut short
-        # (or one a user stepped back from), and will be replaced when that step is saved again.
-        candidates = [p for p in candidates if _step_of(p) <= _step_of(ckpt_root / latest)]
-    failures = []
-    for candidate in reversed(candidates):
-        try:
-            verify_checkpoint(candidate) if verify else read_state(candidate)
-        except CheckpointError as e:
-            failures.append(f"{candidate.name} ({e})")
-            continue
-        if failures:
-            warn(f"checkpoint {'; '.join(failures)} failed its integrity check; using {candidate}")
-        return candidate
-    if failures:
-        raise CheckpointError(f"{ckpt_root}: no intact checkpoint: {'; '.join(failures)}")
-    return None
-
-
-POINTERS = ("LATEST", "BEST")
-LOCK_FILE = "train.lock"  # the run lock's file (minillm.checkpoint.rundir.RunLock)
-
-
-def resolve_checkpoint(path: str | Path, verify: bool = True, best: bool = False) -> Path:
-    """The checkpoint for `--ckpt`: a run directory (its newest intact one, or with `best` the
-    one BEST names), a checkpoint, or a run's checkpoints/LATEST or checkpoints/BEST file."""
-    path = Path(path)
-    if path.name == CKPT_DIR and path.is_dir() and not (path / STATE_FILE).exists():
-        path = path.parent  # runs/x/checkpoints means the run
-    if path.name in POINTERS and path.is_file():
-        # A pointer file names a checkpoint folder next to it.
-        if best:
-            raise CheckpointError(f"{path}: --best takes a run directory, not a pointer file")
-        name = _read_pointer(path.parent, path.name)
-        if name is None or not (path.parent / name / STATE_FILE).is_file():
-            raise CheckpointError(f"{path}: names {name!r}, which is not a checkpoint here")
-        return resolve_checkpoint(path.parent / name, verify)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such run or checkpoint directory")
-    if (path / STATE_FILE).is_file():
-        if best:
-            raise CheckpointError(f"{path}: --best takes a run directory, not a checkpoint")
-        if verify:
-            verify_checkpoint(path)
-        return path
-    if best:
-        return _best_checkpoint(path, verify)
-    if (path / CKPT_DIR).is_dir():
-        found = find_latest(path, verify=verify)
-        if found is not None:
-            return found
-    if (path / CKPT_DIR).is_dir() or (path / LOCK_FILE).exists() or (path / "config.yaml").exists():
-        raise CheckpointError(f"{path}: no checkpoint yet{_training_note(path)}")
-    raise CheckpointError(
-        f"{path}: not a minillm run directory (no {CKPT_DIR}/) nor a checkpoint (no {STATE_FILE})"
-        f" nor a Hugging Face model folder (no {HF_CONFIG_FILE})"
-    )
-
-
-def is_hf_folder(path: str | Path) -> bool:
-    """Whether `--ckpt` names a Hugging Face model folder: a config.json, and neither a run's
-    checkpoints/ nor a checkpoint's state.json (a minillm run or checkpoint is read as one)."""
-    p = Path(path)
-    return (
-        (p / HF_CONFIG_FILE).is_file()
-        and not (p / CKPT_DIR).is_dir()
-        and not (p / STATE_FILE).is_file()
-    )
-
-
-def _best_checkpoint(run_dir: Path, verify: bool) -> Path:
-    """The checkpoint BEST names in a run (the lowest validation loss so far)."""
-    ckpt_root = run_dir / CKPT_DIR
-    name = _read_pointer(ckpt_root, "BEST")
-    if name is None:
-        if list_checkpoints(ckpt_root):
-            raise CheckpointError(
-                f"{run_dir}: no best checkpoint yet (none saved after a validation); "
-                "drop --best for the latest"
-            )
-        raise CheckpointError(f"{run_dir}: no checkpoint yet{_training_note(run_dir)}")
-    # A damaged best checkpoint is no reason to stop: the newest intact one is a flag away.
-    instead = "; or leave out --best to use the newest intact checkpoint"
-    if not (ckpt_root / name / STATE_FILE).is_file():
-        raise CheckpointError(
-            f"{ckpt_root / 'BEST'}: names {name!r}, which is not a checkpoint{instead}"
-        )
-    if verify:
-        try:
-            verify_checkpoint(ckpt_root / name)
-        except CheckpointError as e:
-            raise CheckpointError(f"{e}{instead}") from None
-    return ckpt_root / name
-
-
-def _training_note(run_dir: Path) -> str:
-    """`; a training holds its lock (pid N on host)` when a live `minillm train` holds the run."""
-    import fcntl
-
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
-    except OSError:
-        return ""
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free: nobody trains this run now
-        except OSError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            return f"; a training holds its lock ({holder}): its first checkpoint is not written"
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return ""
-    finally:
-        os.close(fd)
 
 
 def load_model_state(

@@ -79,7 +79,8 @@ def load_config(path: Path, overrides: list[str] | None, require_model: bool = T
 def load_ckpt(ckpt: Path, device: str, best: bool = False) -> Any:
     """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
     Hugging Face Llama folder, which the command it is given to is first checked to suit."""
-    from minillm.checkpoint.store import is_hf_folder, load_checkpoint
+    from minillm.checkpoint.layout import is_hf_folder
+    from minillm.checkpoint.store import load_checkpoint
     from minillm.runtime.device import resolve_device
 
     if is_hf_folder(ckpt):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.checkpoint import store as ckpt
+from minillm.checkpoint import layout
 from minillm.config import Config
 from minillm.errors import ConfigError, UserError
 from minillm.info import activation_bytes, model_info, runs_half
@@ -141,7 +141,7 @@ def free_cuda_memory() -> None:
 
 def batch_split_of(checkpoint: Path) -> tuple[int, int] | None:
     """The batch_size and grad_accum a checkpoint was trained with, if it records them."""
-    train = ckpt.read_state(checkpoint)["config"].get("train", {})
+    train = layout.read_state(checkpoint)["config"].get("train", {})
     b, a = train.get("batch_size"), train.get("grad_accum")
     return (b, a) if isinstance(b, int) and isinstance(a, int) else None
 

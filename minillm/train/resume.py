@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.config import Config, config_from_dict, config_to_dict
 from minillm.errors import ConfigError, UserError, warn
@@ -148,11 +149,11 @@ def resume_point(
     architecture or tokenizer differs from `cfg` is refused, naming the keys, and so is one whose
     state.json model config disagrees with its weights'. A new schedule that makes the learning
     rate jump at the resume step is warned about. `latest`: the run's newest intact checkpoint
-    when the caller has already looked it up (`ckpt.find_latest` checks its sha256: once per
+    when the caller has already looked it up (`layout.find_latest` checks its sha256: once per
     run is enough).
     """
-    ckpt_root = run_dir / ckpt.CKPT_DIR
-    if not ckpt.list_checkpoints(ckpt_root):
+    ckpt_root = run_dir / layout.CKPT_DIR
+    if not layout.list_checkpoints(ckpt_root):
         return None
     if not resume:
         if not force:
@@ -160,7 +161,7 @@ def resume_point(
                 f"{run_dir}: has checkpoints; --no-resume starts over only with --force"
             )
         if clear:
-            names = [p.name for p in ckpt.list_checkpoints(ckpt_root)]
+            names = [p.name for p in layout.list_checkpoints(ckpt_root)]
             span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
             warn(
                 f"{run_dir}: --no-resume --force: deleting {len(names)} checkpoint(s) ({span}) "
@@ -169,10 +170,10 @@ def resume_point(
             shutil.rmtree(ckpt_root)
             shutil.rmtree(run_dir / "tb", ignore_errors=True)
         return None
-    found = latest if latest is not None else ckpt.find_latest(run_dir)
+    found = latest if latest is not None else layout.find_latest(run_dir)
     if found is None:
         return None
-    state = ckpt.read_state(found)
+    state = layout.read_state(found)
     ckpt.check_model_config(found, state)
     refused, changed = resume_differences(state["config"], cfg)
     if state.get("tokenizer_sha256") not in (None, tokenizer_sha):

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.init_from import InitSource, init_source, lora_base
 from minillm.checkpoint.init_from import init_weights as load_init_weights
@@ -220,7 +221,7 @@ def prepare_run(
             tf32 = enable_tf32(device)
             # The newest intact checkpoint, looked up (and its sha256 checked) once: both the
             # batch split of `auto` and the resume point read it.
-            latest = ckpt.find_latest(run_dir) if resume else None
+            latest = layout.find_latest(run_dir) if resume else None
             batch_size, grad_accum = resolve_batch_size(
                 cfg, device, precision, dist.world_size,
                 previous=batch_split_of(latest) if latest is not None else None,
@@ -310,7 +311,7 @@ def _lora_base(
             "sharding to save); use parallel: ddp",
         )
     base = lora_base(source.path, weights)
-    recorded = ckpt.lora_base_of(ckpt.read_state(resume_from)) if resume_from else None
+    recorded = ckpt.lora_base_of(layout.read_state(resume_from)) if resume_from else None
     if recorded is not None and recorded["sha256"] != base["sha256"]:
         raise ConfigError(
             "train.init_from",

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.config import config_to_dict
 from minillm.errors import warn
@@ -131,7 +132,7 @@ def restore_checkpoint(run: Run, state: TrainState, path: Path) -> None:
     """Load weights, optimizer, scaler, this rank's RNG and the counters from `path` into
     `state`."""
     s = state
-    saved = ckpt.read_state(path)
+    saved = layout.read_state(path)
     weights = ckpt.load_model_state(path)
     trainer_state = ckpt.load_trainer_state(path)
     saved_ema = trainer_state.get("ema")
