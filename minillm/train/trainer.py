@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from minillm.checkpoint.store import load_weights_into
+from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
 from minillm.data.batches import MicroBatch, eval_batches, train_batch
 from minillm.errors import UserError, warn
@@ -32,12 +32,7 @@ from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora
 from minillm.model.moe import router_stats
-from minillm.runtime.device import (
-    StopSignal,
-    autocast_context,
-    make_grad_scaler,
-    seed_everything,
-)
+from minillm.runtime.device import StopSignal, autocast_context, make_grad_scaler, seed_everything
 from minillm.runtime.files import atomic_copy, atomic_write_text
 from minillm.runtime.progress import format_duration
 from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
