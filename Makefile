@@ -19,7 +19,8 @@ RUN   ?= runs/tiny
 CHAT_RUN ?= runs/tiny-chat
 LORA_RUN ?= runs/tiny-lora
 
-.PHONY: setup interop test test-fast demo chat-demo lora-demo lint format bench clean
+.PHONY: setup interop test test-fast demo chat-demo lora-demo rl-demo rl-dpo-demo lint format bench \
+	clean
 
 setup: $(BIN)/.installed
 
@@ -97,6 +98,29 @@ lora-demo: setup
 	$(BIN)/minillm export --ckpt $(LORA_RUN) --out hf/tiny-lora --force
 	$(BIN)/minillm export --ckpt $(LORA_RUN) --format gguf --out gguf/tiny-lora.gguf --force
 	$(BIN)/minillm export --ckpt $(LORA_RUN) --format peft --out hf/tiny-lora-peft --force
+
+# The RL demo (README, "Preference tuning and RL"): a brief SFT on the shipped sort task
+# (scripts/gen_rl_data.py; STEPS and ARGS go to it), its held-out exact match greedy and sampled
+# (8 replies each at temperature 1: mean and pass@8), then GRPO from it, scored the same way.
+RL_TEST  = data/rl_sort_test.jsonl
+rl-demo: setup
+	$(BIN)/minillm tokenize configs/rl-sft.yaml $(SETS)
+	$(BIN)/minillm train configs/rl-sft.yaml $(SETS)
+	$(BIN)/minillm eval --ckpt runs/rl-sft --task $(RL_TEST)
+	$(BIN)/minillm eval --ckpt runs/rl-sft --task $(RL_TEST) --temperature 1 --samples 8
+	$(BIN)/minillm tokenize configs/rl-grpo.yaml
+	$(BIN)/minillm train configs/rl-grpo.yaml
+	$(BIN)/minillm eval --ckpt runs/rl-grpo --task $(RL_TEST)
+	$(BIN)/minillm eval --ckpt runs/rl-grpo --task $(RL_TEST) --temperature 1 --samples 8
+
+# DPO on the shipped pairs (sorted vs two letters swapped) from the RL demo's SFT run (trained
+# first when missing): held-out reward accuracy is val/reward_accuracy, then greedy exact match.
+rl-dpo-demo: setup
+	test -d runs/rl-sft/checkpoints || ($(BIN)/minillm tokenize configs/rl-sft.yaml && \
+		$(BIN)/minillm train configs/rl-sft.yaml)
+	$(BIN)/minillm tokenize configs/rl-dpo.yaml
+	$(BIN)/minillm train configs/rl-dpo.yaml
+	$(BIN)/minillm eval --ckpt runs/rl-dpo --task $(RL_TEST)
 
 lint: setup
 	$(BIN)/ruff check minillm tests scripts

@@ -64,7 +64,8 @@ def test_readme_lists_commands_in_pipeline_order() -> None:
 
 @pytest.mark.skipif(__import__("shutil").which("make") is None, reason="needs make")
 @pytest.mark.parametrize("target,config", [("demo", "configs/tiny.yaml"),
-                                           ("chat-demo", "configs/tiny-chat.yaml")])  # fmt: skip
+                                           ("chat-demo", "configs/tiny-chat.yaml"),
+                                           ("rl-demo", "configs/rl-sft.yaml")])  # fmt: skip
 def test_make_demo_passes_steps_and_args_to_tokenize_and_train(target: str, config: str) -> None:
     import subprocess
 
