@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from minillm.config import SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +155,10 @@ def test_config_table_in_training_guide_is_minillm_info() -> None:
     from minillm.info import model_info
 
     rows = CONFIG_ROW.findall((ROOT / "docs" / "training.md").read_text(encoding="utf-8"))
-    shipped = {f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")}
+    # A config without a model section takes its model from train.init_from (configs/rl-grpo.yaml,
+    # rl-dpo.yaml): `minillm info` has nothing to count until that run exists.
+    shipped = {f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")
+               if "model" in yaml.safe_load(p.read_text(encoding="utf-8"))}  # fmt: skip
     assert {row[0] for row in rows} == shipped, "training.md's table of configs is incomplete"
     for path, *documented in rows:
         info = model_info(load_config(ROOT / path))
