@@ -12,13 +12,12 @@ A malformed line is one UserError `<file>: line N: <field>: <what>`, raised befo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from minillm.errors import UserError
-from minillm.runtime.files import read_user_text
+from minillm.runtime.files import user_jsonl
 
 ROLES = ("system", "user", "assistant")
 KINDS = {"multiple_choice": "multiple-choice", "exact_match": "exact-match"}
@@ -102,16 +101,8 @@ def _exact_match(obj: dict[str, Any], where: str, line: int) -> ExactMatch:
 def read_task(path: str | Path) -> Task:
     """Read and check a jsonl task file (blank lines are skipped)."""
     path = Path(path)
-    text = read_user_text(path, "task file")
     task: Task | None = None
-    for n, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}: line {n}"
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    for n, where, obj in user_jsonl(path, "task file"):
         if not isinstance(obj, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         kind = "exact_match" if "messages" in obj else "multiple_choice" if "context" in obj else ""

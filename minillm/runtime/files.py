@@ -2,8 +2,8 @@
 
 Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `atomic_copy` (one file),
 `StagedFile` (files that commit together), `commit_dir` (a staged folder renamed into place),
-`fsync_dir`, `fsync_file`, `sha256_file`, `save_safetensors`, `ensure_writable_dir` and
-`removing_new_dirs`.
+`fsync_dir`, `fsync_file`, `sha256_file`, `save_safetensors`, `ensure_writable_dir`,
+`removing_new_dirs`; and reading a user's files: `read_user_text`, `user_jsonl`.
 A reader therefore sees the old file or the new one, never a half-written one, whatever instant a
 crash or a full disk strikes.
 """
@@ -266,3 +266,17 @@ def read_user_text(path: str | Path, what: str = "file") -> str:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise UserError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def user_jsonl(path: str | Path, what: str = "file") -> Iterator[tuple[int, str, Any]]:
+    """(N, "<path>: line N", the value) of each non-blank line N of a user's jsonl file; a line
+    that is not JSON is one UserError line naming the file, line and column."""
+    for n, raw in enumerate(read_user_text(path, what).splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"{path}: line {n}"
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        yield n, where, value

@@ -25,7 +25,6 @@ w x the chosen replies' cross-entropy per token (TRL's rpo_alpha).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +37,7 @@ from minillm.data.corpus import val_mask
 from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
-from minillm.runtime.files import read_user_text
+from minillm.runtime.files import user_jsonl
 from minillm.train.distributed import all_reduce_sum
 from minillm.train.objectives import (
     MeanMeter,
@@ -140,14 +139,7 @@ def read_pairs(path: str | Path) -> list[Pair]:
     if path.suffix != ".jsonl":
         raise ConfigError("data.source", f"{path}: DPO reads a .jsonl file of preference pairs")
     pairs = []
-    for n, raw in enumerate(read_user_text(path, "data.source").splitlines(), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}: line {n}"
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+    for n, where, obj in user_jsonl(path, "data.source"):
         pairs.append(parse_pair(obj, where, n))
     if not pairs:
         raise ConfigError("data.source", f"{path}: no preference pairs")
