@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from minillm.config import LoRAConfig, ModelConfig, TrainConfig  # noqa: E402
 from minillm.model import Transformer, use_cpu_kernels  # noqa: E402
 from minillm.model.lora import add_lora, trainable_frozen  # noqa: E402
+from minillm.runtime.perf import step_peak_bytes  # noqa: E402
 from minillm.train.optim import build_optimizer  # noqa: E402
 
 MiB = 1024**2
@@ -96,7 +94,7 @@ def build_row(shape: Shape, rank: int, device: torch.device, base: dict) -> Row:
     name = f"LoRA rank {rank}" if rank else "full fine-tuning"
     row = Row(name, rank, trainable, frozen, step)
     row.step()  # warm-up: the optimizer's state exists from here on
-    row.peak = peak_step_memory(row.step, model, optimizer, device)
+    row.peak = step_peak_bytes(row.step, device, held_bytes(model, optimizer))
     return row
 
 
@@ -107,34 +105,6 @@ def held_bytes(model: torch.nn.Module, optimizer: object) -> int:
         for state in opt.state.values():
             tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
-
-
-def peak_step_memory(
-    step: Callable[[], None], model: torch.nn.Module, optimizer: object, device: torch.device
-) -> int:
-    """Peak bytes of one training step (module docstring)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    from torch.profiler import ProfilerActivity, profile
-
-    held = held_bytes(model, optimizer)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals = [
-        e["args"]["Total Allocated"]
-        for e in events
-        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
-    ]
-    return held + max(totals, default=0)
 
 
 def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> list[dict]:

@@ -29,11 +29,9 @@ import argparse
 import copy
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -46,7 +44,13 @@ from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model.moe import load_balancing_loss, router_stats
 from minillm.runtime.device import enable_tf32
-from minillm.runtime.perf import known_peak_flops, measure_matmul_peak, mfu, synchronize
+from minillm.runtime.perf import (
+    known_peak_flops,
+    measure_matmul_peak,
+    mfu,
+    step_peak_bytes,
+    synchronize,
+)
 
 
 @dataclasses.dataclass
@@ -159,37 +163,6 @@ def call_hf(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) ->
 def static_bytes(model: torch.nn.Module) -> int:
     """Parameters and AdamW state (two moments) in bytes; gradients are transient (set_to_none)."""
     return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def peak_step_memory(
-    step: Callable[[], float], model: torch.nn.Module, device: torch.device
-) -> int:
-    """Peak bytes allocated during one step, parameters and optimizer state included.
-
-    CUDA: the caching allocator's own peak. CPU: the profiler's running total of what the step
-    allocates (frees of older blocks are not seen, and gradients are None between steps) on top
-    of the static parameters + AdamW state.
-    """
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    totals = [
-        e["args"]["Total Allocated"]
-        for e in events
-        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
-    ]
-    return static_bytes(model) + max(totals, default=0)
 
 
 # Operator name fragments -> the category a profile summary files them under (first match wins).
@@ -381,9 +354,8 @@ def bench_shape(name: str, args: argparse.Namespace, device: torch.device) -> No
         if load is None or load.share(since) <= args.max_other:
             probes_clean.append(probes[-1])
     for row in rows:
-        row.peak_mem = peak_step_memory(
-            row.step, row.model or (hf if row is rows[0] else ours), device
-        )
+        model = row.model or (hf if row is rows[0] else ours)
+        row.peak_mem = step_peak_bytes(row.step, device, static_bytes(model))
 
     peak = statistics.median(probes_clean or probes)
     datasheet = known_peak_flops(device, peak_dtype)

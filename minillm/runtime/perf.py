@@ -3,7 +3,8 @@
 Offers `measure_matmul_peak` (a square-matmul probe of what the device sustains), `known_peak_flops`
 (datasheet dense bf16/fp16 tensor-core peaks of common GPUs), `peak_flops` (the peak the trainer
 uses: configured, datasheet, or a probe cached per machine), `reprobe_peak` (for a cached probe
-that a run beats), `mfu` and `synchronize`.
+that a run beats), `mfu`, `synchronize` and `step_peak_bytes` (the peak memory of one training
+step, for bench_train and bench_lora).
 
 MFU, here and in the trainer, is model FLOP/s over peak FLOP/s, where model FLOP/s is
 `model.flops_per_token(seq_len)` (6 per matmul weight, head included, plus 12 * L * C * T for
@@ -15,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -195,3 +199,30 @@ def _probe_and_cache(device: torch.device, dtype: torch.dtype) -> float:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, {**cache, key: value})
     return value
+
+
+def step_peak_bytes(step: Callable[[], object], device: torch.device, held: int) -> int:
+    """Peak bytes of one training step, `held` (what the model and optimizer keep between
+    steps) included. CUDA: the caching allocator's own peak. CPU: `held` plus the profiler's
+    running total of what the step allocates (frees of older blocks are not seen)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [
+        e["args"]["Total Allocated"]
+        for e in events
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
+    ]
+    return held + max(totals, default=0)
