@@ -151,6 +151,17 @@ def weights(trainer: Any) -> dict[str, Any]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+def eval_json(args: list[str]) -> dict:
+    """`minillm eval ARGS --json --device cpu` through the CLI in this process, parsed."""
+    from typer.testing import CliRunner
+
+    from minillm.cli import app
+
+    result = CliRunner().invoke(app, ["eval", *args, "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
 def error_line(result) -> str:  # noqa: ANN001
     """The one `error:` line of a failed command (exit 2, nothing else on stderr)."""
     assert result.exit_code == 2, result.output

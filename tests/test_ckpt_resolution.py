@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from minillm.cli import app
-from tests.helpers import error_line, trained_run
+from tests.helpers import error_line, eval_json, trained_run
 
 runner = CliRunner()
 
@@ -23,12 +22,6 @@ def invoke(args: list[str]):  # noqa: ANN201
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-step run with checkpoints at steps 2 and 4 (BEST names one of them)."""
     return trained_run(tmp_path_factory.mktemp("run")) / "run"
-
-
-def eval_json(args: list[str]) -> dict:
-    result = invoke(["eval", *args, "--json", "--device", "cpu"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def test_ckpt_takes_pointer_files_and_best(run: Path) -> None:

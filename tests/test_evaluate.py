@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.infer.evaluate import evaluate_checkpoint, evaluate_tokens, metrics
-from tests.helpers import error_line, make_run, tiny_tokenizer, trained_run, write_shards
+from tests.helpers import error_line, eval_json, make_run, tiny_tokenizer, trained_run, write_shards
 
 LN2 = math.log(2)
 runner = CliRunner()
@@ -185,14 +185,6 @@ def invoke(args: list[str]):  # noqa: ANN201
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-step run with checkpoints at steps 2 and 4 (BEST names one of them)."""
     return trained_run(tmp_path_factory.mktemp("run")) / "run"
-
-
-def eval_json(args: list[str]) -> dict:
-    import json
-
-    result = invoke(["eval", *args, "--json", "--device", "cpu"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def test_eval_data_reads_tables_as_tokenize_does(run: Path, tmp_path: Path) -> None:
