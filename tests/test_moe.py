@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from typer.testing import CliRunner
 
 from minillm.cli import app
@@ -65,9 +66,15 @@ def test_logits_and_gradients_match_hf_mixtral(case: str) -> None:
     got, _ = ours(idx)
     torch.testing.assert_close(got, out.logits, atol=1e-5, rtol=0)
     aux = load_balancing_loss(router_stats(ours), cfg.n_experts)
-    torch.testing.assert_close(aux, out.aux_loss, atol=1e-6, rtol=0)
+    # Ours is HF's function of each layer alone, averaged (HF's own pools the layers first).
+    per_layer = [
+        load_balancing_loss_func((g,), cfg.n_experts, cfg.n_experts_per_token)
+        for g in out.router_logits
+    ]
+    hf_aux = torch.stack(per_layer).mean()
+    torch.testing.assert_close(aux, hf_aux, atol=1e-6, rtol=0)
     # A loss that weighs every logit, plus the load-balancing loss (the router's own gradient).
-    ((out.logits * probe).sum() + out.aux_loss).backward()
+    ((out.logits * probe).sum() + hf_aux).backward()
     ((got * probe).sum() + aux).backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     if cfg.tie_embeddings:
@@ -132,6 +139,15 @@ def test_a_balanced_router_gives_the_minimum_load_balancing_loss_k(k: int) -> No
     # All tokens on one expert, all probability on it: E * k, the maximum.
     skewed = RouterStats(torch.tensor([N, 0.0, 0, 0]), torch.tensor([N * k, 0.0, 0, 0]), N)
     assert load_balancing_loss([skewed], E).item() == pytest.approx(E * k)
+    # Two layers unbalanced in opposite ways are not balanced: pooled over the layers (HF's
+    # load_balancing_loss_func) they would score the minimum k = 1.
+    one = RouterStats(torch.tensor([N, 0.0]), torch.tensor([N, 0.0]), N)
+    other = RouterStats(torch.tensor([0.0, N]), torch.tensor([0.0, N]), N)
+    assert load_balancing_loss([one, other], 2).item() == pytest.approx(2.0)
+    pooled = load_balancing_loss_func(
+        (torch.tensor([[9.0, 0]] * N), torch.tensor([[0, 9.0]] * N)), 2, 1
+    )
+    assert pooled.item() == pytest.approx(1.0, abs=1e-3)
     # A real router: the loss never goes below k.
     ours, _, cfg = make_pair(**CASES["top2-gqa-untied"])
     ours(torch.randint(0, cfg.vocab_size, (2, 30)))

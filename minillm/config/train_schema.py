@@ -201,9 +201,9 @@ class TrainConfig(Section):
     moe_aux_loss: float = setting(
         0.0,
         help="Coefficient of the load-balancing loss added to the training loss of a mixture "
-        "of experts (model.n_experts): Switch/Mixtral's E * sum_e f_e P_e, as transformers' "
-        "load_balancing_loss_func (Mixtral-8x7B's router_aux_loss_coef is 0.02, Switch's "
-        "0.01); 0 = none. Logged as moe/aux_loss beside each layer's expert load.",
+        "of experts (model.n_experts): Switch's E * sum_e f_e P_e of each layer, averaged over "
+        "the layers (minimum k; Mixtral-8x7B's router_aux_loss_coef is 0.02, Switch's 0.01); "
+        "0 = none. Logged as moe/aux_loss beside each layer's expert load.",
     )
     ema_decay: float = setting(
         0.0,

@@ -135,11 +135,12 @@ def router_stats(model: nn.Module) -> list[RouterStats]:
 
 
 def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:
-    """Switch/Mixtral load balancing, HF's `load_balancing_loss_func` exactly: E * sum_e f_e P_e
-    with f_e the mean over layers and tokens of 1[e among the token's k] (sums to k) and P_e the
-    mean router probability of e (sums to 1), both pooled over the layers. Its minimum, where
-    every expert gets as many tokens and as much probability, is k (1 for Switch's top-1)."""
-    total = sum(s.tokens for s in stats)
-    f = torch.stack([s.counts for s in stats]).sum(0) / total  # (E,)
-    p = torch.stack([s.prob_sum for s in stats]).sum(0) / total  # (E,)
-    return n_experts * (f * p).sum()
+    """Switch Transformer's load balancing, per layer and averaged over the layers:
+    mean_l E * sum_e f_le P_le, with f_le the fraction of layer l's tokens that have e among their
+    k (sums to k) and P_le the mean router probability of e there (sums to 1). Its minimum, where
+    every expert of every layer gets as many tokens and as much probability, is k (1 for Switch's
+    top-1). For one layer it is transformers' `load_balancing_loss_func`; for several, that
+    function pools the layers' tokens first, so layers unbalanced in opposite ways pass for
+    balanced (transformers issues #28255, #31464; measured on the demo in the README)."""
+    per_layer = [(s.counts / s.tokens) @ (s.prob_sum / s.tokens) for s in stats]
+    return n_experts * torch.stack(per_layer).mean()
