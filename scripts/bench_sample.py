@@ -11,6 +11,11 @@ ceiling on the ratio.
     python scripts/bench_sample.py                      # CPU: the small and the medium shape
     python scripts/bench_sample.py --shapes small --repeats 3 --profile
     python scripts/bench_sample.py --threads 1          # steadier on a shared machine
+    python scripts/bench_sample.py --shapes medium --threads 1 --rows 8   # + 8 rows at once
+
+--rows N also times minillm's decoding core stepping N rows (N different prompts, one batched
+forward a step) against one row, in the same process: what continuous batching can give
+`minillm serve` at most, before HTTP and prompt prefills between steps.
 
 Timings on a shared machine drift; the load average is printed before and after, and a warning
 when it exceeds the threads this process uses; the CPU-time ratio (process CPU seconds of HF over
@@ -137,6 +142,34 @@ def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeat
     }
 
 
+def bench_rows(shape: ModelConfig, prompt_len: int, new: int, repeats: int, rows: int) -> dict:
+    """minillm's decoding core on `rows` prompts at once against the first of them alone."""
+    ours, _ = build_pair(shape)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(1, shape.vocab_size, (prompt_len,), generator=gen).tolist()
+        for _ in range(rows)
+    ]
+    sides = {
+        "one": lambda: generate(ours, prompts[:1], SamplingParams.greedy(new)),
+        "many": lambda: generate(ours, prompts, SamplingParams.greedy(new)),
+    }
+    outs = {label: fn() for label, fn in sides.items()}  # warm-up, and the equality check
+    wall: dict[str, list[float]] = {label: [] for label in sides}
+    for _ in range(repeats):
+        for label, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            wall[label].append(time.perf_counter() - start)
+    one, many = (statistics.median(wall[k]) for k in ("one", "many"))
+    return {
+        "one": new / one,
+        "many": rows * new / many,
+        "step_ratio": many / one,
+        "same": outs["many"][0] == outs["one"][0],
+    }
+
+
 def profile_ours(shape: ModelConfig, prompt_len: int, new: int) -> None:
     """Where minillm's decode time goes: the top operators of one generate call."""
     ours, _ = build_pair(shape)
@@ -154,6 +187,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="profile minillm's decode loop")
+    parser.add_argument(
+        "--rows", type=int, default=0, help="also minillm with this many rows at once against one"
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -174,9 +210,14 @@ def main() -> None:
     if before > threads:
         print(f"warning: load average {before:.2f} > {threads} threads: timings will be noisy")
     rows = []
+    batched = {}
     for name in args.shapes.split(","):
         row = bench_shape(name, SHAPES[name], args.prompt_len, args.new_tokens, args.repeats)
         rows.append(row)
+        if args.rows > 1:
+            batched[name] = bench_rows(
+                SHAPES[name], args.prompt_len, args.new_tokens, args.repeats, args.rows
+            )
         if args.profile:
             profile_ours(SHAPES[name], args.prompt_len, args.new_tokens)
     after = loadavg()
@@ -200,6 +241,21 @@ def main() -> None:
         "and the head, back to back), no attention, norms or framework: a practical ceiling for "
         "any decoder of these weights here, and its ratio to HF one for the speed-up."
     )
+    if batched:
+        print(
+            f"\nminillm's decoding core, {args.rows} different prompts at once against the first "
+            f"alone (median of {args.repeats}):\n"
+        )
+        print(
+            f"| shape | 1 row tok/s | {args.rows} rows tok/s | throughput ratio "
+            "| step cost ratio | row 0 same |"
+        )
+        print("|---|---:|---:|---:|---:|---|")
+        for name, r in batched.items():
+            print(
+                f"| {name} | {r['one']:.0f} | {r['many']:.0f} | {r['many'] / r['one']:.2f}x | "
+                f"{r['step_ratio']:.2f}x | {'yes' if r['same'] else 'NO'} |"
+            )
 
 
 if __name__ == "__main__":
