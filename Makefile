@@ -84,8 +84,11 @@ chat-demo: setup
 # LoRA (after `make demo`, which it runs first when RUN has no checkpoint): rank-8 adapters on the
 # demo's Shakespeare model, trained on the chat demo's data (configs/tiny-chat.yaml, whose model
 # section init_from replaces, with a warning) with the base frozen, then scored, exported merged
-# and as peft. data.vocab_size is configs/tiny.yaml's: the tokenizer is the demo run's.
+# and as peft. data.vocab_size is configs/tiny.yaml's: the tokenizer is the demo run's. The
+# Shakespeare base never saw the chat tokens (their rows decayed to ~0): they train beside the
+# adapters (train.lora.train_tokens), else no reply ever ends.
 LORA_SETS = --set train.init_from=$(RUN) --set train.lora.rank=8 --set train.lora.alpha=16 \
+	--set 'train.lora.train_tokens=[<|system|>,<|user|>,<|assistant|>,<|end|>]' \
 	--set train.lr=3e-3 --set train.min_lr=3e-4 --set train.weight_decay=0 \
 	--set data.vocab_size=2048 --set data.out_dir=data/tokens/tiny-lora \
 	--set train.out_dir=$(LORA_RUN)

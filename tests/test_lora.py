@@ -278,6 +278,75 @@ def test_a_lora_run_loads_as_base_plus_adapters_and_refuses_a_changed_base(
     assert "LoRA base" in line and "missing" in line and str(ckpt) in line
 
 
+def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
+    base: Path, tmp_path: Path
+) -> None:
+    """train.lora.train_tokens: a base's rows for chat tokens train beside the adapters (a tied
+    head's with them), nothing else of the base moves, and peft's trainable tokens load them."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from minillm.data.tokenizer import load_tokenizer
+    from minillm.model.lora import TokenRows
+    from minillm.train.objectives import Reference
+
+    tokens = ["<|end|>", "<|user|>"]
+    ids = [load_tokenizer(base / "run" / "tokenizer.json").token_to_id(t) for t in tokens]
+    base_weights = load_model_state(next((base / "run" / "checkpoints").glob("step_000004")))
+    cfg = lora_config(base, tmp_path / "run", max_steps=3, ckpt_every=3, eval_every=3, lr=5e-2)
+    cfg.train.lora.train_tokens = tokens
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        x = torch.randint(0, 300, (2, 16))
+        x[:, ::3] = ids[0]  # the trained rows are read
+        base_net = use_cpu_kernels(Transformer(cfg.model)).eval()
+        base_net.load_state_dict(base_weights)
+        with torch.no_grad():
+            assert torch.equal(trainer.model.eval()(x)[0], base_net(x)[0])  # step 0: the base
+        trainer.model.train()
+        trainer.fit()
+    finally:
+        trainer.close()
+    model = trainer.model.eval()
+    assert isinstance(model.tok_emb, TokenRows) and model.tok_emb.token_ids.tolist() == ids
+    assert torch.equal(model.tok_emb.base.weight, base_weights["tok_emb.weight"])  # frozen
+    moved = (model.tok_emb.weight != base_weights["tok_emb.weight"]).any(dim=1)
+    assert moved.nonzero().flatten().tolist() == sorted(ids)  # those rows, and only those
+    with torch.no_grad(), Reference(model, lora=True).model() as reference:  # DPO's, GRPO's
+        assert torch.equal(reference(x)[0], base_net(x)[0])  # adapters and rows off: the base
+    saved = load_model_state(tmp_path / "run" / "checkpoints" / "step_000003")
+    assert saved["tok_emb.token_ids"].tolist() == ids and "tok_emb.token_rows" in saved
+    loaded = load_checkpoint(tmp_path / "run")  # base + adapters + rows, merged
+    with torch.no_grad():
+        ours = model(x)[0]
+        torch.testing.assert_close(loaded.model(x)[0], ours, atol=1e-5, rtol=0)
+
+    # peft: the adapters and trainable_token_indices onto the HF export of the (tied) base
+    hf_base = tmp_path / "hf"
+    result = runner.invoke(app, ["export", "--ckpt", str(base / "run"), "--out", str(hf_base)])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "adapter"
+    result = runner.invoke(
+        app, ["export", "--ckpt", str(tmp_path / "run"), "--format", "peft", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "adapter_config.json").read_text())["trainable_token_indices"] == ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(hf, out).eval()(x).logits
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+    # a token the tokenizer lacks: one error line naming it, nothing written
+    path = tmp_path / "bad.yaml"
+    raw = {"data": yaml.safe_load((base / "cfg.yaml").read_text())["data"],
+           "train": {"init_from": str(base / "run"), "out_dir": str(tmp_path / "bad"),
+                     "seq_len": 32, "lora": {"rank": 4, "train_tokens": ["<|nope|>"]}}}  # fmt: skip
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    line = error_line(runner.invoke(app, ["train", str(path)]))
+    assert line.startswith("error: train.lora.train_tokens: '<|nope|>' is not a token of"), line
+    assert not (tmp_path / "bad").exists()
+
+
 # ----------------------------------------------------------------------------- config errors
 
 

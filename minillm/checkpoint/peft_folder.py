@@ -25,8 +25,10 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def adapter_config(lora: Any, base: str) -> dict[str, Any]:
-    """peft's LoraConfig of a `train.lora` section (plain LoRA: scale alpha / r, no bias)."""
+def adapter_config(lora: Any, base: str, token_ids: list[int] | None = None) -> dict[str, Any]:
+    """peft's LoraConfig of a `train.lora` section (plain LoRA: scale alpha / r, no bias);
+    token_ids: the embedding rows that trained (train.lora.train_tokens)."""
+    extra = {"trainable_token_indices": token_ids} if token_ids else {}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -42,6 +44,7 @@ def adapter_config(lora: Any, base: str) -> dict[str, Any]:
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,
+        **extra,
     }
 
 
@@ -65,7 +68,9 @@ def export_peft(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         adapters = {k: v.detach().float().cpu() for k, v in ckpt.adapters.items()}
         tensors = to_peft_state_dict(adapters, cfg.model)
         save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        text = json.dumps(adapter_config(cfg.train.lora, base), indent=2) + "\n"
+        ids = ckpt.adapters.get("tok_emb.token_ids")
+        ids = None if ids is None else [int(i) for i in ids.tolist()]
+        text = json.dumps(adapter_config(cfg.train.lora, base, ids), indent=2) + "\n"
         (tmp / CONFIG_FILE).write_text(text, encoding="utf-8")
         check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
         commit_dir(tmp, out)

@@ -37,6 +37,13 @@ class LoRAConfig(Section):
         "layer (wqkv, w_gate_up) gets one adapter whose rows are the q/k/v (gate/up) adapters "
         "of Hugging Face peft (one A shared, B split by rows).",
     )
+    train_tokens: list[str] = setting(
+        [],
+        help="Tokens (as the tokenizer spells them, e.g. ['<|user|>', '<|assistant|>', "
+        "'<|end|>']) whose embedding rows train beside the adapters (a tied head's rows with "
+        "them): the chat tokens of a base that never saw them, which the adapters alone cannot "
+        "learn to emit. peft's trainable_token_indices.",
+    )
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -56,6 +63,12 @@ class LoRAConfig(Section):
             self._fail("targets", "must name at least one layer")
         if len(set(self.targets)) != len(self.targets):
             self._fail("targets", f"names a layer twice: {self.targets}")
+        if not all(isinstance(t, str) and t for t in self.train_tokens):
+            self._fail(
+                "train_tokens", f"must be a list of tokens (strings), got {self.train_tokens}"
+            )
+        if len(set(self.train_tokens)) != len(self.train_tokens):
+            self._fail("train_tokens", f"names a token twice: {self.train_tokens}")
 
 
 # What train.grpo.reward names besides a user's python:module:function (minillm.train.rewards).

@@ -9,12 +9,18 @@ at zero, so step 0 is the base model exactly, and only A and B train. The fused 
 one adapter each: wqkv's A is shared by q, k and v and the rows of its B are their three B's
 (gate and up likewise), which is what peft holds for q_proj, k_proj and v_proj with equal A's.
 So `to_peft_state_dict` is a copy and a split, exact, and merging is W + (alpha / r) B A.
+
+`train.lora.train_tokens` also trains some rows of the embedding (`TokenRows`: the chosen rows
+replaced by trainable copies, peft's trainable tokens): a base that never saw the chat tokens has
+near-zero rows for them, which no adapter can turn into a reply that ends. A tied head reads the
+same rows; an untied head keeps its own (as in peft).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -55,12 +61,60 @@ class LoRALinear(nn.Module):
         return torch.addmm(self.base.weight, self.lora_B, self.lora_A, alpha=self.scale)
 
 
+class TokenRows(nn.Module):
+    """A frozen nn.Embedding whose rows `token_ids` are replaced by the trainable `token_rows`
+    (copies of them at the start, so step 0 is the base exactly)."""
+
+    def __init__(self, base: nn.Embedding, token_ids: Sequence[int]) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        w = base.weight
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=w.device)
+        self.register_buffer("token_ids", ids)
+        self.token_rows = nn.Parameter(w.detach()[ids.clamp(max=w.shape[0] - 1)].clone())
+        self.active = True  # False: the base's own rows (a DPO/GRPO reference, adapters off)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The embedding with the trained rows in place (also a tied head's weight)."""
+        if not self.active:
+            return self.base.weight
+        return self.base.weight.index_copy(0, self.token_ids, self.token_rows)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight)
+
+
+def token_ids_of(lora: LoRAConfig, tokenizer_file: str | Path, vocab_size: int) -> list[int]:
+    """The ids of lora.train_tokens in the run's tokenizer; a token it lacks is a ConfigError."""
+    if not lora.train_tokens:
+        return []
+    from minillm.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_file)
+    ids = []
+    for token in lora.train_tokens:
+        i = tokenizer.token_to_id(token)
+        if i is None or i >= vocab_size:
+            raise ConfigError(
+                "train.lora.train_tokens",
+                f"{token!r} is not a token of {tokenizer_file} (a single token, spelled as the "
+                "tokenizer has it, e.g. '<|end|>')",
+            )
+        ids.append(i)
+    return ids
+
+
 def _layers(model: Transformer, targets: Sequence[str]) -> list[tuple[nn.Module, str]]:
     return [(getattr(block, _OWNER[t]), t) for block in model.blocks for t in targets]
 
 
-def add_lora(model: Transformer, lora: LoRAConfig) -> Transformer:
-    """Freeze every parameter of `model` and wrap its target layers in LoRALinear (in place).
+def add_lora(
+    model: Transformer, lora: LoRAConfig, token_ids: Sequence[int] | None = None
+) -> Transformer:
+    """Freeze every parameter of `model` and wrap its target layers in LoRALinear (in place),
+    and its embedding in TokenRows when lora.train_tokens names some: token_ids are their ids
+    (None: placeholders, for a model whose adapters are loaded next, which hold the ids).
 
     A's initial values are drawn from torch's generator, block by block, so a seeded run starts
     the same every time."""
@@ -77,6 +131,9 @@ def add_lora(model: Transformer, lora: LoRAConfig) -> Transformer:
         p.requires_grad_(False)
     for owner, name in layers:
         setattr(owner, name, LoRALinear(getattr(owner, name), lora.rank, lora.alpha, lora.dropout))
+    if lora.train_tokens:
+        ids = [0] * len(lora.train_tokens) if token_ids is None else list(token_ids)
+        model.tok_emb = TokenRows(model.tok_emb, ids)
     return model
 
 
@@ -87,8 +144,9 @@ def trainable_frozen(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def is_adapter(name: str) -> bool:
-    """Whether a state_dict key is an adapter's (A or B of a LoRALinear)."""
-    return name.endswith((".lora_A", ".lora_B"))
+    """Whether a state_dict key is an adapter's (A or B of a LoRALinear, TokenRows' rows and
+    their ids)."""
+    return name.endswith((".lora_A", ".lora_B", ".token_rows", ".token_ids"))
 
 
 def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -106,6 +164,9 @@ def merge_lora(model: Transformer) -> Transformer:
         if isinstance(layer, LoRALinear):
             layer.base.weight.copy_(layer.weight)
             setattr(owner, name, layer.base)
+    if isinstance(model.tok_emb, TokenRows):
+        model.tok_emb.base.weight.copy_(model.tok_emb.weight)
+        model.tok_emb = model.tok_emb.base
     for p in model.parameters():
         p.requires_grad_(True)
     return model
@@ -148,4 +209,7 @@ def to_peft_state_dict(
             for module, b_rows in zip(modules, b.split(rows[target], dim=0), strict=True):
                 out[f"{prefix}{module}.lora_A.weight"] = a.clone().contiguous()
                 out[f"{prefix}{module}.lora_B.weight"] = b_rows.contiguous()
+    if "tok_emb.token_rows" in adapters:  # peft holds the rows themselves, as TokenRows does
+        key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+        out[key] = adapters["tok_emb.token_rows"].contiguous()
     return out

@@ -53,8 +53,10 @@ def split_summary(model: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, An
 
 def _adamw_what(named: list[tuple[str, torch.nn.Parameter]], optimizer: str) -> str:
     adapters = sum(1 for n, _ in named if n.endswith(".lora_A"))
-    if adapters and len(named) == 2 * adapters:
-        return f"the LoRA adapters (A and B of {adapters} layers; the rest is frozen)"
+    rows = [p for n, p in named if n.endswith(".token_rows")]
+    if adapters and len(named) == 2 * adapters + len(rows):
+        tokens = f" and {rows[0].shape[0]} token rows of the embedding" if rows else ""
+        return f"the LoRA adapters (A and B of {adapters} layers){tokens}; the rest is frozen"
     if optimizer == "adamw":
         return "every parameter (weight decay on matrices only)"
     gains = sum(1 for _, p in named if p.dim() < 2)

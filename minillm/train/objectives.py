@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from minillm.model import Transformer
-from minillm.model.lora import LoRALinear
+from minillm.model.lora import LoRALinear, TokenRows
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,9 @@ class Reference:
     """The frozen train.init_from model: log-probabilities the policy is compared against.
 
     With LoRA it is the policy's own base with the adapters switched off (scale 0 during the
-    forward: W x + 0 * B A x is W x exactly), so no second copy of the weights is held; else a
-    frozen copy of the starting weights, taken before a resume loads the run's own.
+    forward: W x + 0 * B A x is W x exactly; trained token rows back to the base's), so no
+    second copy of the weights is held; else a frozen copy of the starting weights, taken
+    before a resume loads the run's own.
     """
 
     def __init__(self, model: Transformer, lora: bool) -> None:
@@ -76,16 +77,21 @@ class Reference:
             yield self.copy
             return
         layers = [m for m in self.policy.modules() if isinstance(m, LoRALinear)]
+        rows = [m for m in self.policy.modules() if isinstance(m, TokenRows)]
         scales = [m.scale for m in layers]
         training = self.policy.training
         try:
             for m in layers:
                 m.scale = 0.0
+            for m in rows:
+                m.active = False
             self.policy.eval()
             yield self.policy
         finally:
             for m, s in zip(layers, scales, strict=True):
                 m.scale = s
+            for m in rows:
+                m.active = True
             self.policy.train(training)
 
 
