@@ -85,8 +85,8 @@ chat-demo: setup
 # demo's Shakespeare model, trained on the chat demo's data (configs/tiny-chat.yaml, whose model
 # section init_from replaces, with a warning) with the base frozen, then scored, exported merged
 # and as peft. data.vocab_size is configs/tiny.yaml's: the tokenizer is the demo run's. The
-# Shakespeare base never saw the chat tokens (their rows decayed to ~0): they train beside the
-# adapters (train.lora.train_tokens), else no reply ever ends.
+# Shakespeare base never saw the chat tokens (its tied head learned never to predict them): they
+# train beside the adapters (train.lora.train_tokens), else no reply ever ends.
 LORA_SETS = --set train.init_from=$(RUN) --set train.lora.rank=8 --set train.lora.alpha=16 \
 	--set 'train.lora.train_tokens=[<|system|>,<|user|>,<|assistant|>,<|end|>]' \
 	--set train.lr=3e-3 --set train.min_lr=3e-4 --set train.weight_decay=0 \

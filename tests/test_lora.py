@@ -347,6 +347,30 @@ def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_chat_lora_on_a_base_that_never_saw_the_chat_tokens_is_warned(capsys) -> None:  # noqa: ANN001
+    """Their head rows all one vector (what pretraining without them leaves): a warning that
+    names train.lora.train_tokens; none with distinct rows, on text, or with the key set."""
+    from minillm.model.lora import warn_unseen_chat_tokens
+
+    class Tok:
+        def token_to_id(self, token: str) -> int | None:
+            return {"<|user|>": 5, "<|assistant|>": 6, "<|end|>": 7}.get(token)
+
+    net = random_model()
+    on, off = LoRAConfig(**LORA), LoRAConfig(**LORA, train_tokens=["<|end|>"])
+    for lora, chat in ((on, True), (on, False), (off, True)):
+        warn_unseen_chat_tokens(net, lora, Tok(), chat)
+    assert capsys.readouterr().err == ""  # distinct rows: a base that saw them
+    with torch.no_grad():
+        net.head_weight[5:8] = net.head_weight[9] * torch.tensor([[0.5], [1.0], [2.0]])
+    warn_unseen_chat_tokens(net, on, Tok(), True)
+    err = capsys.readouterr().err
+    assert "train.lora.train_tokens: the base never learned to predict <|user|>" in err
+    for lora, chat in ((on, False), (off, True)):
+        warn_unseen_chat_tokens(net, lora, Tok(), chat)
+    assert capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------- config errors
 
 

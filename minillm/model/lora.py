@@ -11,9 +11,10 @@ one adapter each: wqkv's A is shared by q, k and v and the rows of its B are the
 So `to_peft_state_dict` is a copy and a split, exact, and merging is W + (alpha / r) B A.
 
 `train.lora.train_tokens` also trains some rows of the embedding (`TokenRows`: the chosen rows
-replaced by trainable copies, peft's trainable tokens): a base that never saw the chat tokens has
-near-zero rows for them, which no adapter can turn into a reply that ends. A tied head reads the
-same rows; an untied head keeps its own (as in peft).
+replaced by trainable copies, peft's trainable tokens): a base that never saw the chat tokens
+learned never to predict them (every step pushed their head rows down, to one shared vector),
+which no adapter can undo, so no reply ends. A tied head reads the same rows; an untied head
+keeps its own (as in peft).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import LORA_TARGETS, LoRAConfig, ModelConfig
-from minillm.errors import ConfigError
+from minillm.errors import ConfigError, warn
 from minillm.model.transformer import Transformer
 
 # (module holding the layer, layer name) of a block, per target.
@@ -85,24 +87,40 @@ class TokenRows(nn.Module):
         return F.embedding(idx, self.weight)
 
 
-def token_ids_of(lora: LoRAConfig, tokenizer_file: str | Path, vocab_size: int) -> list[int]:
-    """The ids of lora.train_tokens in the run's tokenizer; a token it lacks is a ConfigError."""
-    if not lora.train_tokens:
-        return []
-    from minillm.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_file)
+def token_ids_of(lora: LoRAConfig, tokenizer: Any, where: str | Path) -> list[int]:
+    """The ids of lora.train_tokens in the run's tokenizer (a `tokenizers.Tokenizer` read from
+    `where`); a token it lacks is a ConfigError."""
     ids = []
     for token in lora.train_tokens:
         i = tokenizer.token_to_id(token)
-        if i is None or i >= vocab_size:
+        if i is None:
             raise ConfigError(
                 "train.lora.train_tokens",
-                f"{token!r} is not a token of {tokenizer_file} (a single token, spelled as the "
+                f"{token!r} is not a token of {where} (a single token, spelled as the "
                 "tokenizer has it, e.g. '<|end|>')",
             )
         ids.append(i)
     return ids
+
+
+def warn_unseen_chat_tokens(
+    model: Transformer, lora: LoRAConfig, tokenizer: Any, chat: bool
+) -> None:
+    """Warn when LoRA fine-tunes on chat (`chat`) a base that never saw the chat tokens and
+    lora.train_tokens is empty: their head rows are all one vector (cosine > 0.999), since every
+    step of its training pushed them down alike, and no adapter can make a reply end."""
+    tokens = ["<|user|>", "<|assistant|>", "<|end|>"]
+    ids = [tokenizer.token_to_id(t) for t in tokens]
+    if not chat or lora.train_tokens or None in ids or max(ids) >= model.cfg.vocab_size:
+        return
+    rows = F.normalize(model.head_weight.detach()[ids].float(), dim=1)
+    if bool(((rows @ rows.T) > 0.999).all()):
+        warn(
+            f"train.lora.train_tokens: the base never learned to predict {', '.join(tokens)} "
+            "(their head rows are one vector) and adapters alone cannot teach it, so replies "
+            "will not end; set train.lora.train_tokens: [<|system|>, <|user|>, <|assistant|>, "
+            "<|end|>]"
+        )
 
 
 def _layers(model: Transformer, targets: Sequence[str]) -> list[tuple[nn.Module, str]]:

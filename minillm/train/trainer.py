@@ -27,10 +27,11 @@ import torch
 from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
 from minillm.data.batches import MicroBatch, eval_batches, train_batch
+from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
-from minillm.model.lora import add_lora, token_ids_of
+from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
 from minillm.model.moe import router_stats
 from minillm.runtime.device import StopSignal, autocast_context, make_grad_scaler, seed_everything
 from minillm.runtime.files import atomic_copy, atomic_write_text
@@ -96,8 +97,9 @@ class Trainer:
                 for w in self.model.residual_projections():
                     w.zero_()
         if tc.lora.rank:  # the base frozen, adapters on its linear layers: only they train
-            ids = token_ids_of(tc.lora, run.tokenizer_file, self.cfg.model.vocab_size)
-            add_lora(self.model, tc.lora, ids)
+            tok = load_tokenizer(run.tokenizer_file)
+            add_lora(self.model, tc.lora, token_ids_of(tc.lora, tok, run.tokenizer_file))
+            warn_unseen_chat_tokens(self.model, tc.lora, tok, run.meta.get("chat") and run.verbose)
         self.model.to(self.device)
         # train.objective dpo | grpo: its data, reference (init_from's weights, before a resume
         # loads the run's) and step; None for lm, the next-token loss below.
