@@ -20,7 +20,7 @@ from minillm.cli import app
 from minillm.data.tokenizer import load_tokenizer
 from minillm.train.dpo import encode_pair, parse_pair
 from minillm.train.objectives import pad_rows, token_logps
-from tests.helpers import error_line, make_run, make_trainer
+from tests.helpers import error_line, make_run, make_trainer, run_trainer
 
 runner = CliRunner()
 WORDS = ["abc", "hello", "moon", "star", "tree", "rock", "sun", "sea", "sky", "rain"]
@@ -127,24 +127,11 @@ def test_the_loss_equals_trls_dpo_loss_with_its_sft_term(base: Path, tmp_path: P
 
 
 def test_resume_of_a_dpo_run_is_bitwise(base: Path, tmp_path: Path) -> None:
-    straight = dpo_trainer(base, tmp_path / "straight")
-    try:
-        straight.fit()
-    finally:
-        straight.close()
+    straight = run_trainer(load_run_config(dpo_yaml(base, tmp_path / "straight"), []))
     split_path = dpo_yaml(base, tmp_path / "split")
-    first = make_trainer(load_run_config(split_path, []), verbose=False)
-    try:
-        first.fit(stop_at=2)  # between checkpoints: saves at step 2
-    finally:
-        first.close()
-    second = make_trainer(load_run_config(split_path, []), verbose=False)
-    try:
-        assert second.resumed
-        second.fit()
-    finally:
-        second.close()
-    assert second.state.step == 6
+    run_trainer(load_run_config(split_path, []), stop_at=2)  # between checkpoints: saves at 2
+    second = run_trainer(load_run_config(split_path, []))
+    assert second.resumed and second.state.step == 6
     a, b = straight.model.state_dict(), second.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert straight.last_eval == second.last_eval and "reward_accuracy" in second.last_eval

@@ -17,7 +17,7 @@ from minillm.checkpoint.init_from import load_run_config
 from minillm.cli import app
 from minillm.train.grpo import Rollout, clipped_objective, group_advantages, grpo_loss
 from minillm.train.objectives import pad_rows, token_logps
-from tests.helpers import error_line, make_run, make_trainer
+from tests.helpers import error_line, make_run, make_trainer, run_trainer
 
 runner = CliRunner()
 WORDS = ["a", "b", "c", "d", "e", "f"]
@@ -120,23 +120,11 @@ def test_a_step_on_fixed_rollouts_is_the_hand_computed_update(base: Path, tmp_pa
 
 
 def test_resume_of_a_grpo_run_is_bitwise(base: Path, tmp_path: Path) -> None:
-    straight = make_trainer(load_run_config(grpo_yaml(base, tmp_path / "a"), []), verbose=False)
-    try:
-        straight.fit()
-    finally:
-        straight.close()
+    straight = run_trainer(load_run_config(grpo_yaml(base, tmp_path / "a"), []))
     path = grpo_yaml(base, tmp_path / "b")
-    first = make_trainer(load_run_config(path, []), verbose=False)
-    try:
-        first.fit(stop_at=3)  # between checkpoints: saves at step 3
-    finally:
-        first.close()
-    second = make_trainer(load_run_config(path, []), verbose=False)
-    try:
-        assert second.resumed
-        second.fit()
-    finally:
-        second.close()
+    first = run_trainer(load_run_config(path, []), stop_at=3)  # between checkpoints: saves at 3
+    second = run_trainer(load_run_config(path, []))
+    assert second.resumed
     a, b = straight.model.state_dict(), second.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], v) for k, v in first.model.state_dict().items())

@@ -33,6 +33,7 @@ from tests.helpers import (
     load_script,
     make_run,
     make_trainer,
+    run_trainer,
     tiny_config,
     tiny_model_config,
     trained_run,
@@ -207,25 +208,12 @@ def test_muon_trains_the_adapters_only(base: Path, tmp_path: Path, capsys) -> No
 
 def test_resume_of_a_lora_run_is_bitwise(base: Path, tmp_path: Path) -> None:
     straight_cfg = lora_config(base, tmp_path / "straight", lora=dict(LORA, dropout=0.1))
-    straight = make_trainer(straight_cfg, verbose=False)
-    try:
-        straight.fit()
-    finally:
-        straight.close()
+    straight = run_trainer(straight_cfg)
     split_cfg = copy.deepcopy(straight_cfg)
     split_cfg.train.out_dir = str(tmp_path / "split")
-    first = make_trainer(split_cfg, verbose=False)
-    try:
-        first.fit(stop_at=3)  # between checkpoints: saves at step 3
-    finally:
-        first.close()
-    second = make_trainer(split_cfg, verbose=False)
-    try:
-        assert second.resumed
-        second.fit()
-    finally:
-        second.close()
-    assert second.state.step == 8
+    run_trainer(split_cfg, stop_at=3)  # between checkpoints: saves at step 3
+    second = run_trainer(split_cfg)
+    assert second.resumed and second.state.step == 8
     a, b = straight.model.state_dict(), second.model.state_dict()
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -241,11 +229,7 @@ def test_a_lora_run_loads_as_base_plus_adapters_and_refuses_a_changed_base(
     shutil.copytree(base / "run", own_base)
     cfg = lora_config(base, tmp_path / "run", max_steps=2, ckpt_every=2, eval_every=2)
     cfg.train.init_from = str(own_base)
-    trainer = make_trainer(cfg, verbose=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    trainer = run_trainer(cfg)
     loaded = load_checkpoint(tmp_path / "run")
     x = torch.randint(0, 300, (2, 16))
     with torch.no_grad():
@@ -454,12 +438,7 @@ def hf_lora(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     write_shards(
         cfg, [SHAKESPEARE.read_text(encoding="utf-8")[i : i + 900] for i in range(0, 27_000, 900)]
     )
-    trainer = make_trainer(cfg, verbose=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return root / "hf", root / "lora", trainer.model.eval()
+    return root / "hf", root / "lora", run_trainer(cfg).model.eval()
 
 
 def test_hf_and_gguf_exports_of_a_lora_run_are_merged(hf_lora, tmp_path: Path) -> None:

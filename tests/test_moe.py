@@ -173,18 +173,23 @@ def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
             torch.testing.assert_close(got, full[:, 9 + t], atol=1e-5, rtol=0)
 
 
+def assert_same_gradients(ours: Transformer, other: Transformer, cfg: ModelConfig) -> None:
+    """One training batch's loss plus the load-balancing loss: `other` gets ours' gradients."""
+    idx = torch.randint(0, cfg.vocab_size, (2, 24))
+    targets = torch.randint(0, cfg.vocab_size, (2, 24))
+    for model in (ours.train(), other.train()):
+        _, loss = model(idx, targets)
+        (loss + load_balancing_loss(router_stats(model), cfg.n_experts)).backward()
+    for (name, a), b in zip(ours.named_parameters(), other.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_cpu_kernels_train_an_moe_as_the_plain_modules_do() -> None:
     ours, _, cfg = make_pair(**CASES["top2-gqa-untied"])
     fused = use_cpu_kernels(Transformer(cfg))
     fused.load_state_dict(ours.state_dict())
     assert type(fused.blocks[0].ffn).__name__ == "FusedMoE"
-    idx = torch.randint(0, cfg.vocab_size, (2, 24))
-    targets = torch.randint(0, cfg.vocab_size, (2, 24))
-    for model in (ours.train(), fused.train()):
-        _, loss = model(idx, targets)
-        (loss + load_balancing_loss(router_stats(model), cfg.n_experts)).backward()
-    for (name, a), b in zip(ours.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_gradients(ours, fused, cfg)
 
 
 def test_activation_checkpointing_gives_the_same_gradients_aux_loss_included() -> None:
@@ -192,13 +197,7 @@ def test_activation_checkpointing_gives_the_same_gradients_aux_loss_included() -
     recomputed = Transformer(cfg)
     recomputed.load_state_dict(ours.state_dict())
     recomputed.activation_checkpointing = True
-    idx = torch.randint(0, cfg.vocab_size, (2, 24))
-    targets = torch.randint(0, cfg.vocab_size, (2, 24))
-    for model in (ours.train(), recomputed.train()):
-        _, loss = model(idx, targets)
-        (loss + load_balancing_loss(router_stats(model), cfg.n_experts)).backward()
-    for (name, a), b in zip(ours.named_parameters(), recomputed.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_gradients(ours, recomputed, cfg)
 
 
 def test_param_counts_flops_and_residual_init() -> None:
