@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from minillm.data.chat_template import ROLES, chat_ids, encode_conversation
 from minillm.data.corpus import val_mask
-from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
 from minillm.runtime.files import user_jsonl
@@ -179,7 +178,7 @@ class DPO:
     def __init__(self, run: Run, model: Transformer) -> None:
         cfg = run.cfg
         self.cfg, self.dist, self.device = cfg, run.dist, run.device
-        tok = load_tokenizer(run.tokenizer_file)
+        tok = run.tokenizer
         ids = chat_ids(tok, str(run.tokenizer_file))
         pairs = read_pairs(cfg.data.source)
         limit = cfg.train.seq_len + 1  # inputs are all tokens but the last

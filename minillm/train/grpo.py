@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from minillm.data.chat_template import chat_ids
-from minillm.data.tokenizer import eot_id, load_tokenizer
+from minillm.data.tokenizer import eot_id
 from minillm.errors import ConfigError
 from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
@@ -132,7 +132,7 @@ class GRPO:
         first = self.task.examples[0]
         score(self.reward, [{"role": r, "content": c} for r, c in first.messages], first.answer,
               first.answer, f"{cfg.data.source}: line {first.line}")  # fmt: skip
-        self.tok = load_tokenizer(run.tokenizer_file)
+        self.tok = run.tokenizer
         where = str(cfg.data.source)
         self.stops = frozenset([chat_ids(self.tok, where)["end"], eot_id(self.tok)])
         self.prompts = [chat_prompt_ids(self.tok, ex.messages, where) for ex in self.task.examples]

@@ -15,9 +15,10 @@ not have its model or its tokenizer (one built some other way) is a ConfigError 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from minillm.checkpoint.init_from import init_weights as load_init_weights
 from minillm.checkpoint.rundir import RunLock
 from minillm.config import Config
 from minillm.data.meta import load_meta, open_split, stale_data_keys
-from minillm.data.tokenizer import tokenizer_sha256
+from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from minillm.errors import ConfigError, UserError, warn
 from minillm.runtime.device import (
     autocast_context,
@@ -49,6 +50,9 @@ from minillm.train.distributed import (
 from minillm.train.packing import Packing
 from minillm.train.probes import TrainingProbes
 from minillm.train.resume import resume_point
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # ------------------------------------------------------------------ train.init_from
 
@@ -158,6 +162,11 @@ class Run:
     new_dirs: tuple[Path, ...] = ()  # folders prepare_run created, removed by a failed start
     lora_base: dict[str, str] | None = None  # train.lora: the base's identity (init_from.lora_base)
     config_dir: Path | None = None  # the config file's folder (train.grpo.reward's python: module)
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The run's tokenizer, read once (LoRA's token rows, the DPO and GRPO objectives)."""
+        return load_tokenizer(self.tokenizer_file)
 
     @property
     def is_main(self) -> bool:

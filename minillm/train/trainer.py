@@ -27,7 +27,6 @@ import torch
 from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
 from minillm.data.batches import MicroBatch, eval_batches, train_batch
-from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
@@ -97,9 +96,9 @@ class Trainer:
                 for w in self.model.residual_projections():
                     w.zero_()
         if tc.lora.rank:  # the base frozen, adapters on its linear layers: only they train
-            tok = load_tokenizer(run.tokenizer_file)
-            add_lora(self.model, tc.lora, token_ids_of(tc.lora, tok, run.tokenizer_file))
-            warn_unseen_chat_tokens(self.model, tc.lora, tok, run.meta.get("chat") and run.verbose)
+            add_lora(self.model, tc.lora, token_ids_of(tc.lora, run.tokenizer, run.tokenizer_file))
+            chat = run.meta.get("chat") and run.verbose
+            warn_unseen_chat_tokens(self.model, tc.lora, run.tokenizer, chat)
         self.model.to(self.device)
         # train.objective dpo | grpo: its data, reference (init_from's weights, before a resume
         # loads the run's) and step; None for lm, the next-token loss below.
