@@ -1,8 +1,9 @@
 """LoRA adapters (`train.lora`): low-rank updates trained on the linear layers of a frozen model.
 
-Offers `LoRALinear`, `add_lora(model, lora)`, `is_adapter(name)`, `adapter_state(state_dict)`,
-`merge_lora(model)`, `trainable_frozen(model)` and `to_peft_state_dict(adapters, cfg)` (the
-adapters under Hugging Face peft's names, for `minillm export --format peft`).
+Offers `LoRALinear`, `add_lora(model, lora)`, `adapters_off(model)`, `is_adapter(name)`,
+`adapter_state(state_dict)`, `merge_lora(model)`, `trainable_frozen(model)` and
+`to_peft_state_dict(adapters, cfg)` (the adapters under Hugging Face peft's names, for `minillm
+export --format peft`).
 
 A target layer W (out, in) becomes W x + (alpha / r) B A x with A (r, in) and B (out, r); B starts
 at zero, so step 0 is the base model exactly, and only A and B train. The fused projections get
@@ -19,8 +20,9 @@ keeps its own (as in peft).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +155,27 @@ def add_lora(
         ids = [0] * len(lora.train_tokens) if token_ids is None else list(token_ids)
         model.tok_emb = TokenRows(model.tok_emb, ids)
     return model
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` as its frozen base for the block: every adapter's scale 0 (W x + 0 * B A x is W x
+    exactly) and trained token rows back to the base's. What a DPO or GRPO reference of a LoRA
+    run is, without a second copy of the weights."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    rows = [m for m in model.modules() if isinstance(m, TokenRows)]
+    scales = [m.scale for m in layers]
+    try:
+        for m in layers:
+            m.scale = 0.0
+        for m in rows:
+            m.active = False
+        yield model
+    finally:
+        for m, s in zip(layers, scales, strict=True):
+            m.scale = s
+        for m in rows:
+            m.active = True
 
 
 def trainable_frozen(model: torch.nn.Module) -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """The LLaMA-style decoder-only Transformer, as docs/architecture.md derives it.
 
 Offers `RMSNorm`, `rms_norm`, `rope_tables`, `apply_rope`, `rotate_half_matrix`, `rope_rotation`,
-`attention`, `cross_entropy`, `Attention`, `SwiGLU`, `Block` and `Transformer`. The model is the
-same function as Hugging Face's `LlamaForCausalLM` given the same weights (RoPE in its "rotate
-half" layout; `minillm.model.hf_names` maps the parameter names).
+`attention`, `cross_entropy`, `Attention`, `SwiGLU`, `Block`, `Transformer` and `dropout_off`.
+The model is the same function as Hugging Face's `LlamaForCausalLM` given the same weights (RoPE
+in its "rotate half" layout; `minillm.model.hf_names` maps the parameter names).
 
 Everything here is the plain PyTorch of the formulas. The fast paths sit on top and are chosen by
 their callers: `minillm.model.kernels_cpu.use_cpu_kernels(model)` swaps in hand-written autograd
@@ -18,8 +18,9 @@ D head dim, C model dim (H*D), F SwiGLU hidden dim, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -361,3 +362,24 @@ class Transformer(nn.Module):
         if self.lm_head is None:
             matmul += self.tok_emb.weight.numel()
         return 6 * matmul + 12 * cfg.n_layer * cfg.d_model * seq_len
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with every dropout at 0 for the block (attention, residual, embedding, LoRA's),
+    still in training mode (activation checkpointing stays on): a loss that compares the policy
+    with a reference that runs without dropout (DPO) or with the distribution it sampled from
+    (GRPO) must not add dropout's noise to one side."""
+    drops = [(m, m.p) for m in model.modules() if isinstance(m, nn.Dropout)]
+    attns = [(m, m.dropout) for m in model.modules() if isinstance(m, Attention)]
+    try:
+        for m, _ in drops:
+            m.p = 0.0
+        for m, _ in attns:
+            m.dropout = 0.0
+        yield model
+    finally:
+        for m, p in drops:
+            m.p = p
+        for m, p in attns:
+            m.dropout = p
