@@ -16,6 +16,7 @@ import functools
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -127,20 +128,49 @@ def run_trainer(cfg: Config, stop_at: int | None = None, **kw: Any) -> Any:
     return trainer
 
 
+def resumed_runs(
+    config: Config | Callable[[Path], Config], root: Path, stop_at: int, **kw: Any
+) -> tuple[Any, Any, Any]:
+    """The one resume check of every objective and feature: a config (or `config(out)`, one
+    training into `out`) trained straight to max_steps at root/straight, and at root/split
+    stopped after `stop_at` steps (it checkpoints there) and run again (it resumes); returns the
+    three Trainers (straight, stopped, resumed) for `assert_same_weights`, the resumed one checked
+    to have resumed and to end where the straight one did."""
+    if isinstance(config, Config):
+        cfg = config
+        config = lambda out: replace(cfg, train=replace(cfg.train, out_dir=str(out)))  # noqa: E731
+    straight = run_trainer(config(root / "straight"), **kw)
+    stopped = run_trainer(config(root / "split"), stop_at=stop_at, **kw)
+    resumed = run_trainer(config(root / "split"), **kw)
+    assert resumed.resumed and stopped.state.step == stop_at
+    assert resumed.state.step == straight.state.step
+    return straight, stopped, resumed
+
+
+def assert_same_weights(a: Any, b: Any) -> None:
+    """Two trainers' models hold the same weights, bit for bit."""
+    wa, wb = a.model.state_dict(), b.model.state_dict()
+    assert wa.keys() == wb.keys()
+    for name, tensor in wa.items():
+        assert torch.equal(tensor, wb[name]), name
+
+
 def make_trainer(
     cfg: Config,
     resume: bool = True,
     force: bool = False,
     verbose: bool = True,
     batches: Callable[[int], list] | None = None,
+    config_dir: Path | None = None,
 ) -> Any:
     """`Trainer(prepare_run(cfg, ...))`, as `minillm train` builds it; `batches(step)` replaces
     the train split's micro-batches (the trainer's `batches` method) for a test that feeds its
-    own."""
+    own; config_dir: the config file's folder (a python: reward is looked up there)."""
     from minillm.train.run import prepare_run
     from minillm.train.trainer import Trainer
 
-    trainer = Trainer(prepare_run(cfg, resume=resume, force=force, verbose=verbose))
+    run = prepare_run(cfg, resume=resume, force=force, verbose=verbose, config_dir=config_dir)
+    trainer = Trainer(run)
     if batches is not None:
         trainer.batches = batches
     return trainer

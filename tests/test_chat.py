@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 from pathlib import Path
@@ -228,17 +227,12 @@ def test_chat_windows_start_at_a_conversation_and_eval_scores_each_alone(chat_di
 
 
 def test_trainer_on_chat_resumes_bitwise_with_doc_mask(chat_dir: Path, tmp_path: Path) -> None:
-    from tests.helpers import run_trainer as run
+    from tests.helpers import assert_same_weights, resumed_runs
 
-    base = chat_config(chat_dir, train=dict(out_dir=str(tmp_path / "straight")))
-    straight = run(base)
-    assert straight.packing.doc_mask and straight.packing.starts is not None
-    split_cfg = copy.deepcopy(base)
-    split_cfg.train.out_dir = str(tmp_path / "split")
-    assert run(split_cfg, stop_at=2).state.step == 2
-    resumed = run(split_cfg)
-    for name, value in straight.model.state_dict().items():
-        assert torch.equal(value, resumed.model.state_dict()[name]), name
+    straight, _, resumed = resumed_runs(chat_config(chat_dir), tmp_path, stop_at=2)
+    packing = straight.objective.packing
+    assert packing.doc_mask and packing.starts is not None
+    assert_same_weights(straight, resumed)
 
 
 def test_a_tokenizer_without_chat_tokens_is_refused() -> None:
@@ -297,13 +291,15 @@ def test_fine_tune_from_a_minillm_run(tmp_path: Path, capsys: pytest.CaptureFixt
     make_trainer(other, verbose=False).close()
     assert "model.n_layer" in capsys.readouterr().err  # the warning names the keys not used
 
-    # Shards made with another tokenizer than the run's: one error naming data.tokenizer.
+    # A config naming another tokenizer than the run's: one error naming data.tokenizer, where
+    # the config is read (init_from is resolved there, once).
     (tmp_path / "own").mkdir()
     own = chat_config(tmp_path / "own")
     write_shards(own)
-    other.data.out_dir, other.data.tokenizer = own.data.out_dir, own.data.tokenizer
+    raw["data"]["tokenizer"] = str(own.data.tokenizer_path)
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     with pytest.raises(ConfigError, match="data.tokenizer: .*another tokenizer than train.init"):
-        make_trainer(other, verbose=False)
+        load_run_config(path)
 
 
 def test_accumulation_with_doc_mask_equals_one_big_batch(chat_dir: Path, tmp_path: Path) -> None:

@@ -55,3 +55,51 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(
     trash.rename(root / ".trash-step_000001-999999999")  # as left by a process now dead
     store.prune_checkpoints(root, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_000002", "step_000003"]
+
+
+POST_TRAINING = {
+    "dpo": {"data": {"source": "pairs.jsonl", "val_fraction": 0.2},
+            "train": {"objective": "dpo"}},
+    "grpo": {"data": {"source": "prompts.jsonl"},
+             "train": {"objective": "grpo", "grpo": {"group_size": 4, "max_new_tokens": 6,
+                                                     "reward": "python:rw_len:length"}}},
+    "lora": {"data": {"source": "corpus.txt", "out_dir": "tokens"},
+             "train": {"lora": {"rank": 4, "dropout": 0.1}}},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(POST_TRAINING))
+def test_sigkills_lose_nothing_in_dpo_grpo_and_lora_runs(tmp_path: Path, kind: str) -> None:
+    """scripts/crash_test.py --config: three kill -9s of a DPO, a GRPO (a varying reward: the
+    rollouts matter) and a LoRA run (with dropout) end on the uninterrupted run's weights."""
+    import json
+
+    import yaml
+
+    from tests.helpers import SHAKESPEARE, make_run
+
+    make_run(tmp_path / "base")
+    words = ["abc", "hello", "moon", "star", "tree", "rock"]
+    pairs = [{"prompt": f"say {w}", "chosen": w, "rejected": w[::-1]} for w in words]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs) + "\n")
+    rows = [{"messages": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in "abc"]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "rw_len.py").write_text("def length(m, reply, answer):\n    return len(reply)\n")
+    (tmp_path / "corpus.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000])
+    spec = POST_TRAINING[kind]
+    config = {
+        "data": spec["data"],
+        "train": {"init_from": "base/run", "batch_size": 2, "seq_len": 32, "lr": 1e-2,
+                  "warmup_steps": 0, "eval_every": 10, "log_every": 1, "device": "cpu",
+                  "precision": "fp32", **spec["train"]},
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "crash_test.py"), "--config", "run.yaml",
+         "--kills", "3", "--seed", "2", "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("kill ") == 3
+    assert "OK: 3 kills" in proc.stdout

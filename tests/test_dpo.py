@@ -1,6 +1,6 @@
-"""train.objective: dpo (minillm/train/dpo.py): the loss at step 0, parity with TRL's DPOTrainer,
-the reference (a frozen copy, or the LoRA base with its adapters off), exact resume, and one
-error line for a malformed preference row."""
+"""train.objective: dpo (minillm/train/objectives/dpo.py): the loss at step 0, parity with TRL's
+DPOTrainer, the reference (a frozen copy, or the LoRA base with its adapters off), exact resume,
+and one error line for a malformed preference row."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from minillm.checkpoint.init_from import load_run_config
 from minillm.cli import app
 from minillm.data.tokenizer import load_tokenizer
-from minillm.train.dpo import encode_pair, parse_pair
-from minillm.train.objectives import pad_rows, token_logps
-from tests.helpers import error_line, make_run, make_trainer, run_trainer
+from minillm.train.objectives.common import pad_rows, token_logps
+from minillm.train.objectives.dpo import encode_pair, parse_pair
+from tests.helpers import assert_same_weights, error_line, make_run, make_trainer, resumed_runs
 
 runner = CliRunner()
 WORDS = ["abc", "hello", "moon", "star", "tree", "rock", "sun", "sea", "sky", "rain"]
@@ -127,13 +127,11 @@ def test_the_loss_equals_trls_dpo_loss_with_its_sft_term(base: Path, tmp_path: P
 
 
 def test_resume_of_a_dpo_run_is_bitwise(base: Path, tmp_path: Path) -> None:
-    straight = run_trainer(load_run_config(dpo_yaml(base, tmp_path / "straight"), []))
-    split_path = dpo_yaml(base, tmp_path / "split")
-    run_trainer(load_run_config(split_path, []), stop_at=2)  # between checkpoints: saves at 2
-    second = run_trainer(load_run_config(split_path, []))
-    assert second.resumed and second.state.step == 6
-    a, b = straight.model.state_dict(), second.model.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight, _, second = resumed_runs(  # stopped between checkpoints: saves at 2
+        lambda out: load_run_config(dpo_yaml(base, out), []), tmp_path, stop_at=2
+    )
+    assert second.state.step == 6
+    assert_same_weights(straight, second)
     assert straight.last_eval == second.last_eval and "reward_accuracy" in second.last_eval
 
 
@@ -158,6 +156,7 @@ def test_standard_and_conversational_rows_encode_alike(base: Path) -> None:
     ("row", "expected"),
     [
         ('{"prompt": "a", "chosen": "b"}', "line 2: rejected: missing"),
+        ('{"chosen": "b", "rejected": "c"}', "line 2: prompt: missing (replies given as strings"),
         ('{"prompt": "a", "chosen": "b", "rejected": 3}', "line 2: rejected: expected a string"),
         ('{"prompt": [{"role": "bot", "content": "a"}], "chosen": [], "rejected": []}',
          "line 2: chosen: expected a non-empty list"),

@@ -1,6 +1,6 @@
-"""train.objective: grpo (minillm/train/grpo.py): advantages and the clipped objective as exact
-tables, one step on fixed rollouts against a hand-computed AdamW update, exact resume, and one
-error line for an answer-less prompt or a bad reward function."""
+"""train.objective: grpo (minillm/train/objectives/grpo.py): advantages and the clipped objective
+as exact tables, one step on fixed rollouts against a hand-computed AdamW update, exact resume,
+and one error line for an answer-less prompt or a bad reward function."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import yaml
 from typer.testing import CliRunner
 
 from minillm.checkpoint.init_from import load_run_config
+from minillm.checkpoint.store import load_model_state
 from minillm.cli import app
-from minillm.train.grpo import Rollout, clipped_objective, group_advantages, grpo_loss
-from minillm.train.objectives import pad_rows, token_logps
-from tests.helpers import error_line, make_run, make_trainer, run_trainer
+from minillm.infer.sampling import apply_temperature
+from minillm.train.objectives.common import pad_rows, token_logps
+from minillm.train.objectives.grpo import Rollout, clipped_objective, group_advantages, grpo_loss
+from tests.helpers import assert_same_weights, error_line, make_run, make_trainer, resumed_runs
 
 runner = CliRunner()
 WORDS = ["a", "b", "c", "d", "e", "f"]
@@ -90,8 +92,12 @@ def test_equal_rewards_give_zero_gradient() -> None:
     assert torch.equal(logp.grad, torch.zeros_like(logp))
 
 
-def test_a_step_on_fixed_rollouts_is_the_hand_computed_update(base: Path, tmp_path: Path) -> None:
-    path = grpo_yaml(base, tmp_path / "run", weight_decay=0.0, grad_clip=0.0, lr=1e-3)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_step_on_fixed_rollouts_is_the_hand_computed_update(
+    base: Path, tmp_path: Path, temperature: float
+) -> None:
+    grpo = {"group_size": 4, "max_new_tokens": 6, "temperature": temperature}
+    path = grpo_yaml(base, tmp_path / "run", weight_decay=0.0, grad_clip=0.0, lr=1e-3, grpo=grpo)
     trainer = make_trainer(load_run_config(path, []), verbose=False)
     try:
         prompt = trainer.objective.prompts[0]
@@ -99,18 +105,21 @@ def test_a_step_on_fixed_rollouts_is_the_hand_computed_update(base: Path, tmp_pa
         rewards = [1.0, 0.0, 0.0, 1.0]
         adv = group_advantages(torch.tensor([rewards], dtype=torch.float64))[0].tolist()
         rollouts = [[Rollout(prompt, r, w, a) for r, w, a in zip(replies, rewards, adv)]]
-        # By hand: the gradient of -(1/N) sum_i A_i sum_t log p(reply_i,t), N = 10 reply tokens,
+        # By hand, TRL's formula: the gradient of -(1/N) sum_i A_i sum_t log p_T(reply_i,t),
+        # p_T = softmax(logits / T) (what the rollouts were sampled from), N = 10 reply tokens;
         # then AdamW's first step: p - lr g / (|g| + eps) (bias-corrected m and v are g, g^2).
         model = trainer.model
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         rows = [prompt + r for r in replies]
         masks = [[False] * len(prompt) + [True] * len(r) for r in replies]
         idx, tgt = pad_rows(rows, masks)
-        logp = token_logps(model, idx, tgt)
+        logits, _ = model(idx)
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        logp = logp.gather(-1, tgt.clamp(min=0)[..., None])[..., 0] * (tgt != -100)
         hand = -(torch.tensor(adv, dtype=torch.float32)[:, None] * logp).sum() / 10
         grads = torch.autograd.grad(hand, list(model.parameters()))
         model.zero_grad(set_to_none=True)
-        trainer.objective.learn(trainer, rollouts)
+        trainer.learn(rollouts)
         for (name, p), g in zip(model.named_parameters(), grads, strict=True):
             expected = before[name] - 1e-3 * g / (g.abs() + 1e-8)
             assert torch.allclose(p.detach(), expected, rtol=0, atol=2e-6), name
@@ -119,15 +128,57 @@ def test_a_step_on_fixed_rollouts_is_the_hand_computed_update(base: Path, tmp_pa
         trainer.close()
 
 
+def test_log_probs_are_the_sampling_distributions_at_its_temperature(
+    base: Path, tmp_path: Path
+) -> None:
+    """At train.grpo.temperature 0.7 the learner scores each sampled reply token under
+    softmax(logits / 0.7), the distribution the decoding core drew it from: the importance
+    ratio against it is 1 (at T = 1 it would be off by far more)."""
+    grpo = {"group_size": 4, "max_new_tokens": 6, "temperature": 0.7, "kl": 0.1}
+    trainer = make_trainer(load_run_config(grpo_yaml(base, tmp_path / "run", grpo=grpo), []),
+                           verbose=False)  # fmt: skip
+    try:
+        obj, model = trainer.objective, trainer.model
+        (micro,) = obj.prepare(model, 0, trainer.batches(0))[:1]
+        rows = [r.prompt + r.reply for r in micro]
+        masks = [[False] * len(r.prompt) + [True] * len(r.reply) for r in micro]
+        idx, tgt = pad_rows(rows, masks)
+        sampled = torch.zeros(tgt.shape)
+        with torch.no_grad():
+            for b, r in enumerate(micro):  # the decoding core's own distribution, step by step
+                for t in range(len(r.reply)):
+                    pos = len(r.prompt) + t - 1
+                    logits = model.eval()(idx[b : b + 1, : pos + 1])[0][0, -1]
+                    probs = torch.log_softmax(apply_temperature(logits.float(), 0.7), -1)
+                    sampled[b, pos] = probs[r.reply[t]]
+            model.train()
+            learner = token_logps(model, idx, tgt, 0.7)
+            at_one = token_logps(model, idx, tgt)
+        mask = tgt != -100
+        assert mask.sum() > 4
+        torch.testing.assert_close(learner[mask], sampled[mask], rtol=0, atol=1e-5)
+        assert (at_one[mask] - sampled[mask]).abs().max() > 0.05  # T matters on this model
+        # The reference is scored at T too: with the policy still at its start, KL is 0.
+        loss = obj.loss(model, micro, obj.normalisers([micro]))
+        assert float(loss.totals[1]) == pytest.approx(0.0, abs=1e-6)
+    finally:
+        trainer.close()
+
+
 def test_resume_of_a_grpo_run_is_bitwise(base: Path, tmp_path: Path) -> None:
-    straight = run_trainer(load_run_config(grpo_yaml(base, tmp_path / "a"), []))
-    path = grpo_yaml(base, tmp_path / "b")
-    first = run_trainer(load_run_config(path, []), stop_at=3)  # between checkpoints: saves at 3
-    second = run_trainer(load_run_config(path, []))
-    assert second.resumed
-    a, b = straight.model.state_dict(), second.model.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert any(not torch.equal(a[k], v) for k, v in first.model.state_dict().items())
+    # A reward that varies within a group (the reply's length), and no weight decay: only the
+    # policy gradient can move the weights, so a broken rollout seed would show.
+    (base / "rw_len.py").write_text("def length(m, reply, answer):\n    return len(reply)\n")
+    train = dict(weight_decay=0.0, grpo={"group_size": 4, "max_new_tokens": 6,
+                                         "reward": "python:rw_len:length"})  # fmt: skip
+    straight, first, second = resumed_runs(
+        lambda out: load_run_config(grpo_yaml(base, out, **train), []), tmp_path, stop_at=3,
+        config_dir=base,
+    )  # fmt: skip
+    start = load_model_state(next((base / "base" / "run" / "checkpoints").iterdir()))
+    moved = [k for k, v in straight.model.state_dict().items() if not torch.equal(v, start[k])]
+    assert moved  # the policy gradient moved the weights
+    assert_same_weights(straight, second)
 
 
 def test_an_answerless_prompt_is_one_error_line_and_nothing_written(
@@ -172,11 +223,8 @@ def test_a_python_reward_is_loaded_from_the_config_folder_and_used(
     (tmp_path / "rw.py").write_text("def length(m, reply, answer):\n    return len(reply)\n")
     grpo = {"group_size": 2, "max_new_tokens": 3, "reward": "python:rw:length"}
     path = grpo_yaml(base, tmp_path / "run", max_steps=1, grpo=grpo)
-    from minillm.train.run import prepare_run
-    from minillm.train.trainer import Trainer
-
     cfg = load_run_config(path, [])
-    trainer = Trainer(prepare_run(cfg, verbose=False, config_dir=path.parent))  # as `train` does
+    trainer = make_trainer(cfg, verbose=False, config_dir=path.parent)  # as `train` does
     try:
         rollouts = trainer.objective.sample(trainer.model, 0, trainer.batches(0))
         tok = trainer.objective.tok

@@ -29,10 +29,12 @@ from tests.helpers import (
     QUICK_TRAIN,
     ROOT,
     SHAKESPEARE,
+    assert_same_weights,
     error_line,
     load_script,
     make_run,
     make_trainer,
+    resumed_runs,
     run_trainer,
     tiny_config,
     tiny_model_config,
@@ -207,16 +209,10 @@ def test_muon_trains_the_adapters_only(base: Path, tmp_path: Path, capsys) -> No
 
 
 def test_resume_of_a_lora_run_is_bitwise(base: Path, tmp_path: Path) -> None:
-    straight_cfg = lora_config(base, tmp_path / "straight", lora=dict(LORA, dropout=0.1))
-    straight = run_trainer(straight_cfg)
-    split_cfg = copy.deepcopy(straight_cfg)
-    split_cfg.train.out_dir = str(tmp_path / "split")
-    run_trainer(split_cfg, stop_at=3)  # between checkpoints: saves at step 3
-    second = run_trainer(split_cfg)
-    assert second.resumed and second.state.step == 8
-    a, b = straight.model.state_dict(), second.model.state_dict()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    cfg = lora_config(base, tmp_path / "straight", lora=dict(LORA, dropout=0.1))
+    straight, _, resumed = resumed_runs(cfg, tmp_path, stop_at=3)  # saves at 3, between ckpts
+    assert resumed.state.step == 8
+    assert_same_weights(straight, resumed)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -272,7 +268,7 @@ def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
 
     from minillm.data.tokenizer import load_tokenizer
     from minillm.model.lora import TokenRows
-    from minillm.train.objectives import Reference
+    from minillm.train.objectives.common import Reference
 
     tokens = ["<|end|>", "<|user|>"]
     ids = [load_tokenizer(base / "run" / "tokenizer.json").token_to_id(t) for t in tokens]
@@ -531,7 +527,7 @@ def test_chat_fine_tuning_with_lora_keeps_answer_only_loss_and_doc_masking(
     cfg = load_run_config(path)
     trainer = make_trainer(cfg, verbose=False)
     try:
-        assert trainer.packing.chat and trainer.packing.doc_mask
+        assert trainer.objective.packing.chat and trainer.objective.packing.doc_mask
         micro = trainer.batches(0)[0]
         assert micro.doc_ids is not None  # attention stays inside a conversation
         targets = micro.targets[micro.targets != -100]

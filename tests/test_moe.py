@@ -361,20 +361,14 @@ def test_info_cli_shows_total_and_active_parameters(tmp_path: Path) -> None:
 
 
 def test_an_moe_run_resumes_bitwise(tmp_path: Path) -> None:
-    from tests.helpers import weights
+    from tests.helpers import assert_same_weights, resumed_runs
 
     cfg = prepared_config(
         tmp_path, model={**MOE, "dropout": 0.1}, train=dict(moe_aux_loss=0.02, grad_accum=2)
     )
-    straight = run_trainer(cfg)
-    split_cfg = replace(cfg, train=replace(cfg.train, out_dir=str(tmp_path / "split")))
-    assert run_trainer(split_cfg, stop_at=3).state.step == 3  # saves at step 3
-    second = run_trainer(split_cfg)
-    assert second.state.step == 8
-    a, b = weights(straight), weights(second)
-    assert "blocks.0.ffn.w_gate_up" in a
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    straight, _, resumed = resumed_runs(cfg, tmp_path, stop_at=3)  # saves at step 3
+    assert resumed.state.step == 8 and "blocks.0.ffn.w_gate_up" in straight.model.state_dict()
+    assert_same_weights(straight, resumed)
 
 
 def test_sample_cli_decodes_an_moe_run(tmp_path: Path) -> None:

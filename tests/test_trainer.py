@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
@@ -16,7 +15,14 @@ from minillm.data.batches import MicroBatch
 from minillm.errors import ConfigError, UserError
 from minillm.train.schedule import lr_at
 from minillm.train.trainer import Trainer, TrainingDiverged
-from tests.helpers import make_trainer, run_config, run_trainer, weights
+from tests.helpers import (
+    assert_same_weights,
+    make_trainer,
+    resumed_runs,
+    run_config,
+    run_trainer,
+    weights,
+)
 
 
 def test_lr_schedule_exact_table() -> None:
@@ -32,18 +38,10 @@ make_cfg = run_config
 
 def test_resume_is_bitwise_exact(data_dir: Path, tmp_path: Path) -> None:
     # Dropout draws random numbers: their state must resume too.
-    straight_cfg = make_cfg(data_dir, tmp_path / "straight", model=dict(dropout=0.1))
-    straight = run_trainer(straight_cfg)
-
-    split_cfg = copy.deepcopy(straight_cfg)
-    split_cfg.train.out_dir = str(tmp_path / "split")
-    first = run_trainer(split_cfg, stop_at=3)  # stops between checkpoints: saves at step 3
-    assert first.state.step == 3
-    second = run_trainer(split_cfg)
-    assert second.state.step == 8
-    a, b = weights(straight), weights(second)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    cfg = make_cfg(data_dir, tmp_path / "straight", model=dict(dropout=0.1))
+    straight, _, resumed = resumed_runs(cfg, tmp_path, stop_at=3)  # saves at 3, between ckpts
+    assert resumed.state.step == 8
+    assert_same_weights(straight, resumed)
 
 
 def test_accumulation_equals_one_big_batch_with_uneven_masks(

@@ -8,12 +8,12 @@ Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and 
 checkpoint) or one checkpoint. `load_run_config` is the one place it is applied to a config: the
 model is then that source's (a model section of the config is not used, and a warning names its
 keys that differ), and an empty `data.tokenizer` becomes the source's tokenizer (and an absent
-`data.vocab_size` its size), so `minillm tokenize` makes the fine-tuning shards with the
-vocabulary the model was trained on and `info` reports the model the run trains. The training
-stage only loads the weights (`init_weights`) and checks that the config it was given is so
-resolved. It lives here, not in `minillm.config` (a leaf of the layers): reading a checkpoint's
-config or a Hugging Face folder is this stage's. A bad `train.init_from` is a ConfigError naming
-the key.
+`data.vocab_size` its size; another tokenizer named there is a ConfigError), so `minillm
+tokenize` makes the fine-tuning shards with the vocabulary the model was trained on and `info`
+reports the model the run trains. The training stage only loads the weights (`init_weights`) of
+the path the resolved config names. It lives here, not in `minillm.config` (a leaf of the
+layers): reading a checkpoint's config or a Hugging Face folder is this stage's. A bad
+`train.init_from` is a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from minillm.config import (
     override_keys,
     read_raw_config,
 )
-from minillm.data.tokenizer import load_tokenizer
+from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from minillm.errors import ConfigError, UserError, warn
 
 
@@ -146,6 +146,14 @@ def _apply_init_from(raw: dict[str, Any], source: InitSource) -> None:
     if isinstance(data, dict) and not data.get("tokenizer"):
         data["tokenizer"] = str(source.tokenizer_file)
         data.setdefault("vocab_size", source.vocab_size)  # the size of that tokenizer
+    elif isinstance(data, dict):
+        own, theirs = Path(str(data["tokenizer"])), source.tokenizer_file
+        if own.is_file() and theirs.is_file() and tokenizer_sha256(own) != tokenizer_sha256(theirs):
+            raise ConfigError(
+                "data.tokenizer",
+                f"{own} is another tokenizer than train.init_from's {theirs}: the model's ids "
+                "would mean other tokens; leave data.tokenizer empty (the model's is used)",
+            )
 
 
 def load_run_config(

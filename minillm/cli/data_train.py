@@ -29,7 +29,7 @@ def tokenize(
     from minillm.data.tokenize_pass import write_shards
 
     cfg = load_config(config, set_, require_model=False)  # tokenize reads the data section only
-    if cfg.train.objective != "lm":  # dpo, grpo read their jsonl at the start of training
+    if not cfg.train.reads_shards:  # dpo, grpo read their jsonl when training starts
         print(f"nothing to tokenize: train.objective {cfg.train.objective} reads "
               f"{cfg.data.source} itself; run `minillm train {config}`")  # fmt: skip
         return

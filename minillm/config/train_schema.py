@@ -71,7 +71,8 @@ class LoRAConfig(Section):
             self._fail("train_tokens", f"names a token twice: {self.train_tokens}")
 
 
-# What train.grpo.reward names besides a user's python:module:function (minillm.train.rewards).
+# What train.grpo.reward names besides a user's python:module:function
+# (minillm.train.objectives.rewards).
 GRPO_REWARDS = ("exact", "number")
 
 
@@ -298,6 +299,12 @@ class TrainConfig(Section):
         [], help="Prompts for sample_every; empty = one sample from a fresh document."
     )
     sample_max_new_tokens: int = setting(64, help="Tokens generated per prompt for sample_every.")
+
+    @property
+    def reads_shards(self) -> bool:
+        """Whether train.objective trains on `minillm tokenize`'s token shards (lm); dpo and
+        grpo read their jsonl (data.source) themselves when training starts."""
+        return self.objective == "lm"
 
     def __post_init__(self) -> None:
         if self.batch_size != "auto":

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from minillm.data.batches import MicroBatch
 
-MicroBatches = list[MicroBatch]
+MicroBatches = list[Any]
 
 
 class Prefetcher:
@@ -28,8 +29,9 @@ class Prefetcher:
 
     def _make(self, step: int) -> MicroBatches:
         micro = self.batches(step)
-        if self.pin:
-            micro = [m.map(lambda t: t.pin_memory()) for m in micro]
+        if self.pin:  # the token shards' micro-batches (other objectives' hold lists of ids)
+            micro = [m.map(lambda t: t.pin_memory()) if isinstance(m, MicroBatch) else m
+                     for m in micro]  # fmt: skip
         return micro
 
     def __call__(self, step: int) -> MicroBatches:

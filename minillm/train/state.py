@@ -1,9 +1,10 @@
 """A Trainer's state in and out of a checkpoint: what a resume needs to continue bit for bit.
 
 Offers `TrainState` (what the Trainer owns and a checkpoint holds: the model, optimizer, grad
-scaler and weight average it trains, and the loop's counters), `save_checkpoint(run, state,
-is_best)` (those, and every rank's RNG; a collective under FSDP) and `restore_checkpoint(run,
-state, path)`. The files and their layout are minillm.checkpoint.store's. Under train.ema_decay
+scaler and weight average it trains, and the loop's counters), `save_train_state(run, state,
+is_best)` (those, and every rank's RNG; a collective under FSDP) and `restore_train_state(run,
+state, path)`: named apart from minillm.checkpoint.store's `save_checkpoint`, which writes the
+files. The files and their layout are minillm.checkpoint.store's. Under train.ema_decay
 the model file holds the average of the weights (what eval, sample and export read) and the
 trainer state holds the raw weights and the average's update count beside the optimizer's
 moments. A LoRA run (train.lora) saves only the adapters and their optimizer state, and the
@@ -55,7 +56,7 @@ class TrainState:
     last_ckpt: Path | None = None  # the newest checkpoint written or resumed from
 
 
-def save_checkpoint(run: Run, state: TrainState, is_best: bool = False) -> Path | None:
+def save_train_state(run: Run, state: TrainState, is_best: bool = False) -> Path | None:
     """Checkpoint `state` after `state.step` completed steps (a collective under FSDP).
 
     Weights that have overflowed (a huge lr can make a step with finite gradients do that)
@@ -128,7 +129,7 @@ def weights_finite(model: torch.nn.Module, device: torch.device) -> bool:
     return all_reduce_sum(bad).item() == 0
 
 
-def restore_checkpoint(run: Run, state: TrainState, path: Path) -> None:
+def restore_train_state(run: Run, state: TrainState, path: Path) -> None:
     """Load weights, optimizer, scaler, this rank's RNG and the counters from `path` into
     `state`."""
     s = state

@@ -1,15 +1,18 @@
 """The training loop: `train(cfg, resume, force)` is what `minillm train` runs.
 
 Offers `Trainer`, `StepResult`, `TrainingDiverged` and `train`. `prepare_run` (train/run.py)
-resolves the run once; `Trainer(run)` builds the model and optimizer from it and `fit()` runs the
-loop, which reads top to bottom: train a step, log, evaluate, probe, checkpoint.
+resolves the run once, its objective included; `Trainer(run)` builds the model and optimizer from
+it and `fit()` runs the loop, which reads top to bottom: train a step, log, evaluate, probe,
+checkpoint.
 
-One optimizer step = `grad_accum` micro-batches per rank whose summed token losses are divided by
-the number of target tokens of the whole global batch (with chat data, the assistant tokens only),
-so the gradient equals that of one big batch of the same tokens. With `train.doc_mask` a window's
-tokens attend only within their own document (minillm.data.batches.doc_ids). The batch of step s is
-a pure function of (seed, s, rank, world size) and every other piece of state is in the checkpoint,
-so a resumed run continues bit for bit.
+The optimizer step is written once, here (`learn`), for every objective (lm, dpo, grpo: the
+contract is minillm.train.objectives.common.Objective): the objective says what a step reads,
+prepares it (GRPO's rollouts), counts what divides its loss and makes the loss of a micro-batch;
+the Trainer sets the learning rate, all-reduces the counts, runs each micro-batch under `no_sync`
+and autocast, adds the MoE load-balancing loss, scales (fp16), backpropagates, unscales, clips,
+checks that the step is finite and steps. The batch of step s is a pure function of (seed, s,
+rank, world size) and every other piece of state is in the checkpoint, so a resumed run
+continues bit for bit.
 """
 
 from __future__ import annotations
@@ -26,12 +29,11 @@ import torch
 
 from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
-from minillm.data.batches import MicroBatch, eval_batches, train_batch
 from minillm.errors import UserError, warn
-from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
 from minillm.model.moe import router_stats
+from minillm.model.transformer import dropout_off
 from minillm.runtime.device import StopSignal, autocast_context, make_grad_scaler, seed_everything
 from minillm.runtime.files import atomic_copy, atomic_write_text
 from minillm.runtime.progress import format_duration
@@ -39,30 +41,18 @@ from minillm.train.diagnostics import activation_rms, block_snapshot, update_rat
 from minillm.train.distributed import all_reduce_sum, barrier
 from minillm.train.ema import WeightEMA
 from minillm.train.monitor import ExpertLoad, Meter, Monitor, open_monitor
-from minillm.train.objectives import Objective, StepResult
+from minillm.train.objectives.common import StepResult
 from minillm.train.optim import build_optimizer, newton_schulz_flops, set_lr
 from minillm.train.parallel import no_sync, release_groups, wrap_model
 from minillm.train.prefetch import Prefetcher
 from minillm.train.run import Run, prepare_run
-from minillm.train.state import TrainState, restore_checkpoint, save_checkpoint
+from minillm.train.state import TrainState, restore_train_state, save_train_state
+
+_LABELS = {"bits_per_byte": "bits/byte", "reward_accuracy": "reward accuracy"}
 
 
 class TrainingDiverged(UserError):
     """Too many non-finite steps in a row."""
-
-
-def make_objective(run: Run, model: Transformer) -> Objective | None:
-    """The objective of `train.objective` over `model` (holding init_from's weights, before a
-    resume loads its own), its data read and checked; None for `lm`, this module's own loss."""
-    if run.cfg.train.objective == "dpo":
-        from minillm.train.dpo import DPO
-
-        return DPO(run, model)
-    if run.cfg.train.objective == "grpo":
-        from minillm.train.grpo import GRPO
-
-        return GRPO(run, model)
-    return None
 
 
 class Trainer:
@@ -84,7 +74,7 @@ class Trainer:
         self.run_dir, self.dist, self.device = run.run_dir, run.dist, run.device
         self.precision, self.is_main, self.verbose = run.precision, run.is_main, run.verbose
         self.tf32, self.init_label = run.tf32, run.init_label
-        self.probes, self.packing = run.probes, run.packing
+        self.probes, self.objective = run.probes, run.objective
         tc = self.cfg.train
         seed_everything(tc.seed)  # the same initial weights on every rank
         self.model = use_cpu_kernels(Transformer(self.cfg.model))  # eager CPU training kernels
@@ -97,12 +87,12 @@ class Trainer:
                     w.zero_()
         if tc.lora.rank:  # the base frozen, adapters on its linear layers: only they train
             add_lora(self.model, tc.lora, token_ids_of(tc.lora, run.tokenizer, run.tokenizer_file))
-            chat = run.meta.get("chat") and run.verbose
+            chat = self.objective.chat and run.verbose
             warn_unseen_chat_tokens(self.model, tc.lora, run.tokenizer, chat)
         self.model.to(self.device)
-        # train.objective dpo | grpo: its data, reference (init_from's weights, before a resume
-        # loads the run's) and step; None for lm, the next-token loss below.
-        self.objective = make_objective(run, self.model)
+        # The objective's reference, if it has one, copies init_from's weights now, before a
+        # resume loads the run's.
+        self.objective.attach(self.model)
         self.train_model = wrap_model(self.model, self.cfg, self.device, self.precision, self.dist)
         # After the wrapping: under FSDP2 the average is of this rank's shards.
         self.ema = WeightEMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
@@ -116,7 +106,7 @@ class Trainer:
         self.state = TrainState(self.model, self.optimizer, self.scaler, self.ema)
         self.last_eval: dict[str, float] = {}
         if run.resume_from is not None:
-            restore_checkpoint(run, self.state, run.resume_from)
+            restore_train_state(run, self.state, run.resume_from)
         else:
             # Dropout differs per rank; the weights above did not.
             torch.manual_seed(tc.seed + self.dist.rank)
@@ -133,43 +123,43 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, micro: list[MicroBatch] | None = None) -> StepResult:
-        """Run optimizer step `state.step` on `micro` (default: `batches(state.step)`). Deciding
-        whether it was finite is the step's one host sync."""
-        tc = self.cfg.train
-        micro = self.batches(self.state.step) if micro is None else micro
-        if self.objective is not None:
-            return self.objective.train_step(self, micro)
+    def train_step(self, batch: list[Any] | None = None) -> StepResult:
+        """Run optimizer step `state.step` on `batch` (default: `batches(state.step)`): the
+        objective prepares it (GRPO samples its rollouts), then `learn`."""
+        step = self.state.step
+        batch = self.batches(step) if batch is None else batch
+        return self.learn(self.objective.prepare(self.model, step, batch))
+
+    def learn(self, prepared: list[Any]) -> StepResult:
+        """One optimizer step on the objective's prepared micro-batches: the one step of every
+        objective. Deciding whether it was finite is the step's one host sync."""
+        tc, obj, world = self.cfg.train, self.objective, self.dist.world_size
         lr = set_lr(self.optimizer, self.state.step, tc)
-        # Token-weighted accumulation: divide by the target tokens of the whole global batch.
-        n_tokens = all_reduce_sum(
-            torch.tensor(sum(int((m.targets != -100).sum()) for m in micro), dtype=torch.float64)
-        ).item()
-        # DDP/FSDP average gradients over ranks; multiplying by world size undoes that.
-        scale = self.dist.world_size / max(n_tokens, 1.0)
-        inputs = sum(m.tokens.numel() for m in micro)  # this rank's
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for i, m in enumerate(micro):
-            m = m.to(self.device, non_blocking=True)  # asynchronous from pinned memory (CUDA)
-            with no_sync(self.train_model, self.model, sync=i == len(micro) - 1):
-                with self.autocast:
-                    _, loss_sum = self.train_model(
-                        m.tokens, m.targets, doc_ids=m.doc_ids, reduction="sum"
-                    )
-                loss = loss_sum * scale
-                if self.expert_load is not None:
-                    # The load-balancing loss of each micro-batch, weighted by its share of the
-                    # inputs: the step's loss gets their mean (DDP then averages over ranks).
-                    aux = self.expert_load.add(router_stats(self.model))
-                    if tc.moe_aux_loss:
-                        loss = loss + tc.moe_aux_loss * m.tokens.numel() / inputs * aux
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += loss_sum.detach().double()
-        loss_mean = all_reduce_sum(total) / max(n_tokens, 1.0)
+        # The global batch's counts (e.g. its target tokens), on the host: one wait per step.
+        norms = all_reduce_sum(obj.normalisers(prepared).to(self.device)).cpu()
+        totals: torch.Tensor | None = None
+        inputs = 0  # this rank's input tokens
+        dropout = contextlib.nullcontext() if obj.dropout else dropout_off(self.model)
+        with dropout:
+            for i, micro in enumerate(prepared):
+                with no_sync(self.train_model, self.model, sync=i == len(prepared) - 1):
+                    with self.autocast:
+                        out = obj.loss(self.train_model, micro, norms)
+                    # DDP/FSDP average gradients over ranks; multiplying by world size undoes it.
+                    loss = out.loss * world
+                    if self.expert_load is not None:
+                        # The load-balancing loss of each micro-batch, weighted equally: the
+                        # step's loss gets their mean (DDP then averages over ranks).
+                        aux = self.expert_load.add(router_stats(self.model))
+                        if tc.moe_aux_loss:
+                            loss = loss + tc.moe_aux_loss / len(prepared) * aux
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                totals = out.totals if totals is None else totals + out.totals
+                inputs += out.inputs
+        loss_mean = obj.step_loss(all_reduce_sum(totals), norms)
         norm, finite = self._clip_and_step(loss_mean)
-        # Tokens processed (throughput, MFU, tokens_seen): with a target mask, more than n_tokens.
-        n_inputs = sum(m.tokens.numel() for m in micro) * self.dist.world_size
-        return StepResult(loss_mean, norm, lr, n_inputs, n_tokens, finite)
+        # Tokens processed (throughput, MFU, tokens_seen): with a target mask, more than targets.
+        return StepResult(loss_mean, norm, lr, inputs * world, float(norms[0]), finite)
 
     def _clip_and_step(self, loss_mean: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip, and step unless the loss or gradient is not finite; return the
@@ -196,24 +186,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return norm.detach(), finite
 
-    def batches(self, step: int) -> list[MicroBatch]:
-        """This rank's micro-batches of optimizer step `step`: a pure function of seed, step,
-        rank and world size over the train split (what a resume relies on); an objective's
-        own (pairs, prompts)."""
-        if self.objective is not None:
-            return self.objective.batches(step)
-        tc = self.cfg.train
-        return train_batch(
-            self.run.train_tokens,
-            seed=tc.seed,
-            step=step,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            batch_size=tc.batch_size,
-            grad_accum=tc.grad_accum,
-            seq_len=tc.seq_len,
-            **self.packing.train_kwargs(),
-        )
+    def batches(self, step: int) -> list[Any]:
+        """This rank's micro-batches of optimizer step `step`: the objective's, a pure function
+        of seed, step, rank and world size (what a resume relies on)."""
+        return self.objective.batches(step)
 
     def count_step(self, result: StepResult) -> None:
         """Advance the counters past a finished step; too many non-finite steps in a row stop
@@ -242,35 +218,15 @@ class Trainer:
         return self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
 
     def evaluate(self) -> dict[str, float]:
-        """Loss, perplexity and bits per byte of the weights a checkpoint saves, over the first
-        eval_steps validation batches, computed by `minillm eval`'s own evaluation (each rank
-        takes its share)."""
+        """The objective's held-out measure (lm: loss, perplexity and bits per byte over the
+        first eval_steps validation batches) of the weights a checkpoint saves."""
         with self.averaged():
-            return self._evaluate()
-
-    def _evaluate(self) -> dict[str, float]:
-        tc, packing = self.cfg.train, self.packing
-        total, n = evaluate_tokens(
-            self.model,
-            self.run.val_tokens,
-            tc.seq_len,
-            tc.batch_size,
-            self.device,
-            max_batches=tc.eval_steps or None,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            autocast=self.autocast,
-            batches=packing.val_batches(tc.seq_len, tc.batch_size, tc.eval_steps or None),
-        )
-        sums = all_reduce_sum(torch.tensor([total, n], dtype=torch.float64, device=self.device))
-        total, n = sums[0].item(), max(int(sums[1].item()), 1)
-        result = metrics(total, n, n * packing.val_bytes_per_target)
-        return {k: result[k] for k in ("loss", "perplexity", "bits_per_byte")}
+            return self.objective.evaluate(self.model, self.autocast)
 
     def save(self, is_best: bool = False) -> Path | None:
         """Checkpoint the state after `state.step` completed steps (a collective under FSDP);
         the checkpoint's path, or None (other ranks, or weights not finite: nothing written)."""
-        return save_checkpoint(self.run, self.state, is_best)
+        return save_train_state(self.run, self.state, is_best)
 
     # ------------------------------------------------------------------ the loop
 
@@ -280,8 +236,7 @@ class Trainer:
         end = min(tc.max_steps, stop_at) if stop_at is not None else tc.max_steps
         monitor, meter = open_monitor(self, end)
         saved_at = self.state.step if self.state.last_ckpt is not None else -1
-        pin = self.device.type == "cuda" and self.objective is None  # tensors to pin: lm's
-        prefetch = Prefetcher(self.batches, end, pin=pin)
+        prefetch = Prefetcher(self.batches, end, pin=self.device.type == "cuda")
         notice = "stopping after this step; checkpointing it (interrupt again to stop at once)"
         stop = StopSignal(notice if self.verbose else "")
         shown: dict[str, str] = {}
@@ -322,8 +277,7 @@ class Trainer:
             if self.expert_load is not None:
                 monitor.scalars(self.expert_load.scalars(), self.state.step)
                 self.expert_load.reset()
-            if self.objective is not None:
-                monitor.scalars(self.objective.scalars(), self.state.step)
+            monitor.scalars(self.objective.scalars(), self.state.step)
         monitor.step(self.state.step, shown, log)
         if log:
             meter.reset()
@@ -335,17 +289,16 @@ class Trainer:
         tc = self.cfg.train
         probe = self.is_main and (self.state.step + 1) % (tc.log_every * 10) == 0
         probe = probe and not (self.dist.enabled and tc.parallel == "fsdp")
-        probe = probe and self.objective is None  # activation RMS reads the token shards
         return block_snapshot(self.model) if probe else None
 
     def _log_layers(self, before: list[torch.Tensor] | None, monitor: Monitor) -> None:
         """Per-block update/weight ratio of this step and RMS of the block outputs."""
         if before is None:
             return
-        x, _ = next(eval_batches(self.run.train_tokens, seq_len=self.cfg.train.seq_len,
-                                 batch_size=1))  # fmt: skip
         stats = update_ratios(self.model, before)
-        stats.update(activation_rms(self.model, x.to(self.device), self.autocast))
+        x = self.objective.probe_input()  # one row of the objective's inputs
+        if x is not None:
+            stats.update(activation_rms(self.model, x.to(self.device), self.autocast))
         monitor.scalars(stats, self.state.step)
 
     def _evaluate_if_due(self, monitor: Monitor) -> bool:
@@ -355,16 +308,11 @@ class Trainer:
         if not ((tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps):
             return False
         with self.averaged():  # one swap for the validation loss and the task scores
-            if self.objective is not None:  # its own held-out measure ({} for none)
-                self.last_eval = self.objective.evaluate(self)
-            else:
-                self.last_eval = self._evaluate()
+            self.last_eval = self.objective.evaluate(self.model, self.autocast)  # {} for none
             monitor.scalars({f"val/{k}": v for k, v in self.last_eval.items()}, self.state.step)
-            if self.objective is None:
-                monitor.print(f"step {self.state.step}: val loss {self.last_eval['loss']:.4f}, "
-                              f"bits/byte {self.last_eval['bits_per_byte']:.4f}")  # fmt: skip
-            elif self.last_eval:
-                shown = ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items())
+            if self.last_eval:
+                shown = ", ".join(f"{_LABELS.get(k, k)} {v:.4f}" for k, v in self.last_eval.items()
+                                  if k != "perplexity")  # fmt: skip
                 monitor.print(f"step {self.state.step}: val {shown}")
             if self.probes is not None:
                 self.probes.score_tasks(self.model, self.state.step, monitor)

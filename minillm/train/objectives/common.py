@@ -1,31 +1,88 @@
-"""Training objectives past next-token prediction (`train.objective: dpo | grpo`), and what they
-share.
+"""What every training objective is to the Trainer, and what the objectives share.
 
-Offers `StepResult` (what one optimizer step did, whatever its loss), `Objective` (what the
-Trainer calls: `batches(step)`, `train_step(trainer, batch)`, `scalars()`, `evaluate(trainer)`;
-the Trainer's `make_objective` builds one), `Reference`
-(the frozen train.init_from model the objectives compare against), `step_indices` (which rows
-a step reads: a pure function of seed and step, so a resume reads the same ones), `token_logps`
-(per-token log-probabilities of chosen targets) and `MeanMeter` (scalars averaged over the steps
-since the last log line).
+Offers `Objective` (the one contract: the Trainer writes the optimizer step once around it),
+`Setup` (what an objective is built from: the config, where it runs, the tokenizer read once),
+`MicroLoss` (one micro-batch's loss and totals),
+`StepResult` (what one optimizer step did), `Reference` (the frozen train.init_from model the
+post-training objectives compare against), `step_indices` (which rows a step reads: a pure
+function of seed and step, so a resume reads the same ones), `token_logps` (per-token
+log-probabilities of chosen targets, at a sampling temperature), `pad_rows` and `MeanMeter`
+(scalars averaged over the steps since the last log line).
 
-The Trainer keeps its loop; an objective replaces only what a step reads and how its loss is
-made, and what an evaluation measures (docs/training.md, "Preference tuning and RL").
+An objective never sees the Trainer: it gets the model and the step's numbers, and returns
+tensors. What the Trainer does with them, in this order, for every objective (lm, dpo, grpo):
+set the learning rate; `prepare` the step's batch (GRPO samples its rollouts); all-reduce the
+`normalisers`; for each micro-batch under `no_sync` and autocast, `loss` (normalised by the
+global counts), plus the MoE load-balancing loss, `scaler.scale(loss).backward()`; all-reduce the
+micro-batches' totals; `step_loss` (the global loss, logged); unscale, clip, the finite check,
+the optimizer step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from minillm.config import Config
+from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
+from minillm.errors import UserError
 from minillm.model import Transformer
-from minillm.model.lora import LoRALinear, TokenRows
+from minillm.model.lora import adapters_off
+from minillm.train.distributed import DistInfo
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What an objective is built from: the run's final config and where it runs. Built by
+    `prepare_run` before anything is written, so bad data stops a run that has written nothing
+    (and a `--force` start that has not yet cleared the old checkpoints)."""
+
+    cfg: Config
+    dist: DistInfo
+    device: torch.device
+    verbose: bool  # rank 0 and asked to talk
+    config_dir: Path | None = None  # the config file's folder (train.grpo.reward's python:)
+
+    @property
+    def tokenizer_file(self) -> Path:
+        """data.tokenizer (init_from's when the config left it empty); a UserError if absent."""
+        path = Path(self.cfg.data.tokenizer_path)
+        if not path.is_file():
+            raise UserError(f"{path}: tokenizer not found; run `minillm tokenize` first")
+        return path
+
+    @functools.cached_property
+    def tokenizer_sha(self) -> str:
+        return tokenizer_sha256(self.tokenizer_file)
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The run's tokenizer, read once (the objectives, LoRA's token rows)."""
+        return load_tokenizer(self.tokenizer_file)
+
+
+@dataclass(frozen=True)
+class MicroLoss:
+    """One micro-batch's share of the step: `loss` (what backward runs on: its sum over the
+    micro-batch divided by the global normalisers, so the micro-batches and ranks add up to the
+    step's loss), `totals` (detached float64 sums the Trainer adds over micro-batches and ranks,
+    for `step_loss`) and `inputs` (its input tokens: throughput, and its share of the MoE loss)."""
+
+    loss: torch.Tensor
+    totals: torch.Tensor
+    inputs: int
 
 
 @dataclass(frozen=True)
@@ -37,30 +94,56 @@ class StepResult:
     grad_norm: torch.Tensor  # before clipping
     lr: float
     tokens: int  # input tokens of the global batch (throughput, MFU, tokens_seen)
-    targets: float  # target tokens of the global batch (fewer, with a target mask)
+    targets: float  # the global batch's first normaliser (lm: target tokens; dpo: pairs)
     finite: bool  # loss (and, without a grad scaler, gradient) finite: the step was taken
 
 
 class Objective(Protocol):
-    """What a Trainer calls in place of its own next-token step and evaluation. `trainer` is the
-    minillm.train.trainer.Trainer (its optimizer, models, autocast, state, _clip_and_step);
-    typed Any here, since the trainer imports this module."""
+    """A training objective (train.objective), as the Trainer calls it. Batches and micro-batches
+    are the objective's own types; the Trainer only passes them back."""
 
-    def batches(self, step: int) -> Any: ...
+    dropout: bool  # whether the model's dropout stays on in `loss` (off: dropout_off)
+    chat: bool  # trains on conversations (a LoRA run then checks the base knows the chat tokens)
+    needs_start_weights: bool  # whether it reads train.init_from's weights on a resume too
 
-    def train_step(self, trainer: Any, batch: Any) -> StepResult: ...
+    def attach(self, model: Transformer) -> None:
+        """The model it trains, holding its starting weights (before a resume loads its own)."""
 
-    def scalars(self) -> dict[str, float]: ...
+    def batches(self, step: int) -> list[Any]:
+        """This rank's micro-batches of optimizer step `step`: a pure function of seed, step,
+        rank and world size (what a bitwise resume relies on)."""
 
-    def evaluate(self, trainer: Any) -> dict[str, float]: ...
+    def prepare(self, model: Transformer, step: int, batch: list[Any]) -> list[Any]:
+        """What the step learns from, made from its batch before the learning rate is set
+        (GRPO: the rollouts, sampled from `model`); the batch itself for most."""
+
+    def normalisers(self, batch: list[Any]) -> torch.Tensor:
+        """This rank's counts that divide the step's summed loss (float64, 1-d), summed over
+        the ranks by the Trainer; the first is StepResult.targets."""
+
+    def loss(self, model: torch.nn.Module, micro: Any, norms: torch.Tensor) -> MicroLoss:
+        """The loss of one micro-batch under `model` (the wrapped policy), normalised by the
+        global `norms`. The policy's forward is the last forward of the model here (the MoE
+        router statistics are read after it)."""
+
+    def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """The step's loss (0-d) from the global totals; also records the step's scalars."""
+
+    def scalars(self) -> dict[str, float]:
+        """Its own TensorBoard scalars since the last call ({} for none)."""
+
+    def evaluate(self, model: Transformer, autocast: Any) -> dict[str, float]:
+        """Its held-out measure of `model` ({} for none): `loss` is what BEST ranks."""
+
+    def probe_input(self) -> torch.Tensor | None:
+        """One row of input ids (1, T) for the per-layer activation charts (None: none)."""
 
 
 class Reference:
     """The frozen train.init_from model: log-probabilities the policy is compared against.
 
-    With LoRA it is the policy's own base with the adapters switched off (scale 0 during the
-    forward: W x + 0 * B A x is W x exactly; trained token rows back to the base's), so no
-    second copy of the weights is held; else a frozen copy of the starting weights, taken
+    With LoRA it is the policy's own base with the adapters switched off (model.lora.adapters_off),
+    so no second copy of the weights is held; else a frozen copy of the starting weights, taken
     before a resume loads the run's own.
     """
 
@@ -76,22 +159,12 @@ class Reference:
         if self.copy is not None:
             yield self.copy
             return
-        layers = [m for m in self.policy.modules() if isinstance(m, LoRALinear)]
-        rows = [m for m in self.policy.modules() if isinstance(m, TokenRows)]
-        scales = [m.scale for m in layers]
         training = self.policy.training
         try:
-            for m in layers:
-                m.scale = 0.0
-            for m in rows:
-                m.active = False
-            self.policy.eval()
-            yield self.policy
+            with adapters_off(self.policy):
+                self.policy.eval()
+                yield self.policy
         finally:
-            for m, s in zip(layers, scales, strict=True):
-                m.scale = s
-            for m in rows:
-                m.active = True
             self.policy.train(training)
 
 
@@ -107,10 +180,28 @@ def step_indices(n: int, seed: int, step: int, count: int, offset: int = 0) -> l
     return out
 
 
-def token_logps(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets[b, t] | idx[b, :t+1]) for every position, 0 where targets is -100. (B, T)"""
-    _, loss = model(idx, targets, reduction="none")
-    return -loss.view(targets.shape)
+def rank_rows(rows: list[Any], batch_size: int, grad_accum: int, dist: DistInfo) -> list[list]:
+    """This rank's micro-batches of a step's global rows (world x grad_accum x batch_size)."""
+    per_rank = batch_size * grad_accum
+    mine = rows[dist.rank * per_rank : (dist.rank + 1) * per_rank]
+    return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
+
+
+def token_logps(
+    model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(targets[b, t] | idx[b, :t+1]) for every position, 0 where targets is -100. (B, T)
+
+    At a temperature T != 1, p is softmax(logits / T) in float32: the distribution the decoding
+    core samples from at T (minillm.infer.sampling.apply_temperature), as TRL's GRPO computes it.
+    """
+    if temperature == 1.0:
+        _, loss = model(idx, targets, reduction="none")
+        return -loss.view(targets.shape)
+    logits, _ = model(idx)
+    scaled = logits.float() / temperature
+    nll = F.cross_entropy(scaled.flatten(0, 1), targets.reshape(-1), reduction="none")
+    return -nll.view(targets.shape)
 
 
 def pad_rows(rows: list[list[int]], masks: list[list[bool]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,7 @@
 replies, against the frozen train.init_from.
 
 Offers `read_pairs(path)` (TRL's preference formats, checked line by line), `encode_pair`,
-`dpo_loss` (the sigmoid loss, TRL's `DPOTrainer` default) and `DPO` (the objective the Trainer
-runs).
+`dpo_loss` (the sigmoid loss, TRL's `DPOTrainer` default) and `DPO` (the objective).
 
 Data (`data.source`, jsonl), one pair a line, in TRL's formats:
 - standard: `{"prompt": str, "chosen": str, "rejected": str}`: the prompt is a user turn, each
@@ -37,22 +36,19 @@ from minillm.data.corpus import val_mask
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
 from minillm.runtime.files import user_jsonl
-from minillm.train.distributed import all_reduce_sum
-from minillm.train.objectives import (
+from minillm.train.objectives.common import (
     MeanMeter,
+    MicroLoss,
     Reference,
-    StepResult,
+    Setup,
     pad_rows,
+    rank_rows,
     step_indices,
     token_logps,
 )
-from minillm.train.optim import set_lr
-from minillm.train.parallel import no_sync
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-    from minillm.train.run import Run
 
 Messages = list[dict[str, str]]
 
@@ -102,6 +98,9 @@ def parse_pair(obj: Any, where: str, line: int = 0) -> Pair:
         if key not in obj:
             raise UserError(f"{where}: {key}: missing (a pair is prompt, chosen, rejected)")
     prompt, chosen, rejected = obj.get("prompt"), obj["chosen"], obj["rejected"]
+    if "prompt" not in obj and isinstance(chosen, str) and isinstance(rejected, str):
+        raise UserError(f"{where}: prompt: missing (replies given as strings need the prompt "
+                        "they answer; only lists of messages may leave it out)")  # fmt: skip
     if isinstance(prompt, str):  # standard: strings
         for key, value in (("chosen", chosen), ("rejected", rejected)):
             if not isinstance(value, str):
@@ -173,13 +172,22 @@ def dpo_loss(
 
 
 class DPO:
-    """The DPO objective of a run: its pairs (train and held-out), reference and step."""
+    """The DPO objective of a run: its pairs (train and held-out), reference and loss.
 
-    def __init__(self, run: Run, model: Transformer) -> None:
-        cfg = run.cfg
-        self.cfg, self.dist, self.device = cfg, run.dist, run.device
-        tok = run.tokenizer
-        ids = chat_ids(tok, str(run.tokenizer_file))
+    Dropout is off in the policy's forward (TRL's DPOConfig.disable_dropout, its default): the
+    reference runs without it, so with dropout on the log-ratios would carry its noise (0.28
+    nats per reply at lora.dropout 0.1) and step 0 would not start at ln 2.
+    """
+
+    dropout = False
+    chat = True
+    needs_start_weights = True  # the reference is train.init_from, on a resume too
+
+    def __init__(self, setup: Setup) -> None:
+        cfg = setup.cfg
+        self.cfg, self.dist, self.device = cfg, setup.dist, setup.device
+        tok = setup.tokenizer
+        ids = chat_ids(tok, str(setup.tokenizer_file))
         pairs = read_pairs(cfg.data.source)
         limit = cfg.train.seq_len + 1  # inputs are all tokens but the last
         encoded = []
@@ -197,90 +205,87 @@ class DPO:
             else [False] * len(encoded)  # fmt: skip
         self.train_pairs = [e for e, v in zip(encoded, held, strict=True) if not v]
         self.val_pairs = [e for e, v in zip(encoded, held, strict=True) if v]
-        self.reference = Reference(model, lora=bool(cfg.train.lora.rank))
+        self.reference: Reference | None = None
         self.meter = MeanMeter()
+
+    def attach(self, model: Transformer) -> None:
+        self.reference = Reference(model, lora=bool(self.cfg.train.lora.rank))
 
     def batches(self, step: int) -> list[list[EncodedPair]]:
         """This rank's micro-batches of pairs for optimizer step `step` (seed and step only)."""
         tc, d = self.cfg.train, self.dist
-        per_rank = tc.batch_size * tc.grad_accum
-        rows = step_indices(len(self.train_pairs), tc.seed, step, per_rank * d.world_size,
-                            offset=0)[d.rank * per_rank : (d.rank + 1) * per_rank]  # fmt: skip
+        rows = step_indices(len(self.train_pairs), tc.seed, step,
+                            tc.batch_size * tc.grad_accum * d.world_size)  # fmt: skip
         pairs = [self.train_pairs[i] for i in rows]
-        return [pairs[i : i + tc.batch_size] for i in range(0, per_rank, tc.batch_size)]
+        return rank_rows(pairs, tc.batch_size, tc.grad_accum, d)
 
-    def _logps(
-        self, model: torch.nn.Module, micro: list[EncodedPair], autocast: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Per-token log-probabilities (2N, T) of chosen then rejected, the targets, tokens."""
+    def prepare(self, model: Transformer, step: int, batch: list) -> list[list[EncodedPair]]:
+        return batch
+
+    def normalisers(self, batch: list[list[EncodedPair]]) -> torch.Tensor:
+        """Pairs, and the chosen replies' target tokens (for sft_weight's mean)."""
+        return torch.tensor(
+            [sum(len(m) for m in batch),
+             sum(sum(p.chosen_mask[1:]) for m in batch for p in m)], dtype=torch.float64,
+        )  # fmt: skip
+
+    def _logps(self, model: torch.nn.Module, micro: list[EncodedPair]) -> tuple[torch.Tensor, int]:
+        """Per-token log-probabilities (2N, T) of chosen then rejected, and the input tokens."""
         rows = [p.chosen for p in micro] + [p.rejected for p in micro]
         masks = [p.chosen_mask for p in micro] + [p.rejected_mask for p in micro]
         idx, tgt = pad_rows(rows, masks)
-        idx, tgt = idx.to(self.device), tgt.to(self.device)
-        with autocast:
-            return token_logps(model, idx, tgt), tgt, sum(len(r) for r in rows)
+        return token_logps(model, idx.to(self.device), tgt.to(self.device)), sum(map(len, rows))
 
-    def _reference_logps(self, micro: list[EncodedPair], autocast: Any) -> torch.Tensor:
+    def _reference_logps(self, micro: list[EncodedPair]) -> torch.Tensor:
         with torch.no_grad(), self.reference.model() as ref:
-            return self._logps(ref, micro, autocast)[0].sum(-1)
+            return self._logps(ref, micro)[0].sum(-1)
 
-    def train_step(self, trainer: Any, micro: list[list[EncodedPair]]) -> StepResult:
-        """One optimizer step over the step's pairs: the mean loss over the global batch's
-        pairs (plus sft_weight x the chosen tokens' mean cross-entropy)."""
-        tc, dc = self.cfg.train, self.cfg.train.dpo
-        lr = set_lr(trainer.optimizer, trainer.state.step, tc)
-        counts = torch.tensor(
-            [sum(len(m) for m in micro),
-             sum(sum(p.chosen_mask[1:]) for m in micro for p in m)], dtype=torch.float64,
-        )  # fmt: skip
-        n_pairs, n_chosen = (max(v, 1.0) for v in all_reduce_sum(counts).tolist())
-        world = self.dist.world_size  # DDP averages gradients over ranks: undo that
-        total = torch.zeros(5, dtype=torch.float64, device=self.device)
-        tokens = 0
-        for i, m in enumerate(micro):
-            ref = self._reference_logps(m, trainer.autocast)
-            with no_sync(trainer.train_model, trainer.model, sync=i == len(micro) - 1):
-                lp_tok, _, n = self._logps(trainer.train_model, m, trainer.autocast)
-                lp = lp_tok.sum(-1)
-                k = len(m)
-                losses, r_c, r_r = dpo_loss(lp[:k], lp[k:], ref[:k], ref[k:], dc.beta)
-                nll = -lp_tok[:k].sum()
-                loss = losses.sum() * world / n_pairs + dc.sft_weight * nll * world / n_chosen
-                loss.backward()
-            tokens += n
-            total += torch.stack([losses.sum(), r_c.sum(), r_r.sum(),
-                                  (r_c > r_r).sum(), nll]).detach().double()  # fmt: skip
-        total = all_reduce_sum(total)
-        dpo, nll = total[0] / n_pairs, total[4] / n_chosen
-        loss_mean = dpo + dc.sft_weight * nll
-        norm, finite = trainer._clip_and_step(loss_mean)
+    def loss(self, model: torch.nn.Module, micro: list[EncodedPair], norms: torch.Tensor
+             ) -> MicroLoss:  # fmt: skip
+        """The pairs' DPO loss over the global pairs (plus sft_weight x the chosen tokens'
+        cross-entropy over the global chosen tokens); the reference first, the policy last."""
+        dc = self.cfg.train.dpo
+        n_pairs, n_chosen = (max(float(v), 1.0) for v in norms)
+        ref = self._reference_logps(micro)
+        lp_tok, inputs = self._logps(model, micro)
+        lp = lp_tok.sum(-1)
+        k = len(micro)
+        losses, r_c, r_r = dpo_loss(lp[:k], lp[k:], ref[:k], ref[k:], dc.beta)
+        nll = -lp_tok[:k].sum()
+        loss = losses.sum() / n_pairs + dc.sft_weight * nll / n_chosen
+        totals = torch.stack([losses.sum(), r_c.sum(), r_r.sum(), (r_c > r_r).sum(), nll])
+        return MicroLoss(loss, totals.detach().double(), inputs)
+
+    def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        n_pairs, n_chosen = (max(float(v), 1.0) for v in norms)
+        dpo, nll = totals[0] / n_pairs, totals[4] / n_chosen
         self.meter.add({
             "dpo/loss": dpo, "dpo/nll": nll,
-            "dpo/rewards_chosen": total[1] / n_pairs, "dpo/rewards_rejected": total[2] / n_pairs,
-            "dpo/reward_accuracy": total[3] / n_pairs,
-            "dpo/margin": (total[1] - total[2]) / n_pairs,
+            "dpo/rewards_chosen": totals[1] / n_pairs, "dpo/rewards_rejected": totals[2] / n_pairs,
+            "dpo/reward_accuracy": totals[3] / n_pairs,
+            "dpo/margin": (totals[1] - totals[2]) / n_pairs,
         })  # fmt: skip
-        return StepResult(loss_mean, norm, lr, tokens * world, float(n_pairs), finite)
+        return dpo + self.cfg.train.dpo.sft_weight * nll
 
     def scalars(self) -> dict[str, float]:
         return self.meter.scalars()
 
     @torch.no_grad()
-    def evaluate(self, trainer: Any) -> dict[str, float]:
+    def evaluate(self, model: Transformer, autocast: Any) -> dict[str, float]:
         """The held-out pairs (data.val_fraction of the file): DPO loss, reward accuracy and
         margin; {} without held-out pairs. Every rank scores them all."""
         if not self.val_pairs:
             return {}
         tc, beta = self.cfg.train, self.cfg.train.dpo.beta
-        model = trainer.model
         training = model.training
         model.eval()
         sums = [0.0, 0.0, 0.0]
         try:
             for s in range(0, len(self.val_pairs), tc.batch_size):
                 m = self.val_pairs[s : s + tc.batch_size]
-                ref = self._reference_logps(m, trainer.autocast)
-                lp = self._logps(model, m, trainer.autocast)[0].sum(-1)
+                with autocast:
+                    ref = self._reference_logps(m)
+                    lp = self._logps(model, m)[0].sum(-1)
                 k = len(m)
                 losses, r_c, r_r = dpo_loss(lp[:k], lp[k:], ref[:k], ref[k:], beta)
                 sums[0] += float(losses.sum())
@@ -290,3 +295,6 @@ class DPO:
             model.train(training)
         n = len(self.val_pairs)
         return {"loss": sums[0] / n, "reward_accuracy": sums[1] / n, "margin": sums[2] / n}
+
+    def probe_input(self) -> torch.Tensor:
+        return torch.tensor([self.train_pairs[0].chosen[:-1]], dtype=torch.long)

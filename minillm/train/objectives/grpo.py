@@ -2,7 +2,7 @@
 checkable reward.
 
 Offers `group_advantages`, `clipped_objective`, `grpo_loss` (pure functions, tested as tables),
-`Rollout` and `GRPO` (the objective the Trainer runs: `sample` then `learn`).
+`Rollout` and `GRPO` (the objective: `prepare` samples the step's rollouts, `loss` learns).
 
 Each step takes train.batch_size x grad_accum prompts of `data.source` (an exact-match task
 file, `{"messages": [...], "answer": "..."}`, as `eval --task` reads it) and samples
@@ -16,13 +16,15 @@ plus kl x the k3 estimate of KL(policy || reference) when train.grpo.kl > 0, sum
 reply token of the step and divided by their number (token-level normalisation, as DAPO and
 TRL's default). One optimizer step per batch of rollouts: the old policy is the policy (ratio 1,
 the gradient REINFORCE's with the group baseline); the clip acts only if a step were reused.
+Every log-probability (policy, old policy, reference) is of softmax(logits / T), T =
+train.grpo.temperature, the distribution the rollouts were drawn from.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,21 +36,17 @@ from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
 from minillm.infer.task_scoring import chat_prompt_ids
 from minillm.model import Transformer
-from minillm.train.distributed import all_reduce_sum
-from minillm.train.objectives import (
+from minillm.train.objectives.common import (
     MeanMeter,
+    MicroLoss,
     Reference,
-    StepResult,
+    Setup,
     pad_rows,
+    rank_rows,
     step_indices,
     token_logps,
 )
-from minillm.train.optim import set_lr
-from minillm.train.parallel import no_sync
-from minillm.train.rewards import load_reward, score
-
-if TYPE_CHECKING:
-    from minillm.train.run import Run
+from minillm.train.objectives.rewards import load_reward, score
 
 EPS = 1e-4  # TRL's GRPOTrainer: advantages / (std + 1e-4)
 
@@ -113,11 +111,20 @@ def rollout_seed(seed: int, step: int, prompt: int) -> int:
 
 
 class GRPO:
-    """The GRPO objective of a run: its prompts, reward, optional reference, sampling and step."""
+    """The GRPO objective of a run: its prompts, reward, optional reference, rollouts and loss.
 
-    def __init__(self, run: Run, model: Transformer) -> None:
-        cfg = run.cfg
-        self.cfg, self.dist, self.device = cfg, run.dist, run.device
+    The policy, the old policy and the reference are scored at train.grpo.temperature, the
+    distribution the rollouts are sampled from (TRL divides the logits by it in both forwards),
+    and without dropout (sampling runs without it): at the first inner step the importance ratio
+    is exactly 1 and the gradient is the on-policy one.
+    """
+
+    dropout = False
+    chat = True
+
+    def __init__(self, setup: Setup) -> None:
+        cfg = setup.cfg
+        self.cfg, self.dist, self.device = cfg, setup.dist, setup.device
         gc = cfg.train.grpo
         self.task = read_task(cfg.data.source)
         if self.task.kind != "exact_match":
@@ -126,13 +133,13 @@ class GRPO:
                 f"{cfg.data.source}: GRPO needs exact-match prompts "
                 '({"messages": [...], "answer": "..."}), not multiple choice',
             )
-        self.reward = load_reward(gc.reward, run.config_dir)
+        self.reward = load_reward(gc.reward, setup.config_dir)
         # A first call, on the first prompt with its answer for a reply, before anything is
         # written: a function that cannot run (signature, return type) stops the run here.
         first = self.task.examples[0]
         score(self.reward, [{"role": r, "content": c} for r, c in first.messages], first.answer,
               first.answer, f"{cfg.data.source}: line {first.line}")  # fmt: skip
-        self.tok = run.tokenizer
+        self.tok = setup.tokenizer
         where = str(cfg.data.source)
         self.stops = frozenset([chat_ids(self.tok, where)["end"], eot_id(self.tok)])
         self.prompts = [chat_prompt_ids(self.tok, ex.messages, where) for ex in self.task.examples]
@@ -144,16 +151,31 @@ class GRPO:
                     f"{where}: line {ex.line}: a prompt of {len(p)} tokens and "
                     f"{gc.max_new_tokens} new ones exceed the model's context of {context}",
                 )
-        self.reference = Reference(model, bool(cfg.train.lora.rank)) if gc.kl > 0 else None
+        self.reference: Reference | None = None
         self.meter = MeanMeter()
+        self.clock: list[float] = []  # this step's start, end of sampling
+
+    @property
+    def needs_start_weights(self) -> bool:
+        return self.cfg.train.grpo.kl > 0  # the KL term's reference is train.init_from
+
+    def attach(self, model: Transformer) -> None:
+        if self.cfg.train.grpo.kl > 0:
+            self.reference = Reference(model, bool(self.cfg.train.lora.rank))
 
     def batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches of prompt indices for step `step` (seed and step only)."""
         tc, d = self.cfg.train, self.dist
-        per_rank = tc.batch_size * tc.grad_accum
-        rows = step_indices(len(self.prompts), tc.seed, step, per_rank * d.world_size)
-        mine = rows[d.rank * per_rank : (d.rank + 1) * per_rank]
-        return [mine[i : i + tc.batch_size] for i in range(0, per_rank, tc.batch_size)]
+        rows = step_indices(len(self.prompts), tc.seed, step,
+                            tc.batch_size * tc.grad_accum * d.world_size)  # fmt: skip
+        return rank_rows(rows, tc.batch_size, tc.grad_accum, d)
+
+    def prepare(self, model: Transformer, step: int, batch: list[list[int]]) -> list[list[Rollout]]:
+        """The step's rollouts (`sample`), timed."""
+        t0 = time.perf_counter()
+        rollouts = self.sample(model, step, batch)
+        self.clock = [t0, time.perf_counter()]
+        return rollouts
 
     @torch.no_grad()
     def sample(self, model: Transformer, step: int, micro: list[list[int]]) -> list[list[Rollout]]:
@@ -191,67 +213,61 @@ class GRPO:
                              for r, rw, a in zip(rows, rewards, adv, strict=True)]  # fmt: skip
             out.append(rollouts)
             k += len(m)
+        self._rollout_scalars([r for m in out for r in m])
         return out
 
-    def train_step(self, trainer: Any, micro: list[list[int]]) -> StepResult:
-        """Sample the step's rollouts, then one optimizer step on them."""
-        t0 = time.perf_counter()
-        rollouts = self.sample(trainer.model, trainer.state.step, micro)
-        t1 = time.perf_counter()
-        result = self.learn(trainer, rollouts)
-        t2 = time.perf_counter()
-        flat = [r for m in rollouts for r in m]
-        G = self.cfg.train.grpo.group_size
-        rewards = torch.tensor([r.reward for r in flat]).view(-1, G)
+    def _rollout_scalars(self, flat: list[Rollout]) -> None:
+        rewards = torch.tensor([r.reward for r in flat]).view(-1, self.cfg.train.grpo.group_size)
         correct = rewards > 0
         self.meter.add({
             "grpo/reward": float(rewards.mean()),
             "grpo/any_correct": float(correct.any(dim=1).double().mean()),
             "grpo/all_correct": float(correct.all(dim=1).double().mean()),
             "grpo/reply_tokens": sum(len(r.reply) for r in flat) / len(flat),
-            "grpo/sample_seconds": t1 - t0,
-            "grpo/learn_seconds": t2 - t1,
-            "grpo/sample_share": (t1 - t0) / max(t2 - t0, 1e-9),
         })  # fmt: skip
-        return result
 
-    def learn(self, trainer: Any, rollouts: list[list[Rollout]]) -> StepResult:
-        """One optimizer step on fixed rollouts (per micro-batch): the loss of `grpo_loss` over
-        every reply token of the step."""
-        tc, gc = self.cfg.train, self.cfg.train.grpo
-        lr = set_lr(trainer.optimizer, trainer.state.step, tc)
-        local = sum(len(r.reply) for m in rollouts for r in m)
-        n_tokens = max(all_reduce_sum(torch.tensor(float(local), dtype=torch.float64)).item(), 1.0)
-        world = self.dist.world_size  # DDP averages gradients over ranks: undo that
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        tokens = 0
-        for i, m in enumerate(rollouts):
-            rows = [r.prompt + r.reply for r in m]
-            masks = [[False] * len(r.prompt) + [True] * len(r.reply) for r in m]
-            idx, tgt = pad_rows(rows, masks)
-            idx, tgt = idx.to(self.device), tgt.to(self.device)
-            adv = torch.tensor([r.advantage for r in m], device=self.device)
-            ref = None
-            if self.reference is not None:
-                with torch.no_grad(), self.reference.model() as ref_model, trainer.autocast:
-                    ref = token_logps(ref_model, idx, tgt)
-            with no_sync(trainer.train_model, trainer.model, sync=i == len(rollouts) - 1):
-                with trainer.autocast:
-                    logp = token_logps(trainer.train_model, idx, tgt)
-                loss, k3 = grpo_loss(logp, logp.detach(), ref, adv, tgt != -100, gc.clip, gc.kl,
-                                     n_tokens / world)  # fmt: skip
-                loss.backward()
-            total += torch.stack([loss.detach().double() / world, k3.double()])
-            tokens += sum(len(r) for r in rows)
-        total = all_reduce_sum(total)
-        norm, finite = trainer._clip_and_step(total[0])
+    def normalisers(self, batch: list[list[Rollout]]) -> torch.Tensor:
+        """The reply tokens (token-level normalisation)."""
+        return torch.tensor([float(sum(len(r.reply) for m in batch for r in m))],
+                            dtype=torch.float64)  # fmt: skip
+
+    def loss(self, model: torch.nn.Module, micro: list[Rollout], norms: torch.Tensor
+             ) -> MicroLoss:  # fmt: skip
+        """`grpo_loss` of one micro-batch's rollouts over the step's reply tokens, every
+        log-probability at the sampling temperature; the reference first, the policy last."""
+        gc = self.cfg.train.grpo
+        rows = [r.prompt + r.reply for r in micro]
+        masks = [[False] * len(r.prompt) + [True] * len(r.reply) for r in micro]
+        idx, tgt = pad_rows(rows, masks)
+        idx, tgt = idx.to(self.device), tgt.to(self.device)
+        adv = torch.tensor([r.advantage for r in micro], device=self.device)
+        ref = None
         if self.reference is not None:
-            self.meter.add({"grpo/kl": float(total[1] / n_tokens)})
-        return StepResult(total[0], norm, lr, tokens * world, n_tokens, finite)
+            with torch.no_grad(), self.reference.model() as ref_model:
+                ref = token_logps(ref_model, idx, tgt, gc.temperature)
+        logp = token_logps(model, idx, tgt, gc.temperature)
+        loss, k3 = grpo_loss(logp, logp.detach(), ref, adv, tgt != -100, gc.clip, gc.kl,
+                             max(float(norms[0]), 1.0))  # fmt: skip
+        totals = torch.stack([loss.detach().double(), k3.double()])
+        return MicroLoss(loss, totals, sum(len(r) for r in rows))
+
+    def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        if self.reference is not None:
+            self.meter.add({"grpo/kl": float(totals[1] / max(float(norms[0]), 1.0))})
+        if self.clock:  # sampling, then learning: the share a step spends on each
+            t0, t1 = self.clock
+            t2 = time.perf_counter()
+            self.meter.add({"grpo/sample_seconds": t1 - t0, "grpo/learn_seconds": t2 - t1,
+                            "grpo/sample_share": (t1 - t0) / max(t2 - t0, 1e-9)})  # fmt: skip
+            self.clock = []
+        return totals[0]
 
     def scalars(self) -> dict[str, float]:
         return self.meter.scalars()
 
-    def evaluate(self, trainer: Any) -> dict[str, float]:
+    def evaluate(self, model: Transformer, autocast: Any) -> dict[str, float]:
         """No held-out measure of its own: train.eval_tasks (scored after this) is GRPO's."""
         return {}
+
+    def probe_input(self) -> torch.Tensor:
+        return torch.tensor([self.prompts[0]], dtype=torch.long)
