@@ -3,6 +3,7 @@
 Offers `ROLES`, `check_messages` (a bad row is one error line naming file, row and field),
 `chat_ids` (the special-token ids, or a UserError for a tokenizer without them),
 `encode_conversation` (ids + target mask), `encode_prompt` (ids ending in the generation prompt),
+`chat_prompt_ids` (the same from (role, content) pairs, as task files hold them),
 `HF_CHAT_TEMPLATE` (the same template in Jinja, for an exported tokenizer_config.json),
 `assistant_bytes`, `content_bytes` and `resolve_loss_on` (`data.loss_on`, auto resolved against
 the data).
@@ -115,6 +116,15 @@ def encode_prompt(
     """A conversation's ids followed by the generation prompt `<|assistant|>`."""
     ids = ids or chat_ids(tok)
     return encode_conversation(tok, messages, ids)[0] + [ids["assistant"]]
+
+
+def chat_prompt_ids(
+    tokenizer: Tokenizer, messages: tuple[tuple[str, str], ...], where: str
+) -> list[int]:
+    """The prompt of (role, content) pairs (an exact-match example, a GRPO prompt): the template
+    `minillm chat` and the export use, ending in the generation prompt <|assistant|>."""
+    ids = chat_ids(tokenizer, where)
+    return encode_prompt(tokenizer, [{"role": r, "content": c} for r, c in messages], ids)
 
 
 def assistant_bytes(messages: list[dict[str, str]]) -> int:

@@ -1,10 +1,10 @@
 """Task scores: multiple-choice accuracy and exact match of greedy chat replies.
 
 Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
-`multiple_choice_metrics`, `score_multiple_choice`; `chat_prompt_ids`,
-`extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
---task` runs), `eval_report`, `format_tasks` and `format_details`.
-Task files are read by `minillm.infer.task_format`.
+`multiple_choice_metrics`, `score_multiple_choice`; `extract_number`, `answer_matches`,
+`score_exact_match`; `evaluate_tasks` (what `minillm eval --task` runs), `eval_report`,
+`format_tasks` and `format_details`. Task files are read by `minillm.infer.task_format`, an
+exact-match prompt is built by `minillm.data.chat_template.chat_prompt_ids`.
 
 The multiple-choice contract (docs/design.md, "Task files"), so that other tools reproduce the
 numbers: a choice's ids are encode(context) + encode(ending), each encoded alone without special
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from minillm.data.chat_template import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_ids, chat_prompt_ids
 from minillm.errors import UserError
 from minillm.infer.conversation import warn_if_text_model
 from minillm.infer.task_format import MultipleChoice, Task
@@ -185,15 +185,6 @@ def score_multiple_choice(
 # ----------------------------------------------------------------------------- exact match
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def chat_prompt_ids(
-    tokenizer: Tokenizer, messages: tuple[tuple[str, str], ...], where: str
-) -> list[int]:
-    """The prompt of an exact-match example: the chat template of minillm.data.chat_template (the
-    one `minillm chat` and the export use), ending in the generation prompt <|assistant|>."""
-    ids = chat_ids(tokenizer, where)
-    return encode_prompt(tokenizer, [{"role": r, "content": c} for r, c in messages], ids)
 
 
 def extract_number(text: str) -> str | None:
