@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from minillm.data.chat_template import chat_ids, chat_prompt_ids
+from minillm.data.chat_template import chat_prompt_ids, chat_stop_ids
 from minillm.errors import UserError
 from minillm.infer.conversation import warn_if_text_model
 from minillm.infer.task_format import MultipleChoice, Task
@@ -221,7 +221,8 @@ def score_exact_match(
     samples: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|>.
+    """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|> or
+    <|endoftext|> (chat_stop_ids).
 
     With a temperature > 0, `samples` replies per example, sampled on the decoding core
     (sample k of example j seeded from (seed, k), as `minillm sample`): exact_match is then
@@ -232,12 +233,11 @@ def score_exact_match(
     context, for every example alike: a reply then does not depend on its batch. details: a
     list that gets one record per example (its last user turn, the answer, the reply, the hit).
     """
-    from minillm.data.tokenizer import eot_id
     from minillm.infer.engine import Engine, SamplingParams
 
     where = str(task.path)
     prompts = [chat_prompt_ids(tokenizer, ex.messages, where) for ex in task.examples]
-    eot, end = eot_id(tokenizer), chat_ids(tokenizer, where)["end"]
+    stops = chat_stop_ids(tokenizer, where)
     context = model.cfg.max_seq_len
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     room = context - len(prompts[longest]) + 1
@@ -255,7 +255,6 @@ def score_exact_match(
         max_new_tokens = room
     # The rows run on the decoding core, batch_size at a time, each joining as one leaves.
     engine = Engine(model, tokenizer, max_batch=batch_size)
-    stops = frozenset([end, eot])
     if temperature > 0:
         params = SamplingParams(max_new_tokens, temperature, 0, 1.0, seed=seed, stop_ids=stops)
     else:
@@ -271,7 +270,7 @@ def score_exact_match(
         texts = []
         for row in rows[j * samples : (j + 1) * samples]:
             reply = row.tokens
-            cut = [i for i, t in enumerate(reply) if t in (end, eot)]
+            cut = [i for i, t in enumerate(reply) if t in stops]
             texts.append(tokenizer.decode(reply[: cut[0]] if cut else reply))
         right = [answer_matches(text, ex.answer, number) for text in texts]
         hits += sum(right)
