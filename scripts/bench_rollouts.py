@@ -28,11 +28,10 @@ import torch
 import transformers
 
 from minillm.checkpoint.store import load_checkpoint
-from minillm.data.chat_template import chat_ids
+from minillm.data.chat_template import chat_ids, chat_prompt_ids
 from minillm.data.tokenizer import eot_id
 from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
-from minillm.infer.task_scoring import chat_prompt_ids
 
 
 def ours(model, tok, prompts, group, max_new, stops, seed) -> int:

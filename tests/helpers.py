@@ -7,6 +7,8 @@ training, for the eval, sample and export tests) and `tiny_model_config` (the mo
 alone). `tiny_tokenizer()` is a 300-token byte-level BPE trained once per session on a few KB of
 Shakespeare plus some non-ASCII text; `write_shards` tokenizes documents with the real pipeline.
 
+`script_tokens` makes the decoding core draw the tokens a test chooses.
+
 Import it as `from tests.helpers import ...` (tests/ is a package), never as `helpers`: one module.
 """
 
@@ -190,6 +192,20 @@ def eval_json(args: list[str]) -> dict:
     result = CliRunner().invoke(app, ["eval", *args, "--json", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
+
+
+def script_tokens(monkeypatch: Any, tokens: list[int]) -> None:
+    """From now on the decoding core draws `tokens` in order, whatever the logits: draw k of
+    every row is tokens[k] (rows submitted together, e.g. one reply). A reply a test chooses,
+    token by token, through the real engine and its stop rules."""
+    from minillm.infer import engine
+
+    draws = iter(tokens)
+
+    def scripted(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full((logits.shape[0],), next(draws), dtype=torch.long)
+
+    monkeypatch.setattr(engine, "sample_next", scripted)
 
 
 def error_line(result) -> str:  # noqa: ANN001

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat_template import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_ids, chat_stop_ids, encode_prompt
+from minillm.data.tokenizer import eot_id
 from minillm.infer.conversation import chat_checkpoint
 from minillm.infer.engine import SamplingParams, generate
 from tests import helpers
@@ -26,14 +27,15 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def greedy_reply(loaded, messages: list[dict[str, str]], max_new: int) -> str:
-    """The reply by hand: the template's prompt, greedy generate, stop at <|end|>."""
+    """The reply by hand: the template's prompt, greedy generate, stop at <|end|> or
+    <|endoftext|>."""
     tok = loaded.tokenizer
-    ids = chat_ids(tok)
-    prompt = encode_prompt(tok, messages, ids)
-    params = SamplingParams.greedy(max_new, stop_ids=frozenset([ids["end"]]))
+    prompt = encode_prompt(tok, messages, chat_ids(tok))
+    stops = frozenset([chat_ids(tok)["end"], eot_id(tok)])
+    params = SamplingParams.greedy(max_new, stop_ids=stops)
     # vocab_limit: the padded embedding rows are no tokens
     new = generate(loaded.model, [prompt], params, vocab_limit=tok.get_vocab_size())[0]
-    return tok.decode(new[:-1] if new and new[-1] == ids["end"] else new)
+    return tok.decode(new[:-1] if new and new[-1] in stops else new)
 
 
 def test_chat_message_prints_only_the_reply(run) -> None:
@@ -63,6 +65,21 @@ def test_piped_lines_are_turns_of_one_conversation(run) -> None:
         {"role": "user", "content": "second"},
     ]
     assert lines[1] == greedy_reply(loaded, history, 6).replace("\n", " ")
+
+
+def test_a_reply_stops_at_end_of_text_as_at_end_of_turn(run, monkeypatch) -> None:
+    """A reply drawn as "Hi there", <|endoftext|>, more text is "Hi there": a chat reply ends
+    at the end of the document as at the end of its turn (chat_stop_ids)."""
+    run_dir, loaded = run
+    tok = loaded.tokenizer
+    assert chat_stop_ids(tok) == {chat_ids(tok)["end"], eot_id(tok)}
+    words = tok.encode("Hi there", add_special_tokens=False).ids
+    more = tok.encode(" and then some more", add_special_tokens=False).ids
+    helpers.script_tokens(monkeypatch, [*words, eot_id(tok), *more * 4])
+    args = ["chat", "--ckpt", str(run_dir), "--message", "Hello", "--temperature", "0"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "Hi there\n"
 
 
 def test_a_long_history_keeps_to_the_context(run) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from minillm.cli import app
-from minillm.data.chat_template import chat_ids
+from minillm.data.chat_template import chat_ids, chat_prompt_ids
 from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.infer.engine import SamplingParams, generate
-from minillm.infer.task_scoring import answer_matches, chat_prompt_ids
+from minillm.infer.task_scoring import answer_matches
 from tests.helpers import error_line, make_run
 
 runner = CliRunner()

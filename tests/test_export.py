@@ -10,7 +10,8 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from minillm.checkpoint.hf_folder import export_checkpoint, import_hf_folder
+from minillm.checkpoint.hf_export import export_checkpoint
+from minillm.checkpoint.hf_import import import_hf_folder
 from minillm.checkpoint.init_from import load_run_config
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app

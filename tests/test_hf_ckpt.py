@@ -14,7 +14,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from typer.testing import CliRunner
 
-from minillm.checkpoint.hf_folder import export_checkpoint
+from minillm.checkpoint.hf_export import export_checkpoint
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.config import ModelConfig

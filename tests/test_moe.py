@@ -421,7 +421,7 @@ def test_hf_export_is_a_mixtral_transformers_runs_with_our_logits(moe_run) -> No
 def test_init_from_an_hf_mixtral_folder_starts_from_its_weights(moe_run, tmp_path: Path) -> None:
     import yaml
 
-    from minillm.checkpoint.hf_folder import export_checkpoint
+    from minillm.checkpoint.hf_export import export_checkpoint
     from minillm.checkpoint.init_from import load_run_config
     from tests.helpers import write_shards
 

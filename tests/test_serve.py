@@ -29,7 +29,7 @@ pytest.importorskip("uvicorn")
 from typer.testing import CliRunner  # noqa: E402
 
 from minillm.cli import app  # noqa: E402
-from tests.helpers import ROOT, make_run  # noqa: E402
+from tests.helpers import ROOT, make_run, script_tokens  # noqa: E402
 
 KEY = "test-key-123"
 CONTEXT = 1024
@@ -418,6 +418,76 @@ def test_engine_queue_limit_and_failure_of_one_request(tmp_path: Path) -> None:
     assert [e.finish_reason for e in events["good"]].count("length") == 2
     assert all(e.error is None for e in events["good"]) and bad.cancelled is False
     assert len(good.rows) == 2 and all(len(r.tokens) == 3 for r in good.rows)
+
+
+class Connected:
+    """The one thing Handler.complete asks of its request: whether the client left."""
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def test_every_chat_reply_stops_at_one_set_end_of_turn_and_end_of_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Serve's chat completions, `minillm chat` and `eval --task` submit the same stop ids,
+    chat_stop_ids: <|end|> and <|endoftext|>. A reply drawn as "Hi there", <|endoftext|>, more
+    text is "Hi there" with finish_reason "stop" over the API, and in the other two."""
+    import asyncio
+    import io
+
+    from minillm.checkpoint.store import load_checkpoint
+    from minillm.data.chat_template import chat_ids, chat_stop_ids
+    from minillm.data.tokenizer import eot_id
+    from minillm.infer.conversation import chat_checkpoint
+    from minillm.infer.engine import Engine, SamplingParams
+    from minillm.infer.task_format import read_task
+    from minillm.infer.task_scoring import score_exact_match
+    from minillm.serve import protocol as P
+    from minillm.serve.handlers import Handler
+    from minillm.serve.worker import EngineThread
+
+    run, _, _ = make_run(tmp_path)
+    ckpt = load_checkpoint(run)
+    tok = ckpt.tokenizer
+    stops = chat_stop_ids(tok)
+    assert stops == {chat_ids(tok)["end"], eot_id(tok)}
+    submitted = []
+    submit = Engine.submit
+
+    def spy(self: Engine, prompts: list, params: SamplingParams, *args, **kwargs) -> list:
+        submitted.append(params.stop_ids)
+        return submit(self, prompts, params, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "submit", spy)
+    words = tok.encode("Hi there", add_special_tokens=False).ids
+    more = tok.encode(" and then some more", add_special_tokens=False).ids
+    reply = [*words, eot_id(tok), *more * 4]
+
+    script_tokens(monkeypatch, reply)
+    engine = EngineThread(ckpt.model, tok, max_batch=2, max_queue=4)
+    handler = Handler(ckpt, "run", engine, 1 << 20, None)
+    body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12, "temperature": 0}
+    job = P.parse_chat(body, handler.limits, handler.encode_chat)
+    engine.start()
+    try:
+        answer = asyncio.run(handler.complete(Connected(), job))
+    finally:
+        engine.close()
+    (choice,) = answer["choices"]
+    assert choice["message"]["content"] == "Hi there" and choice["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == len(words) + 1  # the stop token counts
+
+    script_tokens(monkeypatch, reply)
+    out = io.StringIO()
+    chat_checkpoint(ckpt, SamplingParams.greedy(12), message="Hello", out=out)
+    assert out.getvalue() == "Hi there\n"
+
+    script_tokens(monkeypatch, reply)
+    task = tmp_path / "qa.jsonl"
+    task.write_text(json.dumps({"messages": body["messages"], "answer": "Hi there"}) + "\n")
+    assert score_exact_match(ckpt.model, tok, read_task(task), 1, 12)["exact_match"] == 1.0
+    assert submitted == [stops] * 3
 
 
 # ----------------------------------------------------------------------------- the chat page

@@ -371,7 +371,7 @@ def test_trainer_refuses_a_bad_task_file_before_training(tmp_path: Path, row, me
 def test_transformers_on_the_export_gives_the_same_numbers(run, tmp_path: Path) -> None:
     """The contract written out for transformers, as a maintainer would, on the exported folder."""
     transformers = pytest.importorskip("transformers")
-    from minillm.checkpoint.hf_folder import export_checkpoint
+    from minillm.checkpoint.hf_export import export_checkpoint
 
     run_dir, _ = run
     out = export_checkpoint(load_checkpoint(run_dir), tmp_path / "hf")

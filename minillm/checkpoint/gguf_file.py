@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.checkpoint.hf_folder import check_not_over_source
+from minillm.checkpoint.hf_export import check_not_over_source
 from minillm.config import ModelConfig, SampleConfig
 from minillm.errors import CheckpointError, UserError
 from minillm.runtime.files import StagedFile, fsync_dir, fsync_file

@@ -27,7 +27,7 @@ import torch
 
 from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
-from minillm.checkpoint.hf_folder import hf_model_config, import_hf_folder
+from minillm.checkpoint.hf_import import hf_model_config, import_hf_folder
 from minillm.checkpoint.weights import weights_sha256
 from minillm.config import (
     Config,

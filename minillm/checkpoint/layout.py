@@ -1,7 +1,8 @@
 """The on-disk layout of a run and its checkpoints, and finding the checkpoint `--ckpt` means.
 
 Offers the file names (`CKPT_DIR`, `MODEL_FILE`, `TRAINER_FILE`, `STATE_FILE`, `TOKENIZER_FILE`,
-`HF_CONFIG_FILE`, `POINTERS`, `LOCK_FILE`), `checkpoint_name`, `read_pointer`,
+`POINTERS`, `LOCK_FILE`; a Hugging Face folder's `HF_CONFIG_FILE`, `HF_WEIGHTS_FILE`,
+`HF_WEIGHTS_INDEX`, `HF_GENERATION_FILE`), `checkpoint_name`, `read_pointer`,
 `list_checkpoints`, `step_of`, `read_state`, `verify_checkpoint` (every file against its
 sha256 in state.json), `find_latest` (the newest intact checkpoint), `resolve_checkpoint` (a
 run, a checkpoint or a pointer file) and `is_hf_folder`. Writing and loading checkpoints is
@@ -28,7 +29,12 @@ MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer_state.pt"
 STATE_FILE = "state.json"
 TOKENIZER_FILE = "tokenizer.json"
-HF_CONFIG_FILE = "config.json"  # a Hugging Face folder's (minillm.checkpoint.hf_folder)
+# A Hugging Face folder's files, written by minillm.checkpoint.hf_export and read by hf_import
+# (its tokenizer file is TOKENIZER_FILE too).
+HF_CONFIG_FILE = "config.json"
+HF_WEIGHTS_FILE = "model.safetensors"
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"
+HF_GENERATION_FILE = "generation_config.json"
 FORMAT_VERSION = 1
 CONFIG_KEY = "minillm.model_config"  # safetensors metadata: the model config, JSON
 STEP_RE = re.compile(r"^step_(\d+)$")

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from minillm.checkpoint.hf_folder import check_export_target
+from minillm.checkpoint.hf_export import check_export_target
 from minillm.errors import UserError
 from minillm.model.lora import peft_modules, to_peft_state_dict
 from minillm.runtime.files import commit_dir, save_safetensors

@@ -236,7 +236,7 @@ def load_checkpoint(
     A run directory gives its newest intact checkpoint (a damaged newer one is skipped with a
     warning naming both, as `train` resumes), `best` the one BEST names; a checkpoint folder
     named explicitly that fails its check is an error. Each file is hashed once, here. A Hugging
-    Face folder is read by minillm.checkpoint.hf_folder, which refuses what minillm would not
+    Face folder is read by minillm.checkpoint.hf_import, which refuses what minillm would not
     compute as transformers does (another architecture, RoPE scaling, another tokenizer kind).
     """
     from minillm.config import config_from_dict, config_to_dict
@@ -244,7 +244,7 @@ def load_checkpoint(
     from minillm.errors import ConfigError
 
     if is_hf_folder(path):
-        from minillm.checkpoint.hf_folder import read_hf_checkpoint
+        from minillm.checkpoint.hf_import import read_hf_checkpoint
 
         if best:
             raise CheckpointError(

@@ -3,7 +3,7 @@
 Offers `load_weights_into`, what a minillm checkpoint, a Hugging Face folder (`--ckpt`,
 `train.init_from`) and the trainer's `init_from` all load through, and `weights_sha256`, the
 identity of a LoRA run's base. It lives apart from `store` and
-`hf_folder` so that each can use it without the two importing each other.
+`hf_import` so that each can use it without the two importing each other.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def export(
         print_error(f"--dtype: only with --format gguf (an {fmt} folder is float32)")
         raise typer.Exit(2)
     if fmt == "peft":
-        from minillm.checkpoint.hf_folder import check_export_target
+        from minillm.checkpoint.hf_export import check_export_target
         from minillm.checkpoint.peft_folder import export_peft
 
         run(check_export_target, out, force, ckpt)  # before the (slow) load
@@ -116,7 +116,7 @@ def export(
         path = run(export_peft, loaded, out, force=force)
         print(f"wrote {path}")
         return
-    from minillm.checkpoint.hf_folder import check_export_target, export_checkpoint
+    from minillm.checkpoint.hf_export import check_export_target, export_checkpoint
 
     run(check_export_target, out, force, ckpt)  # before the (slow) load
     loaded = load_ckpt(ckpt, "cpu", best)

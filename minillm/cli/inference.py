@@ -246,7 +246,8 @@ def chat(
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
     device: str = DeviceOption,
 ) -> None:
-    """Talk to a chat model: replies streamed, /reset and /exit; stops each reply at <|end|>.
+    """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
+    (or <|endoftext|>).
 
     With --message, print the one reply and exit. From a pipe, each input line is the next user
     turn and each reply is printed on one line.

@@ -7,9 +7,10 @@ on a terminal, or one reply per input line from a pipe (each reply on one line: 
 become spaces, so a reader can pair lines).
 
 A prompt is the conversation so far, rendered by `encode_prompt` and ending in `<|assistant|>`;
-the reply comes from the decoding core (`minillm.infer.engine`) and stops at `<|end|>`. When the
-history no longer fits the context with room for the reply, the oldest turns are dropped (the
-system message stays). Turn t of a conversation seeded s is a request seeded s + t, so the first
+the reply comes from the decoding core (`minillm.infer.engine`) and stops at `<|end|>` or
+`<|endoftext|>` (`chat_stop_ids`, as `minillm serve` and `eval --task`). When the history no
+longer fits the context with room for the reply, the oldest turns are dropped (the system
+message stays). Turn t of a conversation seeded s is a request seeded s + t, so the first
 reply is the one `minillm serve` gives a chat request with the same seed.
 """
 
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from minillm.data.chat_template import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_ids, chat_stop_ids, encode_prompt
 from minillm.errors import UserError, warn
 from minillm.infer.engine import Engine, Event, SamplingParams
 from minillm.infer.sampling import fresh_seed
@@ -60,7 +61,8 @@ class Conversation:
     ) -> None:
         self.tok = ckpt.tokenizer
         self.tok.encode_special_tokens = True  # a typed "<|end|>" is text, not a turn
-        self.ids = chat_ids(self.tok, f"{ckpt.path}: --ckpt")
+        where = f"{ckpt.path}: --ckpt"
+        self.ids = chat_ids(self.tok, where)
         params = params.resolve(ckpt.config.sample)
         self.context = ckpt.model.cfg.max_seq_len
         if params.max_new_tokens >= self.context:
@@ -71,7 +73,7 @@ class Conversation:
         if params.seed is None and params.temperature > 0:
             params = dataclasses.replace(params, seed=fresh_seed())
             print(f"seed {params.seed} (pass --seed to repeat these replies)", file=err)
-        self.params = dataclasses.replace(params, stop_ids=frozenset([self.ids["end"]]))
+        self.params = dataclasses.replace(params, stop_ids=chat_stop_ids(self.tok, where))
         self.engine = Engine(ckpt.model, self.tok)
         self.system = system
         self.turns = 0
@@ -108,8 +110,8 @@ class Conversation:
                 out.flush()
 
         self.engine.run(stream)
-        end = self.ids["end"]
-        answer = self.tok.decode([t for t in row.tokens if t != end])
+        stops = self.params.stop_ids
+        answer = self.tok.decode([t for t in row.tokens if t not in stops])
         self.messages.append({"role": "assistant", "content": answer})
         self.turns += 1
         return answer

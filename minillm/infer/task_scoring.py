@@ -1,10 +1,10 @@
 """Task scores: multiple-choice accuracy and exact match of greedy chat replies.
 
 Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
-`multiple_choice_metrics`, `score_multiple_choice`; `chat_prompt_ids`,
-`extract_number`, `answer_matches`, `score_exact_match`; `evaluate_tasks` (what `minillm eval
---task` runs), `eval_report`, `format_tasks` and `format_details`.
-Task files are read by `minillm.infer.task_format`.
+`multiple_choice_metrics`, `score_multiple_choice`; `extract_number`, `answer_matches`,
+`score_exact_match`; `evaluate_tasks` (what `minillm eval --task` runs), `eval_report`,
+`format_tasks` and `format_details`. Task files are read by `minillm.infer.task_format`, an
+exact-match prompt is built by `minillm.data.chat_template.chat_prompt_ids`.
 
 The multiple-choice contract (docs/design.md, "Task files"), so that other tools reproduce the
 numbers: a choice's ids are encode(context) + encode(ending), each encoded alone without special
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from minillm.data.chat_template import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_prompt_ids, chat_stop_ids
 from minillm.errors import UserError
 from minillm.infer.conversation import warn_if_text_model
 from minillm.infer.task_format import MultipleChoice, Task
@@ -187,15 +187,6 @@ def score_multiple_choice(
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def chat_prompt_ids(
-    tokenizer: Tokenizer, messages: tuple[tuple[str, str], ...], where: str
-) -> list[int]:
-    """The prompt of an exact-match example: the chat template of minillm.data.chat_template (the
-    one `minillm chat` and the export use), ending in the generation prompt <|assistant|>."""
-    ids = chat_ids(tokenizer, where)
-    return encode_prompt(tokenizer, [{"role": r, "content": c} for r, c in messages], ids)
-
-
 def extract_number(text: str) -> str | None:
     """The last number in text, commas dropped ("1,234.5" -> "1234.5"), as GSM8K is scored."""
     found = NUMBER.findall(text)
@@ -230,7 +221,8 @@ def score_exact_match(
     samples: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|>.
+    """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|> or
+    <|endoftext|> (chat_stop_ids).
 
     With a temperature > 0, `samples` replies per example, sampled on the decoding core
     (sample k of example j seeded from (seed, k), as `minillm sample`): exact_match is then
@@ -241,12 +233,11 @@ def score_exact_match(
     context, for every example alike: a reply then does not depend on its batch. details: a
     list that gets one record per example (its last user turn, the answer, the reply, the hit).
     """
-    from minillm.data.tokenizer import eot_id
     from minillm.infer.engine import Engine, SamplingParams
 
     where = str(task.path)
     prompts = [chat_prompt_ids(tokenizer, ex.messages, where) for ex in task.examples]
-    eot, end = eot_id(tokenizer), chat_ids(tokenizer, where)["end"]
+    stops = chat_stop_ids(tokenizer, where)
     context = model.cfg.max_seq_len
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     room = context - len(prompts[longest]) + 1
@@ -264,7 +255,6 @@ def score_exact_match(
         max_new_tokens = room
     # The rows run on the decoding core, batch_size at a time, each joining as one leaves.
     engine = Engine(model, tokenizer, max_batch=batch_size)
-    stops = frozenset([end, eot])
     if temperature > 0:
         params = SamplingParams(max_new_tokens, temperature, 0, 1.0, seed=seed, stop_ids=stops)
     else:
@@ -280,7 +270,7 @@ def score_exact_match(
         texts = []
         for row in rows[j * samples : (j + 1) * samples]:
             reply = row.tokens
-            cut = [i for i, t in enumerate(reply) if t in (end, eot)]
+            cut = [i for i, t in enumerate(reply) if t in stops]
             texts.append(tokenizer.decode(reply[: cut[0]] if cut else reply))
         right = [answer_matches(text, ex.answer, number) for text in texts]
         hits += sum(right)

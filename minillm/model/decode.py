@@ -47,11 +47,12 @@ class Decoder:
         self.model, self.cache = model, kv_cache
         cfg = model.cfg
         self.heads = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
-        # The FFN as (w_gate_up, w_down^T), or (the MoE module, None).
+        # The FFN as (w_gate_up, w_down^T, None), or a mixture of experts as (None, None, the
+        # MoE module).
         ffns = [
-            (block.ffn, None)
+            (None, None, block.ffn)
             if isinstance(block.ffn, MoE)
-            else (block.ffn.w_gate_up.weight, block.ffn.w_down.weight.t())
+            else (block.ffn.w_gate_up.weight, block.ffn.w_down.weight.t(), None)
             for block in model.blocks
         ]
         self.layers = [
@@ -104,7 +105,7 @@ class Decoder:
         cos, sin, rotate_half = self.rope
         rot = rope_rotation(cos[positions], sin[positions], rotate_half)  # (n | 1, D, D)
         x = F.embedding(tokens, self.embedding)  # (n, C)
-        for layer, (norm1, w_qkv, wo_t, norm2, w_gate_up, w_down_t) in enumerate(self.layers):
+        for layer, (norm1, w_qkv, wo_t, norm2, w_gate_up, w_down_t, moe) in enumerate(self.layers):
             qkv = F.linear(rms_norm(x, norm1, eps), w_qkv).view(n, H + 2 * K, D)
             qk = qkv[:, : H + K]
             if qk.dtype == rot.dtype:
@@ -114,8 +115,8 @@ class Decoder:
             keys, values = write.update(layer, qk[:, H:, None], qkv[:, H + K :, None])
             y = attention(qk[:, :H, None], keys, values, key_mask)  # (n, H, 1, D)
             x = torch.addmm(x, y.reshape(n, H * D), wo_t)  # x + wo(y)
-            if w_down_t is None:  # w_gate_up is a mixture of experts
-                x = x + w_gate_up(rms_norm(x, norm2, eps))
+            if moe is not None:
+                x = x + moe(rms_norm(x, norm2, eps))
                 continue
             h = swiglu(F.linear(rms_norm(x, norm2, eps), w_gate_up))
             x = torch.addmm(x, h, w_down_t)  # x + w_down(swiglu(...))

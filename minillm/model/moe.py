@@ -1,7 +1,9 @@
 """The mixture-of-experts FFN (`model.n_experts` > 0): SwiGLU experts routed per token, as Mixtral.
 
-Offers `MoE`, `route`, `moe_reference`, `moe_dispatch`, `RouterStats`, `router_stats(model)`
-and `load_balancing_loss(stats, n_experts)`.
+Offers `swiglu`, `MoE`, `route`, `moe_reference`, `moe_dispatch`, `RouterStats`,
+`router_stats(model)` and `load_balancing_loss(stats, n_experts)`. `swiglu` is also the dense
+FFN's activation: it is defined once, here, because `minillm.model.transformer` imports this
+module (not the other way round).
 
 A linear router scores the E experts of each token; softmax over experts, the top k kept, their
 weights renormalised to sum to 1 (Mixtral; HF's `MixtralSparseMoeBlock`); the output is the

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from minillm.config import ModelConfig
 from minillm.model.inputs import AttentionMask, forward_inputs
 from minillm.model.kv_cache import CacheWrite, KVCache
-from minillm.model.moe import MoE
+from minillm.model.moe import MoE, swiglu  # defined there: the experts use it too
 
 # `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
@@ -171,12 +171,6 @@ class Attention(nn.Module):
 
 
 # ----------------------------------------------------------------------------- SwiGLU
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused projection [gate, up] (..., 2F) -> (..., F)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class SwiGLU(nn.Module):

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minillm.data.chat_template import chat_ids, encode_prompt
+from minillm.data.chat_template import chat_ids, chat_stop_ids, encode_prompt
 from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
 from minillm.infer.engine import Event
@@ -39,8 +39,11 @@ class Handler:
         self.tok = ckpt.tokenizer
         self.tok.encode_special_tokens = True  # "<|end|>" typed in a message is text
         self.eot = eot_id(self.tok)
+        # A chat reply stops where `minillm chat`'s does; a completion at end-of-text.
+        self.stops = {"completion": frozenset([self.eot])}
         try:
             self.chat_ids: dict[str, int] | None = chat_ids(self.tok)
+            self.stops["chat"] = chat_stop_ids(self.tok)
         except UserError:
             self.chat_ids = None  # a tokenizer from before the chat tokens: completions only
         cfg = ckpt.config
@@ -116,8 +119,7 @@ class Handler:
         def sink(event: Event) -> None:  # on the engine thread
             self._deliver(queue, event)
 
-        stop_id = self.chat_ids["end"] if job.kind == "chat" and self.chat_ids else self.eot
-        params = dataclasses.replace(job.sampling, stop_ids=frozenset([stop_id]))
+        params = dataclasses.replace(job.sampling, stop_ids=self.stops[job.kind])
         try:
             ticket = self.engine.submit(job.prompts, params, job.n, sink)
         except QueueFull as e:

@@ -1,0 +1,175 @@
+"""Export a checkpoint as a Hugging Face Llama folder (our model -> an HF folder).
+
+Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs), `hf_tokenizer_config`,
+`generation_config`, and `check_export_target` / `check_not_over_source` (the checks every
+export's `--out` passes: this one's, peft's and GGUF's). Reading a folder back is
+minillm.checkpoint.hf_import; parameter names and the config mapping live in
+minillm/model/hf_names.py.
+
+An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
+tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. With the chat tokens,
+tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids)
+and generation stops at `<|end|>` as well as at end-of-text. A model with `model.n_experts` is
+written as a MixtralForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from minillm.checkpoint.layout import (
+    HF_CONFIG_FILE,
+    HF_GENERATION_FILE,
+    HF_WEIGHTS_FILE,
+    TOKENIZER_FILE,
+)
+from minillm.config import SampleConfig
+from minillm.errors import UserError
+from minillm.model.hf_names import hf_config_dict, to_hf_state_dict
+from minillm.runtime.files import commit_dir, save_safetensors
+
+
+def hf_tokenizer_config(
+    eot: str, eot_id: int, max_len: int, specials: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """tokenizer_config.json for PreTrainedTokenizerFast: end-of-text is bos, eos and pad.
+
+    specials: every special token -> id (default: end-of-text alone). With the chat tokens among
+    them the config carries the chat template, so `apply_chat_template` gives minillm's ids.
+    """
+    from minillm.data.chat_template import END, HF_CHAT_TEMPLATE
+
+    specials = specials or {eot: eot_id}
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": eot,
+        "eos_token": eot,
+        "pad_token": eot,
+        "unk_token": None,
+        # Our tokenizer adds no special tokens and decodes byte-exactly; keep HF from "cleaning".
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "padding_side": "left",
+        "added_tokens_decoder": {
+            str(i): {
+                "content": name,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for name, i in sorted(specials.items(), key=lambda kv: kv[1])
+        },
+    }
+    if END in specials:
+        config["chat_template"] = HF_CHAT_TEMPLATE
+    return config
+
+
+def generation_config(
+    sample: SampleConfig, eot_id: int, end_id: int | None = None
+) -> dict[str, Any]:
+    """generation_config.json: the run's `sample` defaults, stopping at end-of-text (and at
+    `<|end|>`, the end of a chat turn, when the tokenizer has it).
+
+    It sets max_new_tokens, not max_length: transformers warns when a caller's max_new_tokens
+    meets a max_length from the folder.
+    """
+    out: dict[str, Any] = {
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id if end_id is None else [eot_id, end_id],
+        "pad_token_id": eot_id,
+        "max_new_tokens": sample.max_new_tokens,
+    }
+    if sample.temperature > 0:
+        out.update(do_sample=True, temperature=sample.temperature, top_p=sample.top_p)
+        out["top_k"] = sample.top_k  # 0 = off, in HF as here
+    else:
+        out["do_sample"] = False
+    return out
+
+
+def check_export_target(out: str | Path, force: bool, source: str | Path | None = None) -> None:
+    """UserError if `out` is a file, a non-empty folder without force, or would overwrite the
+    checkpoint being exported (`source`, a run or a checkpoint folder) or any of its run's.
+
+    --force replaces an earlier export only: a folder holding folders (a run directory, a home
+    folder) is never deleted.
+    """
+    out = Path(out)
+    if source is not None:
+        check_not_over_source(out, Path(source))
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"{out}: folder exists and is not empty (pass --force to replace it)")
+        if any(p.is_dir() for p in out.iterdir()):
+            raise UserError(
+                f"{out}: holds folders, so it is not an exported model; --force only replaces "
+                "an earlier export (choose another --out)"
+            )
+
+
+def check_not_over_source(out: Path, source: Path) -> None:
+    """UserError if `out` is, holds or lies inside the checkpoint being exported (`source`) or
+    its run's checkpoints: an export must never replace or land among the weights it reads."""
+    o, s = out.resolve(), source.resolve()
+    if s.parent.name == "checkpoints":  # one checkpoint of a run
+        run, ckpts = s.parent.parent, s.parent
+    else:
+        run, ckpts = s, s / "checkpoints"
+    inside = o == s or o.is_relative_to(ckpts) or (s != run and o.is_relative_to(s))
+    if inside or s.is_relative_to(o) or run.is_relative_to(o):
+        raise UserError(
+            f"--out {out}: overlaps the checkpoint being exported ({source}); choose another folder"
+        )
+
+
+def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
+    """Write a LoadedCheckpoint as an HF Llama folder at `out`, all at once (temp + rename).
+
+    A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
+    """
+
+    from minillm.data.chat_template import END
+    from minillm.data.tokenizer import EOT, eot_id, special_tokens
+
+    out = Path(out)
+    check_export_target(out, force, ckpt.path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = ckpt.config
+    eot = eot_id(ckpt.tokenizer)
+    specials = {name: ckpt.tokenizer.token_to_id(name) for name in special_tokens(ckpt.tokenizer)}
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
+        tensors = to_hf_state_dict(state, cfg.model)
+        save_safetensors(tensors, tmp / HF_WEIGHTS_FILE, metadata={"format": "pt"})
+        files: dict[str, Any] = {
+            HF_CONFIG_FILE: hf_config_dict(
+                cfg.model, bos_id=eot, eos_id=eot, router_aux_loss_coef=cfg.train.moe_aux_loss
+            ),
+            "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len, specials),
+            "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
+            HF_GENERATION_FILE: generation_config(cfg.sample, eot, specials.get(END)),
+        }
+        for name, obj in files.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        ckpt.tokenizer.save(str(tmp / TOKENIZER_FILE))
+        check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
+        commit_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
