@@ -111,7 +111,9 @@ class GRPOConfig(Section):
         help="Replies sampled per prompt; each reply's advantage is its reward against its "
         "group's (mean, std). At least 2.",
     )
-    max_new_tokens: int = setting(64, help="Longest reply sampled (it stops earlier at <|end|>).")
+    max_new_tokens: int = setting(
+        64, help="Longest reply sampled (it stops earlier at <|end|> or <|endoftext|>)."
+    )
     temperature: float = setting(1.0, help="Sampling temperature of the replies; > 0.")
     clip: float = setting(
         0.2, help="Clip of the policy ratio, to [1 - clip, 1 + clip] (PPO's epsilon)."

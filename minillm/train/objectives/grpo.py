@@ -29,12 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.data.chat_template import chat_ids
-from minillm.data.tokenizer import eot_id
+from minillm.data.chat_template import chat_prompt_ids, chat_stop_ids
 from minillm.errors import ConfigError
 from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
-from minillm.infer.task_scoring import chat_prompt_ids
 from minillm.model import Transformer
 from minillm.train.objectives.common import (
     MeanMeter,
@@ -141,7 +139,7 @@ class GRPO:
               first.answer, f"{cfg.data.source}: line {first.line}")  # fmt: skip
         self.tok = setup.tokenizer
         where = str(cfg.data.source)
-        self.stops = frozenset([chat_ids(self.tok, where)["end"], eot_id(self.tok)])
+        self.stops = chat_stop_ids(self.tok, where)
         self.prompts = [chat_prompt_ids(self.tok, ex.messages, where) for ex in self.task.examples]
         context = cfg.model.max_seq_len
         for ex, p in zip(self.task.examples, self.prompts, strict=True):
