@@ -319,6 +319,19 @@ def two_checkpoint_run(root: Path) -> Path:
     return run_dir
 
 
+def post_training_data(root: Path) -> Path:
+    """Beside a base run: preference pairs (root/pairs.jsonl, DPO), exact-match prompts
+    (root/prompts.jsonl, GRPO) and a reward that varies within a group, the reply's length
+    (root/rw_len.py: `python:rw_len:length`, so that advantages are not all 0); returns root."""
+    words = ["abc", "hello", "moon", "star", "tree", "rock"]
+    pairs = [{"prompt": f"say {w}", "chosen": w, "rejected": w[::-1]} for w in words]
+    (root / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs) + "\n")
+    rows = [{"messages": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in "abc"]
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (root / "rw_len.py").write_text("def length(m, reply, answer):\n    return len(reply)\n")
+    return root
+
+
 def write_shards(cfg: Config, documents: list[str]) -> dict[str, Any]:
     """Tokenize `documents` into the run's data.out_dir with the real pipeline; return meta.json.
 

@@ -73,19 +73,12 @@ POST_TRAINING = {
 def test_sigkills_lose_nothing_in_dpo_grpo_and_lora_runs(tmp_path: Path, kind: str) -> None:
     """scripts/crash_test.py --config: three kill -9s of a DPO, a GRPO (a varying reward: the
     rollouts matter) and a LoRA run (with dropout) end on the uninterrupted run's weights."""
-    import json
-
     import yaml
 
-    from tests.helpers import SHAKESPEARE, make_run
+    from tests.helpers import SHAKESPEARE, make_run, post_training_data
 
     make_run(tmp_path / "base")
-    words = ["abc", "hello", "moon", "star", "tree", "rock"]
-    pairs = [{"prompt": f"say {w}", "chosen": w, "rejected": w[::-1]} for w in words]
-    (tmp_path / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs) + "\n")
-    rows = [{"messages": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in "abc"]
-    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (tmp_path / "rw_len.py").write_text("def length(m, reply, answer):\n    return len(reply)\n")
+    post_training_data(tmp_path)
     (tmp_path / "corpus.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000])
     spec = POST_TRAINING[kind]
     config = {

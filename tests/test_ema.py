@@ -15,7 +15,15 @@ from minillm.cli import app
 from minillm.infer.evaluate import evaluate_checkpoint
 from minillm.model import Transformer
 from minillm.train.ema import WeightEMA
-from tests.helpers import error_line, make_trainer, run_config, run_trainer, tiny_config
+from tests.helpers import (
+    assert_same_weights,
+    error_line,
+    make_trainer,
+    resumed_runs,
+    run_config,
+    run_trainer,
+    tiny_config,
+)
 from tests.test_trainer import nan_at
 
 
@@ -81,13 +89,10 @@ def test_the_average_changes_nothing_in_training_and_is_what_is_saved(
 def test_resume_continues_the_weights_and_the_average_bit_for_bit(
     data_dir: Path, tmp_path: Path
 ) -> None:
-    straight_cfg = run_config(data_dir, tmp_path / "straight", ema_decay=0.7)
-    run_trainer(straight_cfg)
-    split_cfg = copy.deepcopy(straight_cfg)
-    split_cfg.train.out_dir = str(tmp_path / "split")
-    assert run_trainer(split_cfg, stop_at=3).state.step == 3  # stops between checkpoints
-    assert run_trainer(split_cfg).state.step == 8
-    a, b = latest(straight_cfg), latest(split_cfg)
+    cfg = run_config(data_dir, tmp_path / "straight", ema_decay=0.7)
+    straight, _, resumed = resumed_runs(cfg, tmp_path, stop_at=3)  # stops between checkpoints
+    assert_same_weights(straight, resumed)  # the raw weights the trainers hold
+    a, b = latest(straight.cfg), latest(resumed.cfg)  # the average the checkpoints hold
     for name, tensor in ckpt.load_model_state(a).items():
         assert torch.equal(ckpt.load_model_state(b)[name], tensor), name
     raw_a, raw_b = ckpt.load_trainer_state(a)["ema"], ckpt.load_trainer_state(b)["ema"]

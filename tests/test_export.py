@@ -16,7 +16,7 @@ from minillm.checkpoint.init_from import load_run_config
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.data.tokenizer import EOT, eot_id
-from minillm.errors import CheckpointError, ConfigError, UserError
+from minillm.errors import CheckpointError, UserError
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer
 from minillm.model.hf_names import hf_config_dict
@@ -393,8 +393,9 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     assert "model.d_model, model.n_layer, model.n_head" in err and "not used" in err
     assert with_model.model == new.model  # the folder's, not the section's
     make_trainer(with_model, verbose=False).close()
-    # A config built without load_run_config keeps its own model: refused, naming the keys.
-    with pytest.raises(ConfigError, match="train.init_from: .*model.d_model, model.n_layer"):
+    # A config built without load_run_config (which resolves init_from, once) keeps its own
+    # model: the folder's weights do not fit it, one error naming the folder and the tensors.
+    with pytest.raises(CheckpointError, match=f"{hf_dir}: weights do not fit the model: .*shape"):
         make_trainer(load_config(path), verbose=False)
 
 

@@ -5,7 +5,6 @@ branch outside the registry, no objective reaching into the Trainer)."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -17,7 +16,14 @@ import yaml
 
 from minillm.checkpoint.init_from import load_run_config
 from minillm.config import Config
-from tests.helpers import ROOT, make_run, make_trainer, prepared_config, weights
+from tests.helpers import (
+    ROOT,
+    make_run,
+    make_trainer,
+    post_training_data,
+    prepared_config,
+    weights,
+)
 
 MOE = dict(n_experts=4, n_experts_per_token=2)
 LN2_F32 = float(torch.tensor(math.log(2), dtype=torch.float32))
@@ -31,13 +37,7 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_run(root / "dense")
     make_run(root / "dropout", model={"dropout": 0.1})
     make_run(root / "moe", model=MOE)
-    words = ["abc", "hello", "moon", "star", "tree", "rock"]
-    pairs = [{"prompt": f"say {w}", "chosen": w, "rejected": w[::-1]} for w in words]
-    (root / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pairs) + "\n")
-    prompts = [{"messages": [{"role": "user", "content": f"say {w}"}], "answer": w} for w in "ab"]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in prompts) + "\n")
-    (root / "rw_len.py").write_text("def length(m, reply, answer):\n    return len(reply)\n")
-    return root
+    return post_training_data(root)
 
 
 def post_config(bases: Path, out: Path, objective: str, base: str = "dense", **train: Any

@@ -111,6 +111,16 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
         raise CheckpointError(f"{cfg_path}: invalid value ({e})") from None
 
 
+def _tokenizer_file(folder: Path) -> Path:
+    """The folder's tokenizer.json; a CheckpointError when it has none."""
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{folder}: no {TOKENIZER_FILE} (minillm needs the fast tokenizer file of the model)"
+        )
+    return path
+
+
 def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
     """Our ModelConfig, our float32 state_dict and the tokenizer.json path of an HF Llama folder.
 
@@ -121,11 +131,7 @@ def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.T
 
     folder = Path(folder)
     cfg = hf_model_config(folder)
-    tokenizer = folder / TOKENIZER_FILE
-    if not tokenizer.is_file():
-        raise CheckpointError(
-            f"{folder}: no {TOKENIZER_FILE} (minillm needs the fast tokenizer file of the model)"
-        )
+    tokenizer = _tokenizer_file(folder)
     files = _weight_files(folder)
     tensors = _load_safetensors(files)
     where = str(files[0]) if len(files) == 1 else str(folder / HF_WEIGHTS_INDEX)
@@ -230,11 +236,7 @@ def read_hf_checkpoint(folder: str | Path) -> tuple[Config, dict[str, torch.Tens
 
     folder = Path(folder)
     model = hf_model_config(folder)
-    tok_path = folder / TOKENIZER_FILE
-    if not tok_path.is_file():
-        raise CheckpointError(
-            f"{folder}: no {TOKENIZER_FILE} (minillm needs the fast tokenizer file of the model)"
-        )
+    tok_path = _tokenizer_file(folder)
     try:
         tokenizer = load_tokenizer(tok_path)  # literal "<|endoftext|>" in text stays text
     except UserError as e:
