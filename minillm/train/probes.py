@@ -52,6 +52,7 @@ class TrainingProbes:
         tc = cfg.train
         self.cfg, self.tokenizer, self.device, self.autocast = cfg, tokenizer, device, autocast
         self.tasks: list[Task] = read_tasks(tc.eval_tasks, key="train.eval_tasks")
+        self.noted: set[str] = set()  # the notes of exact-match scoring, each said once a run
         context = cfg.model.max_seq_len
         self.encoded = {
             t.name: encode_multiple_choice(tokenizer, t, context)
@@ -113,8 +114,9 @@ class TrainingProbes:
                 model.eval()  # generation refuses live dropout
                 try:
                     result = score_exact_match(
-                        model, self.tokenizer, task, tc.batch_size, tc.sample_max_new_tokens
-                    )
+                        model, self.tokenizer, task, tc.batch_size, tc.sample_max_new_tokens,
+                        limit_name="train.sample_max_new_tokens", noted=self.noted,
+                    )  # fmt: skip
                 finally:
                     model.train(was_training)
                 shown = f"exact_match {result['exact_match']:.4f}"
