@@ -185,12 +185,25 @@ def test_config_keys_named_in_docs_exist() -> None:
 def test_tensorboard_tags_in_training_guide_are_written_by_the_code() -> None:
     text = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
     code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "minillm").rglob("*.py"))
-    tags = set(re.findall(r"`((?:train|val|layers)/\w+(?:/\w+)*?)(?:/\*|/NN)?`", text))
-    assert {"train/loss", "val/bits_per_byte", "layers/update_ratio"} <= tags, tags
+    tags = set(re.findall(r"`((?:train|val|xray)/\w+(?:/\w+)*?)(?:/\*|/NN)?`", text))
+    assert {"train/loss", "val/bits_per_byte", "xray/update_ratio"} <= tags, tags
     for tag in tags:
         section, _, name = tag.partition("/")
         written = f'"{tag}' in code or (section == "val" and f'"{name}"' in code)
+        written = written or (tag.startswith("val/tasks/NAME/") and '"val/tasks/' in code)
         assert written, f"training.md documents {tag}, which no module writes"
+
+
+def test_design_lists_every_tensorboard_tag_the_code_writes() -> None:
+    """docs/design.md's "TensorBoard scalars" names every literal tag of the code (issue 44: the
+    moe/*, dpo/* and grpo/* ones were missing), and the groups in TensorBoard's order."""
+    section = _design_section("TensorBoard scalars")
+    code = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "minillm").rglob("*.py"))
+    tags = set(re.findall(r'"((?:train|val|xray|dpo|grpo)/[a-z_/]*[a-z_])"', code))
+    assert {"train/loss", "xray/moe/aux_loss", "dpo/loss", "grpo/reward"} <= tags, tags
+    missing = sorted(t for t in tags if f"`{t}`" not in section)
+    assert not missing, f"design.md's TensorBoard scalars lack {missing}"
+    assert "`train` (loss and learning rate first), `val`,\nthen `xray`" in section
 
 
 # ----------------------------------------------------------------------------- the contracts

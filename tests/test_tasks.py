@@ -382,7 +382,7 @@ def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
         trainer.close()
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
-    for tag in ("tasks/cloze/accuracy_norm", "tasks/cloze/accuracy"):
+    for tag in ("val/tasks/cloze/accuracy_norm", "val/tasks/cloze/accuracy"):
         assert [e.step for e in acc.Scalars(tag)] == [2, 4], tag
     texts = set(acc.Tags()["tensors"])
     for tag in ("samples/greedy", "samples/sampled"):

@@ -157,7 +157,8 @@ def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> An
 class ExpertLoad:
     """A mixture of experts' routing over the steps since the last log line: the
     load-balancing loss and, per layer, the fraction of tokens routed to each expert (k/E each
-    when balanced), as TensorBoard scalars moe/aux_loss and moe/layer{i}/expert{e}."""
+    when balanced), as TensorBoard scalars xray/moe/aux_loss and
+    xray/moe/layer{i}/expert{e}."""
 
     def __init__(self, n_experts: int) -> None:
         self.n_experts = n_experts
@@ -181,10 +182,10 @@ class ExpertLoad:
     def scalars(self) -> dict[str, float]:
         if not self.micro_batches:
             return {}
-        out = {"moe/aux_loss": float(self.aux) / self.micro_batches}
+        out = {"xray/moe/aux_loss": float(self.aux) / self.micro_batches}
         load = (self.counts / self.tokens).tolist()
         for i, layer in enumerate(load):
-            out.update({f"moe/layer{i}/expert{e}": f for e, f in enumerate(layer)})
+            out.update({f"xray/moe/layer{i}/expert{e}": f for e, f in enumerate(layer)})
         return out
 
 

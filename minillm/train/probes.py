@@ -98,7 +98,7 @@ class TrainingProbes:
         return probes if main and not sharded else None
 
     def score_tasks(self, model: torch.nn.Module, step: int, monitor: Monitor) -> dict[str, float]:
-        """Score every task file; log tasks/<name>/<metric> and print one line per task."""
+        """Score every task file; log val/tasks/<name>/<metric> and print one line per task."""
         tc = self.cfg.train
         scalars = {}
         for task in self.tasks:
@@ -123,7 +123,7 @@ class TrainingProbes:
             seconds = time.perf_counter() - start
             for key, value in result.items():
                 if key != "examples":
-                    scalars[f"tasks/{task.name}/{key}"] = value
+                    scalars[f"val/tasks/{task.name}/{key}"] = value
             monitor.print(
                 f"step {step}: {task.name} {shown} ({result['examples']} examples, {seconds:.1f}s)"
             )
