@@ -82,20 +82,15 @@ chat-demo: setup
 	$(BIN)/minillm chat --ckpt $(CHAT_RUN) --message "Reverse: m a k"
 
 # LoRA (after `make demo`, which it runs first when RUN has no checkpoint): rank-8 adapters on the
-# demo's Shakespeare model, trained on the chat demo's data (configs/tiny-chat.yaml, whose model
-# section init_from replaces, with a warning) with the base frozen, then scored, exported merged
-# and as peft. data.vocab_size is configs/tiny.yaml's: the tokenizer is the demo run's. The
-# Shakespeare base never saw the chat tokens (its tied head learned never to predict them): they
-# train beside the adapters (train.lora.train_tokens), else no reply ever ends.
-LORA_SETS = --set train.init_from=$(RUN) --set train.lora.rank=8 --set train.lora.alpha=16 \
-	--set 'train.lora.train_tokens=[<|system|>,<|user|>,<|assistant|>,<|end|>]' \
-	--set train.lr=3e-3 --set train.min_lr=3e-4 --set train.weight_decay=0 \
-	--set data.vocab_size=2048 --set data.out_dir=data/tokens/tiny-lora \
-	--set train.out_dir=$(LORA_RUN)
+# demo's Shakespeare model, trained on the chat demo's data with the base frozen, then scored,
+# exported merged and as peft. configs/tiny-lora.yaml says why each setting; it has no model
+# section (the model and tokenizer are init_from's), so nothing in it goes unused. RUN and
+# LORA_RUN move the base and the run.
+LORA_SETS = --set train.init_from=$(RUN) --set train.out_dir=$(LORA_RUN)
 lora-demo: setup
 	test -d $(RUN)/checkpoints || $(MAKE) demo
-	$(BIN)/minillm tokenize configs/tiny-chat.yaml $(LORA_SETS) $(SETS)
-	$(BIN)/minillm train configs/tiny-chat.yaml $(LORA_SETS) $(SETS)
+	$(BIN)/minillm tokenize configs/tiny-lora.yaml $(LORA_SETS) $(SETS)
+	$(BIN)/minillm train configs/tiny-lora.yaml $(LORA_SETS) $(SETS)
 	$(BIN)/minillm eval --ckpt $(LORA_RUN) --task data/tiny_chat_test.jsonl
 	$(BIN)/minillm chat --ckpt $(LORA_RUN) --message "Reverse: m a k"
 	$(BIN)/minillm export --ckpt $(LORA_RUN) --out hf/tiny-lora --force

@@ -49,6 +49,19 @@ def conf(tmp_path: Path, text: str = CONF) -> str:
             "error: --set: trian.lr: unknown section; did you mean train?",
         ),
         ("trian: {}\n", [], "error: {conf}: trian: unknown section; did you mean train?"),
+        # A mistyped value gets its did-you-mean too (issue 44), the closest allowed one.
+        (
+            "train: {schedule: cosin}\n",
+            [],
+            "error: {conf}: train.schedule: expected one of 'cosine', 'wsd', 'constant', got "
+            "'cosin'; did you mean 'cosine'?",
+        ),
+        (
+            "",
+            ["--set", "train.batch_size=atuo"],
+            "error: --set: train.batch_size: expected an integer or one of 'auto', got 'atuo'; "
+            "did you mean 'auto'?",
+        ),
     ],
 )
 def test_config_errors_name_their_source_and_suggest_a_key(

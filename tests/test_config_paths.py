@@ -144,3 +144,25 @@ def test_the_issue_walk_from_the_parent_folder(tmp_path: Path) -> None:
         "minillm/data/tinyshakespeare.txt exists: run from minillm, or use that path"
     )
     assert not (tmp_path / "data").exists()  # nothing written
+
+
+def test_from_inside_the_config_folder_the_root_above_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cd configs && minillm tokenize tiny.yaml` (issue 44): the path exists from the project's
+    root above, which the error names (before: only the current folder, no hint)."""
+    configs = tmp_path / "proj" / "configs"
+    configs.mkdir(parents=True)
+    (tmp_path / "proj" / "data").mkdir()
+    (tmp_path / "proj" / "data" / "corpus.txt").write_text("To be, or not to be.\n" * 50)
+    (configs / "c.yaml").write_text(
+        "model: {d_model: 32, n_layer: 1, n_head: 4}\n"
+        f"data: {{source: data/corpus.txt, out_dir: {tmp_path / 'tok'}}}\n"
+    )
+    monkeypatch.chdir(configs)
+    line = error_line(runner.invoke(app, ["tokenize", "c.yaml"]))
+    assert line == (
+        f"error: c.yaml: data.source: data/corpus.txt: no such file or folder in {configs} (the "
+        f"current folder: {RULE}); ../data/corpus.txt exists: run from .., or use that path"
+    )
+    assert not (tmp_path / "tok").exists()

@@ -189,7 +189,10 @@ def test_an_answerless_prompt_is_one_error_line_and_nothing_written(
                       '{"messages": [{"role": "user", "content": "y"}]}\n')  # fmt: skip
     path = grpo_yaml(base, tmp_path / "run", source=source)
     line = error_line(runner.invoke(app, ["train", str(path)]))
-    assert line == f"error: {source}: line 2: answer: expected a string, got None"
+    assert (
+        line
+        == f"error: {source}: line 2: answer: missing (an exact-match row is messages and answer)"
+    )
     assert not (tmp_path / "run").exists()
 
 

@@ -189,3 +189,68 @@ def test_train_refuses_a_text_field_other_than_the_shards(tmp_path: Path) -> Non
     assert line.startswith(f"error: {meta}: data.text_field: "), line
     assert "'body'" in line and "'title'" in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("given", ["file", "set"])
+def test_a_vocab_size_init_froms_tokenizer_lacks_names_the_fix(
+    exported, tmp_path: Path, given: str
+) -> None:
+    """A chat config's data.vocab_size over a base with another vocabulary (issue 44): the
+    error names init_from's tokenizer, its size and the fix. Before: `pass --retrain`, which
+    then refused to replace a model's tokenizer, and round again."""
+    run_dir, _ = exported
+    data = {"source": str(corpus(tmp_path)), "out_dir": str(tmp_path / "tok")}
+    if given == "file":
+        data["vocab_size"] = 2048
+    cfg = write_config(tmp_path / "ft.yaml", {
+        "data": data, "train": {"init_from": str(run_dir), "out_dir": str(tmp_path / "run")},
+    })  # fmt: skip
+    sets = ["--set", "data.vocab_size=2048"] if given == "set" else []
+    for command in ("tokenize", "info"):
+        line = error_line(runner.invoke(app, [command, str(cfg), *sets]))
+        source = str(cfg) if given == "file" else "--set"
+        assert line.startswith(f"error: {source}: data.vocab_size: 2048, but the tokenizer of "
+                               f"train.init_from ({run_dir}: "), line  # fmt: skip
+        assert line.endswith(" has 300 tokens, the ids its model was trained on: leave "
+                             "data.vocab_size out (with train.init_from it is that tokenizer's "
+                             "size) or set it to 300"), line  # fmt: skip
+    assert not (tmp_path / "tok").exists()
+
+
+def test_a_model_value_from_init_from_is_named_as_such(exported, tmp_path: Path) -> None:
+    """model.vocab_size came from init_from, not the file: the error says where each value came
+    from (before: `ft.yaml: model.vocab_size: 320 is smaller ...`, a key the file lacks)."""
+    run_dir, _ = exported
+    tok = run_dir / "checkpoints" / "step_000010" / "tokenizer.json"
+    cfg = write_config(tmp_path / "ft.yaml", {
+        "data": {"source": str(corpus(tmp_path)), "tokenizer": str(tok)},
+        "train": {"init_from": str(run_dir), "out_dir": str(tmp_path / "run"), "seq_len": 256},
+    })  # fmt: skip
+    line = error_line(runner.invoke(app, ["info", str(cfg)]))
+    assert line == (
+        f"error: {cfg}: train.seq_len: 256 exceeds model.max_seq_len=64 (model.* from "
+        f"train.init_from {run_dir})"
+    )
+    cfg.write_text(cfg.read_text().replace("seq_len: 256", "seq_len: 16"))
+    line = error_line(runner.invoke(app, ["info", str(cfg), "--set", "data.vocab_size=4096"]))
+    assert line == (
+        f"error: {cfg}: model.vocab_size: 320 is smaller than data.vocab_size=4096 (model.* "
+        f"from train.init_from {run_dir}; data.vocab_size from --set)"
+    )
+
+
+def test_a_models_tokenizer_of_another_size_names_the_size_not_retrain(
+    exported, tmp_path: Path
+) -> None:
+    run_dir, _ = exported
+    tok = run_dir / "checkpoints" / "step_000010" / "tokenizer.json"
+    cfg = write_config(tmp_path / "c.yaml", {
+        "data": {"source": str(corpus(tmp_path)), "tokenizer": str(tok), "vocab_size": 2048,
+                 "out_dir": str(tmp_path / "tok")},
+    })  # fmt: skip
+    line = error_line(runner.invoke(app, ["tokenize", str(cfg)]))
+    assert line == (
+        f"error: {tok}: data.vocab_size: the existing tokenizer has 300 tokens but "
+        f"data.vocab_size is 2048; it belongs to the checkpoint in {tok.parent}: set "
+        "data.vocab_size to 300 (or leave it out with train.init_from)"
+    )

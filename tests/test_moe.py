@@ -254,10 +254,10 @@ def test_training_adds_the_aux_loss_and_logs_the_expert_load(tmp_path: Path) -> 
     trainer = run_trainer(cfg)
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
-    aux = [e.value for e in acc.Scalars("moe/aux_loss")]
+    aux = [e.value for e in acc.Scalars("xray/moe/aux_loss")]
     assert len(aux) == 2 and all(a >= 2.0 - 1e-4 for a in aux)  # k = 2 at best
     for layer in range(cfg.model.n_layer):
-        load = [acc.Scalars(f"moe/layer{layer}/expert{e}")[-1].value for e in range(4)]
+        load = [acc.Scalars(f"xray/moe/layer{layer}/expert{e}")[-1].value for e in range(4)]
         assert sum(load) == pytest.approx(2.0)  # each token counted at its k = 2 experts
     assert trainer.expert_load.micro_batches == 0  # reset at the log
 

@@ -135,7 +135,7 @@ def test_the_moe_aux_loss_moves_the_router_under_every_objective(
             grads[coef] = router_grads(trainer)
             assert trainer.expert_load.micro_batches > 0  # the load of each layer, logged
             scalars = trainer.expert_load.scalars()
-            assert "moe/aux_loss" in scalars and "moe/layer0/expert0" in scalars
+            assert "xray/moe/aux_loss" in scalars and "xray/moe/layer0/expert0" in scalars
         finally:
             trainer.close()
     router = "blocks.1.ffn.router.weight"
@@ -148,12 +148,14 @@ def test_an_moe_dpo_run_logs_expert_load_to_tensorboard(bases: Path, tmp_path: P
 
     from tests.helpers import run_trainer
 
-    cfg = post_config(bases, tmp_path / "run", "dpo", base="moe", moe_aux_loss=0.05, max_steps=2)
+    # 10 steps: the per-layer diagnostics come every 10 x log_every steps, for DPO too.
+    cfg = post_config(bases, tmp_path / "run", "dpo", base="moe", moe_aux_loss=0.05, max_steps=10)
     run_trainer(cfg)
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    assert "moe/aux_loss" in tags and "moe/layer1/expert3" in tags and "dpo/loss" in tags
+    assert "xray/moe/aux_loss" in tags and "xray/moe/layer1/expert3" in tags
+    assert "dpo/loss" in tags and "xray/activation_rms/00" in tags  # the diagnostics too
 
 
 # ----------------------------------------------------------------------------- dropout

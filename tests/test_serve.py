@@ -170,6 +170,19 @@ def test_models_health_and_api_key(server: Server) -> None:
     assert "<textarea" in server.request("GET", "/", key=None).text  # the static page is open
 
 
+def test_the_model_card_and_the_page_use_the_runs_sample_section(server: Server) -> None:
+    """Issue 44: the chat page sent temperature 0.8 whatever the run's `sample` section said.
+    /v1/models carries that section, and the page sends only what the user typed, so the server
+    fills the rest from the run's defaults, as for any request."""
+    card = server.request("GET", "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == CONTEXT
+    assert card["sample"] == {"max_new_tokens": 20, "temperature": 0.8, "top_k": 0, "top_p": 1.0}
+    page = server.request("GET", "/", key=None).text
+    box = re.search(r'<input id="temperature"[^>]*>', page).group(0)
+    assert "value=" not in box  # empty: the run's temperature, shown as the placeholder
+    assert "body.temperature = Number(temperature)" in page and 'id="context"' in page
+
+
 def test_chat_equals_minillm_chat(server: Server) -> None:
     message = "Hello there, friend"
     for flags, settings in (
@@ -549,7 +562,10 @@ def test_chat_page_fits_a_long_conversation_in_a_small_context(tmp_path: Path) -
             page.wait_for_function("document.getElementById('model').textContent === 'run'")
             # no max_tokens of 200 that the context cannot hold: the server fits the reply
             assert page.input_value("#max_tokens") == ""
-            assert page.get_attribute("#max_tokens", "placeholder") == "auto (< 64)"
+            assert page.get_attribute("#max_tokens", "placeholder") == "auto"  # not cut off
+            assert page.inner_text("#context") == "64-token context"
+            assert page.get_attribute("#temperature", "placeholder") == "0.8"  # the run's
+            assert page.title() == "minillm chat: run"
             page.fill("#temperature", "0")
             finished = "es => es.filter(e => e.dataset.state !== 'streaming').length"
             for i in range(5):

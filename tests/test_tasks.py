@@ -192,6 +192,45 @@ def test_exact_match_scores_greedy_replies_to_the_end_token(run) -> None:
     assert got == {"exact_match": 3 / 5, "examples": 5}
 
 
+def test_replies_cut_to_the_context_say_what_and_whether_it_matters_once(run) -> None:
+    """The note names the setting cut, the prompt that forces it, and whether any answer needs
+    more room; a run scoring at every evaluation (`noted`) says it once (issue 44: 10 times)."""
+    import io
+
+    _, model = run
+    tok = chat_tokenizer()
+    long_q = "Speak, speak. " * 3
+    prompt_tokens = len(chat_prompt_ids(tok, (("user", long_q),), "t.jsonl"))
+    room = model.cfg.max_seq_len - prompt_tokens + 1
+    short, too_long = "hear me", "Who is there? " * 10
+    n_long = len(tok.encode(too_long).ids) + 1
+    assert n_long > room > len(tok.encode(short).ids) + 1
+    examples = [ExactMatch((("user", long_q),), short, 1), ExactMatch((("user", "?"),), short, 2)]
+    task = Task("em", Path("em.jsonl"), "exact_match", examples)
+    err, noted = io.StringIO(), set()
+    for _ in range(2):
+        score_exact_match(model, tok, task, 2, 200, err=err, limit_name="x.limit", noted=noted)
+    head = (
+        f"note: em: replies limited to {room} tokens, not x.limit=200: the longest prompt "
+        f"(line 1, {prompt_tokens} tokens) leaves {room} of the model's "
+        f"{model.cfg.max_seq_len}-token context"
+    )
+    n_short = len(tok.encode(short).ids) + 1
+    assert err.getvalue() == f"{head}; every answer fits ({n_short} tokens at most, with <|end|>)\n"
+    task = Task(
+        "em",
+        Path("em.jsonl"),
+        "exact_match",
+        [*examples, ExactMatch((("user", "?"),), too_long, 3)],
+    )
+    err = io.StringIO()
+    score_exact_match(model, tok, task, 2, 200, err=err, limit_name="x.limit")
+    assert err.getvalue() == (
+        f"{head}; 1 of 3 answers need more (up to {n_long} tokens with <|end|>): their replies "
+        "are cut and scored wrong\n"
+    )
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 
@@ -266,6 +305,14 @@ BAD_FILES = [
         "line 1: messages: the last message must be a user turn",
     ),
     (json.dumps({"messages": [{"role": "user", "content": 1}], "answer": "1"}), "content"),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "?"}]}),
+        "line 1: answer: missing (an exact-match row is messages and answer)",
+    ),
+    (
+        json.dumps({"messages": [{"role": "user", "content": "?"}], "answer": 1}),
+        "line 1: answer: expected a string, got 1",
+    ),
     ("\n", "no examples"),
 ]
 
@@ -335,7 +382,7 @@ def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
         trainer.close()
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
-    for tag in ("tasks/cloze/accuracy_norm", "tasks/cloze/accuracy"):
+    for tag in ("val/tasks/cloze/accuracy_norm", "val/tasks/cloze/accuracy"):
         assert [e.step for e in acc.Scalars(tag)] == [2, 4], tag
     texts = set(acc.Tags()["tensors"])
     for tag in ("samples/greedy", "samples/sampled"):

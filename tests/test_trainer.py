@@ -116,8 +116,8 @@ def test_tensorboard_has_the_scalars(data_dir: Path, tmp_path: Path) -> None:
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_sec",
                 "train/mfu", "val/loss", "val/bits_per_byte", "val/perplexity"):  # fmt: skip
         assert tag in tags, tag
-    assert any(t.startswith("layers/update_ratio/") for t in tags)
-    assert any(t.startswith("layers/activation_rms/") for t in tags)
+    assert any(t.startswith("xray/update_ratio/") for t in tags)
+    assert any(t.startswith("xray/activation_rms/") for t in tags)
     losses = [e.value for e in acc.Scalars("train/loss")]
     assert len(losses) == 10 and losses[-1] < losses[0]
     assert [e.step for e in acc.Scalars("val/loss")] == [4, 8, 12, 16, 20]

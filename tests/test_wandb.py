@@ -42,6 +42,7 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
     monkeypatch.delenv("WANDB_NAME", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +102,24 @@ def test_a_run_wandb_refuses_is_one_error_line(
         "(`wandb login`, or WANDB_MODE=offline)"
     )
     assert not (run / "wandb").exists()
+
+
+@needs_wandb
+def test_a_run_wandb_refuses_leaves_nothing_behind(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44: after the error, runs/<name>/{config.yaml,tokenizer.json} were left behind, a
+    run folder that `eval --ckpt` and a second `train` then found."""
+    import wandb
+
+    def refuse(**kwargs: object) -> None:
+        raise wandb.errors.UsageError("api_key not configured (no-tty).")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    run = tmp_path / "run"
+    cfg = write_run_config(data_dir, run, max_steps=2, log_to=["wandb"])
+    assert runner.invoke(app, ["train", str(cfg)]).exit_code == 2
+    assert not run.exists(), sorted(p.name for p in run.iterdir())
 
 
 def offline_runs(run: Path) -> list[Path]:
@@ -204,3 +223,27 @@ def test_a_resumed_run_goes_on_in_the_same_wandb_run(
     assert [r["step"] for r in rows if "train/loss" in r] == [2]
     assert [r["step"] for r in rows2 if "train/loss" in r] == [4]
     assert not (run / "tb").exists()  # log_to without tensorboard
+
+
+@needs_wandb
+@pytest.mark.slow
+def test_wandb_dir_when_set_holds_the_runs_files(
+    data_dir: Path, tmp_path: Path, offline: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WANDB_DIR, wandb's own convention for keeping every run's files in one place, is
+    followed (issue 44: they always went to <out_dir>/wandb); the run keeps only the id that a
+    resume goes on with."""
+    elsewhere = tmp_path / "all-wandb-runs"
+    elsewhere.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(elsewhere))
+    run = tmp_path / "run"
+    cfg = write_run_config(data_dir, run, max_steps=2, log_every=2, eval_every=2, ckpt_every=2,
+                           log_to=["wandb"])  # fmt: skip
+    result = runner.invoke(app, ["train", str(cfg)])
+    assert result.exit_code == 0, result.output
+    (folder,) = sorted((elsewhere / "wandb").glob("offline-run-*"))
+    meta, rows = read_offline_run(folder)
+    assert meta["name"] == "run" and [r["step"] for r in rows if "train/loss" in r] == [2]
+    assert offline_runs(run) == []
+    assert sorted(p.name for p in (run / "wandb").iterdir()) == ["minillm_run_id"]
+    assert (run / "wandb" / "minillm_run_id").read_text().strip() == meta["id"]

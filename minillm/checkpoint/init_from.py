@@ -19,6 +19,7 @@ layers): reading a checkpoint's config or a Hugging Face folder is this stage's.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,9 +128,14 @@ def _same(given: Any, value: Any) -> bool:
     return (tuple(given) if isinstance(given, list) else given) == value
 
 
-def _apply_init_from(raw: dict[str, Any], source: InitSource) -> None:
+def _apply_init_from(raw: dict[str, Any], source: InitSource, vocab_from: str = "") -> None:
     """Give `raw` (the parsed YAML) the source's model, and its tokenizer when data.tokenizer is
-    empty; a model section of the config's own is replaced, the keys that differ named."""
+    empty; a model section of the config's own is replaced, the keys that differ named.
+
+    A data.vocab_size that is not the size of the tokenizer taken so is an error naming both
+    sources and the fix (`vocab_from`: where data.vocab_size was given, the file or `--set`):
+    `tokenize` would otherwise refuse that tokenizer and point at --retrain, which must not
+    replace a model's tokenizer."""
     own = raw.get("model")
     if isinstance(own, dict):
         theirs = dataclasses.asdict(source.model)
@@ -145,7 +151,16 @@ def _apply_init_from(raw: dict[str, Any], source: InitSource) -> None:
         data = raw["data"] = {}
     if isinstance(data, dict) and not data.get("tokenizer"):
         data["tokenizer"] = str(source.tokenizer_file)
-        data.setdefault("vocab_size", source.vocab_size)  # the size of that tokenizer
+        given = data.setdefault("vocab_size", source.vocab_size)  # the size of that tokenizer
+        if given != source.vocab_size and str(given) != str(source.vocab_size):
+            raise ConfigError(
+                "data.vocab_size",
+                f"{given}, but the tokenizer of train.init_from ({source.path}: "
+                f"{source.tokenizer_file}) has {source.vocab_size} tokens, the ids its model was "
+                f"trained on: leave data.vocab_size out (with train.init_from it is that "
+                f"tokenizer's size) or set it to {source.vocab_size}",
+                vocab_from,
+            )
     elif isinstance(data, dict):
         own, theirs = Path(str(data["tokenizer"])), source.tokenizer_file
         if own.is_file() and theirs.is_file() and tokenizer_sha256(own) != tokenizer_sha256(theirs):
@@ -171,5 +186,17 @@ def load_run_config(
     init_from = train.get("init_from") if isinstance(train, dict) else None
     if init_from:
         where = "--set" if "train.init_from" in overridden else str(path)
-        _apply_init_from(raw, init_source(str(init_from), file=where))
-    return config_from_dict(raw, str(path), overridden, require_model=require_model)
+        vocab_from = "--set" if "data.vocab_size" in overridden else str(path)
+        _apply_init_from(raw, init_source(str(init_from), file=where), vocab_from)
+    try:
+        return config_from_dict(raw, str(path), overridden, require_model=require_model)
+    except ConfigError as e:
+        if init_from and "model." in f"{e.key} {e.message}":
+            # That model section is init_from's, not the file's: name each value's source.
+            if e.key.startswith("model."):
+                e.file = str(path)
+            sources = [f"model.* from train.init_from {init_from}"]
+            for key in dict.fromkeys(re.findall(r"data\.\w+", e.message)):
+                sources.append(f"{key} from {'--set' if key in overridden else path}")
+            e.message += f" ({'; '.join(sources)})"
+        raise

@@ -70,7 +70,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):  # a nested section (train.lora): its keys, checked alike
         return _build_section(tp, value, key)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = ConfigError(key, f"expected {_type_name(tp)}, got {value!r}")
+    bad = ConfigError(key, f"expected {_type_name(tp)}, got {value!r}{_closest_choice(value, tp)}")
     if origin in _UNIONS:  # X | None, or X | Literal[...]: the first member that takes it
         nullable = type(None) in args
         if nullable and (
@@ -129,6 +129,23 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return value
         raise bad
     raise bad
+
+
+def _choices(tp: Any) -> list[str]:
+    """The string values a Literal (or a union with one) allows."""
+    if typing.get_origin(tp) is Literal:
+        return [a for a in typing.get_args(tp) if isinstance(a, str)]
+    if typing.get_origin(tp) in _UNIONS:
+        return [c for a in typing.get_args(tp) for c in _choices(a)]
+    return []
+
+
+def _closest_choice(value: Any, tp: Any) -> str:
+    """`; did you mean 'cosine'?` for a mistyped value of a Literal (`cosin`), as for keys."""
+    if not isinstance(value, str):
+        return ""
+    match = difflib.get_close_matches(value.lower(), _choices(tp), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
 
 
 def _build_section(cls: type, raw: Any, name: str) -> Any:
@@ -345,16 +362,12 @@ def _exists(path: str) -> bool:
 
 def _bases(file: Path) -> list[Path]:
     """Where a user may have meant a config's relative paths to start: the config file's folder
-    and the two above it (a project's root above its configs/), less the current folder and the
-    folders above it, which read the same path the same way."""
+    and the two above it (a project's root above its configs/), less the current folder, which
+    reads the path as the command does. From inside configs/ (`cd configs && minillm tokenize
+    tiny.yaml`) that leaves the project's root above it."""
     cwd = Path.cwd().resolve()
-    folder = file.parent
-    bases = []
-    for base in [folder, *folder.parents][:3]:
-        if base.resolve() == cwd or base.resolve() in cwd.parents:
-            break
-        bases.append(base)
-    return bases
+    folder = file.resolve().parent
+    return [base for base in [folder, *folder.parents][:3] if base != cwd]
 
 
 def _check_paths(raw: dict[str, Any], file: Path, overridden: typing.Collection[str]) -> None:

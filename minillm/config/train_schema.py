@@ -219,7 +219,7 @@ class TrainConfig(Section):
         help="Coefficient of the load-balancing loss added to the training loss of a mixture "
         "of experts (model.n_experts): Switch's E * sum_e f_e P_e of each layer, averaged over "
         "the layers (minimum k; Mixtral-8x7B's router_aux_loss_coef is 0.02, Switch's 0.01); "
-        "0 = none. Logged as moe/aux_loss beside each layer's expert load.",
+        "0 = none. Logged as xray/moe/aux_loss beside each layer's expert load.",
     )
     ema_decay: float = setting(
         0.0,
@@ -289,8 +289,8 @@ class TrainConfig(Section):
     eval_tasks: list[str] = setting(
         [],
         help="Task files (jsonl: multiple choice, or exact match for chat models) scored at every "
-        "evaluation on rank 0 and logged as tasks/NAME/accuracy_norm, accuracy (or exact_match), "
-        "NAME the file stem.",
+        "evaluation on rank 0 and logged as val/tasks/NAME/accuracy_norm, accuracy (or "
+        "exact_match), NAME the file stem.",
     )
     sample_every: int = setting(
         0,

@@ -136,10 +136,18 @@ def check_tokenizer(tok: Tokenizer, vocab_size: int, path: str | Path) -> None:
     `<|endoftext|>`: a tokenizer from before the chat tokens, fine for plain text)."""
     got = tok.get_vocab_size()
     if got != vocab_size:
+        owner = _owner(Path(path))
+        # A model's tokenizer cannot be retrained (check_not_a_models_tokenizer): the fix is the
+        # size, not --retrain, which would only send the user back here.
+        fix = (
+            f"it belongs to {owner} in {Path(path).parent}: set data.vocab_size to {got} (or "
+            "leave it out with train.init_from)"
+            if owner
+            else f"set data.vocab_size to {got} to use it, or pass --retrain to replace it"
+        )
         raise ConfigError(
             "data.vocab_size",
-            f"the existing tokenizer has {got} tokens but data.vocab_size is {vocab_size}; "
-            "pass --retrain to replace it",
+            f"the existing tokenizer has {got} tokens but data.vocab_size is {vocab_size}; {fix}",
             str(path),
         )
     specials = special_tokens(tok)
@@ -160,20 +168,28 @@ def eot_id(tok: Tokenizer) -> int:
     return i
 
 
+def _owner(tok_path: Path) -> str:
+    """What holds weights trained on `tok_path` beside it (`the run`, `the checkpoint`, `the
+    Hugging Face model`), or "" for a tokenizer of its own."""
+    folder = tok_path.parent
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return "the Hugging Face model"
+    if (folder / "state.json").is_file():
+        return "the checkpoint"
+    if (folder / "checkpoints").is_dir() or (folder / "train.lock").exists():
+        return "the run"
+    return ""
+
+
 def check_not_a_models_tokenizer(tok_path: Path) -> None:
     """A UserError if `tok_path` is the tokenizer of a model: a Hugging Face folder with weights
     (config.json and *.safetensors beside it), a minillm checkpoint (state.json) or run
     (checkpoints/ or its train.lock). Retraining it would leave those weights with ids that no
     longer mean what they were trained on."""
-    folder = tok_path.parent
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
-        owner = "the Hugging Face model"
-    elif (folder / "state.json").is_file():
-        owner = "the checkpoint"
-    elif (folder / "checkpoints").is_dir() or (folder / "train.lock").exists():
-        owner = "the run"
-    else:
+    owner = _owner(tok_path)
+    if not owner:
         return
+    folder = tok_path.parent
     raise UserError(
         f"{tok_path}: data.tokenizer: belongs to {owner} in {folder}, whose weights need it; "
         "--retrain does not replace it: point data.tokenizer at a new file (or drop --retrain "

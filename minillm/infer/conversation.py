@@ -3,8 +3,8 @@
 
 Offers `Conversation` (the history and one reply at a time), `warn_if_text_model` and
 `chat_checkpoint`, what the command runs: one reply to `--message`, an interactive conversation
-on a terminal, or one reply per input line from a pipe (each reply on one line: its line breaks
-become spaces, so a reader can pair lines).
+on a terminal, or from a pipe one conversation whose user turns are the input lines, one reply
+each (on one line: its line breaks become spaces, so a reader can pair lines).
 
 A prompt is the conversation so far, rendered by `encode_prompt` and ending in `<|assistant|>`;
 the reply comes from the decoding core (`minillm.infer.engine`) and stops at `<|end|>` or

@@ -93,6 +93,8 @@ def _exact_match(obj: dict[str, Any], where: str, line: int) -> ExactMatch:
         raise UserError(
             f"{where}: messages: the last message must be a user turn, not {turns[-1][0]}"
         )
+    if "answer" not in obj:  # a key left out, not a value of the wrong type: say so
+        raise UserError(f"{where}: answer: missing (an exact-match row is messages and answer)")
     if not isinstance(answer, str):
         raise UserError(f"{where}: answer: expected a string, got {answer!r}")
     return ExactMatch(tuple(turns), answer, line)

@@ -207,6 +207,33 @@ def answer_matches(reply: str, answer: str, number: bool = False) -> bool:
         return got == want
 
 
+def reply_room_note(
+    task: Task,
+    longest: int,
+    prompt_tokens: int,
+    context: int,
+    room: int,
+    limit: str,
+    answers: list[int],
+) -> str:
+    """What a cut of the replies' length means: which setting was cut and why (the longest
+    prompt, example `longest`, leaves `room` tokens of the context), and whether it matters:
+    `answers`, each answer's tokens with its <|end|>, all fit in the room or some do not."""
+    ex = task.examples[longest]
+    head = (
+        f"note: {task.name}: replies limited to {room} tokens, not {limit}: the longest prompt "
+        f"(line {ex.line}, {prompt_tokens} tokens) leaves {room} of the model's {context}-token "
+        "context"
+    )
+    over = [n for n in answers if n > room]
+    if not over:
+        return f"{head}; every answer fits ({max(answers)} tokens at most, with <|end|>)"
+    return (
+        f"{head}; {len(over)} of {len(answers)} answers need more (up to {max(over)} tokens "
+        "with <|end|>): their replies are cut and scored wrong"
+    )
+
+
 def score_exact_match(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -220,6 +247,8 @@ def score_exact_match(
     temperature: float = 0.0,
     samples: int = 1,
     seed: int = 0,
+    limit_name: str = "sample.max_new_tokens",
+    noted: set[str] | None = None,
 ) -> dict[str, Any]:
     """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|> or
     <|endoftext|> (chat_stop_ids).
@@ -229,9 +258,11 @@ def score_exact_match(
     the mean accuracy of all the replies, and pass_at_n the share of examples with at least
     one right (an unbiased pass@n, n = samples, as every reply is drawn independently).
 
-    max_new_tokens is cut, with a note on `err`, to what the longest prompt leaves of the
-    context, for every example alike: a reply then does not depend on its batch. details: a
-    list that gets one record per example (its last user turn, the answer, the reply, the hit).
+    max_new_tokens is cut, with a note on `err` (`reply_room`), to what the longest prompt
+    leaves of the context, for every example alike: a reply then does not depend on its batch.
+    limit_name: the setting max_new_tokens came from, for the note; noted: the notes already
+    printed (a run scoring its tasks at every evaluation says each once). details: a list that
+    gets one record per example (its last user turn, the answer, the reply, the hit).
     """
     from minillm.infer.engine import Engine, SamplingParams
 
@@ -248,10 +279,13 @@ def score_exact_match(
             f"{context}"
         )
     if max_new_tokens > room:
-        print(
-            f"note: {task.name}: replies cut to {room} tokens to fit the context",
-            file=err or sys.stderr,
-        )
+        answers = [len(tokenizer.encode(ex.answer).ids) + 1 for ex in task.examples]  # + <|end|>
+        note = reply_room_note(task, longest, len(prompts[longest]), context, room,
+                               f"{limit_name}={max_new_tokens}", answers)  # fmt: skip
+        if noted is None or note not in noted:
+            print(note, file=err or sys.stderr)
+            if noted is not None:
+                noted.add(note)
         max_new_tokens = room
     # The rows run on the decoding core, batch_size at a time, each joining as one leaves.
     engine = Engine(model, tokenizer, max_batch=batch_size)

@@ -13,6 +13,7 @@ refusal, also the API key's and the router's, is OpenAI's error object.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import importlib.resources
 from collections.abc import AsyncIterator, Callable
@@ -124,6 +125,9 @@ def create_app(
             "created": handler.created,
             "owned_by": "minillm",
             "max_model_len": handler.limits.context,
+            # The run's sample section, the defaults of a request that leaves a key out: the
+            # chat page shows them (an extra key, as vLLM's max_model_len; clients ignore it).
+            "sample": dataclasses.asdict(handler.limits.defaults),
         }
 
     @app.get("/v1/models")

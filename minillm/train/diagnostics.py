@@ -28,7 +28,7 @@ def update_ratios(model: Transformer, before: list[torch.Tensor]) -> dict[str, f
     for i, (block, old) in enumerate(zip(model.blocks, before)):
         new = _flat(block)
         ratio = (new - old).norm() / new.norm().clamp(min=1e-12)
-        stats[f"layers/update_ratio/{i:02d}"] = float(ratio)
+        stats[f"xray/update_ratio/{i:02d}"] = float(ratio)
     return stats
 
 
@@ -41,7 +41,7 @@ def activation_rms(
 
     def record(n: int):  # noqa: ANN202
         def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            rms[f"layers/activation_rms/{n:02d}"] = float(out.float().pow(2).mean().sqrt())
+            rms[f"xray/activation_rms/{n:02d}"] = float(out.float().pow(2).mean().sqrt())
 
         return hook
 

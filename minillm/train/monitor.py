@@ -115,7 +115,9 @@ class Monitor:
 
 def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> Any:
     """A Weights & Biases run named after the run directory, its files under <run_dir>/wandb
-    (what WANDB_MODE=offline keeps), the config logged; a resumed run goes on in the same one.
+    (what WANDB_MODE=offline keeps), or under $WANDB_DIR/wandb when the user set WANDB_DIR
+    (wandb's own convention: every run's files in one place), the config logged; a resumed run
+    goes on in the same one (its id kept in <run_dir>/wandb/minillm_run_id either way).
 
     Every value is logged with `step`, the charts' x-axis: W&B's own step only goes forward, and
     a resume after a crash logs again the steps after its checkpoint."""
@@ -133,7 +135,7 @@ def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> An
         run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "minillm",
             name=run_dir.name,
-            dir=str(run_dir),
+            dir=os.environ.get("WANDB_DIR") or str(run_dir),
             id=run_id or secrets.token_hex(4),
             resume="allow",
             config=config,
@@ -145,6 +147,7 @@ def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> An
             f"wandb could not start a run: {first} (`wandb login`, or WANDB_MODE=offline)",
         ) from None
     if run.id != run_id:
+        id_file.parent.mkdir(parents=True, exist_ok=True)  # wandb's files may be elsewhere
         atomic_write_text(id_file, run.id + "\n")
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
@@ -154,7 +157,8 @@ def open_wandb(run_dir: Path, config: dict[str, Any] | None, resume: bool) -> An
 class ExpertLoad:
     """A mixture of experts' routing over the steps since the last log line: the
     load-balancing loss and, per layer, the fraction of tokens routed to each expert (k/E each
-    when balanced), as TensorBoard scalars moe/aux_loss and moe/layer{i}/expert{e}."""
+    when balanced), as TensorBoard scalars xray/moe/aux_loss and
+    xray/moe/layer{i}/expert{e}."""
 
     def __init__(self, n_experts: int) -> None:
         self.n_experts = n_experts
@@ -178,10 +182,10 @@ class ExpertLoad:
     def scalars(self) -> dict[str, float]:
         if not self.micro_batches:
             return {}
-        out = {"moe/aux_loss": float(self.aux) / self.micro_batches}
+        out = {"xray/moe/aux_loss": float(self.aux) / self.micro_batches}
         load = (self.counts / self.tokens).tolist()
         for i, layer in enumerate(load):
-            out.update({f"moe/layer{i}/expert{e}": f for e, f in enumerate(layer)})
+            out.update({f"xray/moe/layer{i}/expert{e}": f for e, f in enumerate(layer)})
         return out
 
 

@@ -52,6 +52,7 @@ class TrainingProbes:
         tc = cfg.train
         self.cfg, self.tokenizer, self.device, self.autocast = cfg, tokenizer, device, autocast
         self.tasks: list[Task] = read_tasks(tc.eval_tasks, key="train.eval_tasks")
+        self.noted: set[str] = set()  # the notes of exact-match scoring, each said once a run
         context = cfg.model.max_seq_len
         self.encoded = {
             t.name: encode_multiple_choice(tokenizer, t, context)
@@ -97,7 +98,7 @@ class TrainingProbes:
         return probes if main and not sharded else None
 
     def score_tasks(self, model: torch.nn.Module, step: int, monitor: Monitor) -> dict[str, float]:
-        """Score every task file; log tasks/<name>/<metric> and print one line per task."""
+        """Score every task file; log val/tasks/<name>/<metric> and print one line per task."""
         tc = self.cfg.train
         scalars = {}
         for task in self.tasks:
@@ -113,15 +114,16 @@ class TrainingProbes:
                 model.eval()  # generation refuses live dropout
                 try:
                     result = score_exact_match(
-                        model, self.tokenizer, task, tc.batch_size, tc.sample_max_new_tokens
-                    )
+                        model, self.tokenizer, task, tc.batch_size, tc.sample_max_new_tokens,
+                        limit_name="train.sample_max_new_tokens", noted=self.noted,
+                    )  # fmt: skip
                 finally:
                     model.train(was_training)
                 shown = f"exact_match {result['exact_match']:.4f}"
             seconds = time.perf_counter() - start
             for key, value in result.items():
                 if key != "examples":
-                    scalars[f"tasks/{task.name}/{key}"] = value
+                    scalars[f"val/tasks/{task.name}/{key}"] = value
             monitor.print(
                 f"step {step}: {task.name} {shown} ({result['examples']} examples, {seconds:.1f}s)"
             )

@@ -110,16 +110,20 @@ class Trainer:
         else:
             # Dropout differs per rank; the weights above did not.
             torch.manual_seed(tc.seed + self.dist.rank)
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
-            atomic_copy(run.tokenizer_file, self.run_dir / "tokenizer.json")
         self.tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * self.dist.world_size
         # Muon's Newton-Schulz matmuls run on every rank; MFU counts them as work done.
         ns_flops = newton_schulz_flops(self.optimizer) * self.dist.world_size
         self.flops_per_token = (
             self.model.flops_per_token(tc.seq_len) + ns_flops / self.tokens_per_step
         )
+
+    def _write_run_files(self) -> None:
+        """config.yaml and tokenizer.json, once the loggers are open: a run that cannot open one
+        (wandb without a login) leaves nothing behind."""
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
+            atomic_copy(self.run.tokenizer_file, self.run_dir / "tokenizer.json")
 
     # ------------------------------------------------------------------ one step
 
@@ -234,7 +238,8 @@ class Trainer:
         """Train until max_steps (or `stop_at`, or a signal); checkpoint on the way out."""
         tc = self.cfg.train
         end = min(tc.max_steps, stop_at) if stop_at is not None else tc.max_steps
-        monitor, meter = open_monitor(self, end)
+        monitor, meter = open_monitor(self, end)  # wandb may refuse (no login): nothing written
+        self._write_run_files()
         saved_at = self.state.step if self.state.last_ckpt is not None else -1
         prefetch = Prefetcher(self.batches, end, pin=self.device.type == "cuda")
         notice = "stopping after this step; checkpointing it (interrupt again to stop at once)"
@@ -363,8 +368,9 @@ class Trainer:
         return self.run.resume_from is not None
 
     def close(self) -> None:
-        """Release the run lock and leave the process group (idempotent)."""
-        self.run.close()
+        """Release the run lock and leave the process group (idempotent); a run that wrote
+        nothing (its loggers refused to open) also removes the folders it created, if empty."""
+        self.run.close(failed=not (self.run_dir / "config.yaml").exists())
         self._let_go_of_the_group()
 
     def _let_go_of_the_group(self) -> None:

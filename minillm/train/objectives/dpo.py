@@ -98,7 +98,7 @@ def parse_pair(obj: Any, where: str, line: int = 0) -> Pair:
         if key not in obj:
             raise UserError(f"{where}: {key}: missing (a pair is prompt, chosen, rejected)")
     prompt, chosen, rejected = obj.get("prompt"), obj["chosen"], obj["rejected"]
-    if "prompt" not in obj and isinstance(chosen, str) and isinstance(rejected, str):
+    if "prompt" not in obj and (isinstance(chosen, str) or isinstance(rejected, str)):
         raise UserError(f"{where}: prompt: missing (replies given as strings need the prompt "
                         "they answer; only lists of messages may leave it out)")  # fmt: skip
     if isinstance(prompt, str):  # standard: strings
