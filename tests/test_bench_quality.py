@@ -61,6 +61,7 @@ def test_bench_quality_curves_knobs_and_plot(data_dir: Path, tmp_path: Path) -> 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_a_curve_point_scores_the_whole_validation_split(data_dir: Path, tmp_path: Path) -> None:
     bench = load_bench()
     config = tmp_path / "cfg.yaml"
@@ -76,6 +77,7 @@ def test_a_curve_point_scores_the_whole_validation_split(data_dir: Path, tmp_pat
     assert rows[4]["curve"][0]["val_bpb"] == pytest.approx(rows[2]["val_bpb"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_pace_times_each_config_and_prints_ratios(
     data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

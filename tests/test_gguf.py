@@ -251,6 +251,7 @@ def shakespeare_export(tmp_path_factory: pytest.TempPathFactory):
     return load_checkpoint(run_dir), text, root
 
 
+@pytest.mark.slow
 @needs_llama_cpp
 def test_llama_cpp_tokenizes_a_megabyte_of_shakespeare_as_we_do(
     shakespeare_export, monkeypatch: pytest.MonkeyPatch

@@ -145,6 +145,7 @@ def test_info_reports_init_froms_model_over_a_model_section(exported, tmp_path: 
     assert "model.d_model, model.n_layer" in result.stderr and "not used" in result.stderr
 
 
+@pytest.mark.slow
 def test_tokenize_and_info_read_their_config_without_the_training_stage(
     exported, tmp_path: Path
 ) -> None:

@@ -70,6 +70,7 @@ def test_training_gradients_match_hf_llama(kernels: bool) -> None:
         torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
 def test_rope_is_a_rotation_with_the_inverse_as_backward() -> None:
     cos, sin = rope_tables(16, 32, 10000.0)
     x = torch.randn(2, 32, 3, 16, dtype=torch.float64, requires_grad=True)

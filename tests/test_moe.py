@@ -504,6 +504,7 @@ def test_gguf_export_runs_in_llama_cpp_with_our_logits_and_greedy_tokens(
 # ------------------------------------------------------------------ the bench
 
 
+@pytest.mark.slow
 def test_bench_train_has_an_moe_row_against_the_dense_one(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

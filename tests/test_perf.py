@@ -83,6 +83,7 @@ def test_matmul_peak_probe_and_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert perf.mfu(flops_per_token=1e6, tokens_per_sec=500.0, peak_flops=1e9) == 0.5
 
 
+@pytest.mark.slow
 def test_bench_train_runs_on_a_tiny_shape(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

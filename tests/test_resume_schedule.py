@@ -93,6 +93,7 @@ def test_trainer_warns_when_a_finished_run_is_extended(tmp_path, capsys) -> None
     assert "train.max_steps (8 -> 16)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_warns_only_when_the_lr_jumps_at_the_resume_step(tmp_path) -> None:
     """Through the CLI: a finished 4-step constant run extended with another warmup (steps long
     past redrawn, step 4's lr unchanged) is not warned about; a finished cosine extended is, with

@@ -542,6 +542,7 @@ def test_chat_page_streams_a_reply(server: Server) -> None:
             browser.close()
 
 
+@pytest.mark.slow
 def test_chat_page_fits_a_long_conversation_in_a_small_context(tmp_path: Path) -> None:
     # The README's tiny-chat model has a 64-token context: the page sends no max_tokens of its
     # own (the server cuts its default to what the context leaves), and a conversation that

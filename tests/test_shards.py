@@ -290,6 +290,7 @@ def _die_at_document_18(tok: Any, pieces: list[str], *args: Any) -> Any:
     return encode_text(tok, pieces, *args)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_one_error_line_and_the_pass_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -333,6 +334,7 @@ tokenize_pass.write_shards(
     assert load_meta(tmp_path / "out")["train"]["tokens"] > 0
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_main_process_is_killed(tmp_path: Path) -> None:
     """kill -9 runs no cleanup: the workers notice their parent is gone and exit by themselves."""
     script = f"""
@@ -430,6 +432,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     assert not (out / ".partial").exists()
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_equals_an_uninterrupted_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
