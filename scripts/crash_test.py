@@ -47,8 +47,10 @@ def env() -> dict[str, str]:
 
 
 def check_run(run: Path) -> str | None:
-    """Every checkpoint folder intact and LATEST naming one; the name LATEST gives."""
-    from minillm.checkpoint.layout import list_checkpoints, verify_checkpoint
+    """Every checkpoint folder intact and LATEST naming one; the checkpoint a restart must resume
+    from: LATEST's, or with no LATEST yet (a kill between the first folder's rename and LATEST)
+    the newest folder, as minillm.checkpoint.layout.find_latest chooses."""
+    from minillm.checkpoint.layout import find_latest, list_checkpoints, verify_checkpoint
 
     root = run / "checkpoints"
     if not root.is_dir():
@@ -56,12 +58,10 @@ def check_run(run: Path) -> str | None:
     for ckpt in list_checkpoints(root):
         verify_checkpoint(ckpt)  # raises on a damaged checkpoint
     latest = root / "LATEST"
-    if not latest.exists():
-        return None
-    name = latest.read_text().strip()
-    if not (root / name).is_dir():
-        raise AssertionError(f"LATEST names {name}, which does not exist")
-    return name
+    if latest.exists() and not (root / latest.read_text().strip()).is_dir():
+        raise AssertionError(f"LATEST names {latest.read_text().strip()}, which does not exist")
+    found = find_latest(run)
+    return None if found is None else found.name
 
 
 def train_command(config: str, out: Path, steps: int, sets: list[str]) -> list[str]:
@@ -116,7 +116,7 @@ def train_with_kills(
             done_kills += 1
             inside = any((run / "checkpoints").glob(".tmp-*"))
             where = " (inside a checkpoint write)" if inside else ""
-            print(f"kill {done_kills}/{kills}: LATEST {before} -> {after}{where}", flush=True)
+            print(f"kill {done_kills}/{kills}: resume point {before} -> {after}{where}", flush=True)
             writes_hit += bool(inside)
             continue
         if proc.returncode != 0:
