@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--loads", default="quiet,busy")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="training steps timed per run")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
 
     rows = []

@@ -136,11 +136,13 @@ class Trainer:
 
     def learn(self, prepared: list[Any]) -> StepResult:
         """One optimizer step on the objective's prepared micro-batches: the one step of every
-        objective. Deciding whether it was finite is the step's one host sync."""
+        objective. Deciding whether it was finite is the step's one host sync (and, under
+        torchrun, reading back the summed normalisers)."""
         tc, obj, world = self.cfg.train, self.objective, self.dist.world_size
         lr = set_lr(self.optimizer, self.state.step, tc)
-        # The global batch's counts (e.g. its target tokens), on the host: one wait per step.
-        norms = all_reduce_sum(obj.normalisers(prepared).to(self.device)).cpu()
+        norms = obj.normalisers(prepared)  # this rank's counts (e.g. target tokens), on the host
+        if self.dist.enabled:  # the global batch's: summed on the device (NCCL), read back
+            norms = all_reduce_sum(norms.to(self.device)).cpu()
         totals: torch.Tensor | None = None
         inputs = 0  # this rank's input tokens
         dropout = contextlib.nullcontext() if obj.dropout else dropout_off(self.model)
