@@ -188,19 +188,41 @@ class KVCache:
         for r in rows:
             self.lengths[r] += T
         n = len(rows)
+        window = self.cfg.sliding_window
+        keys = torch.arange(end, device=self.device)
         if min(starts) == starts[0] == end - T:  # every row at one length
             start = starts[0]
             mask = None
-            if start > 0 and T > 1:  # a chunk after cached tokens: causal from `start` on
+            # A chunk after cached tokens (causal from `start` on), or keys out of the window.
+            if (start > 0 and T > 1) or (window is not None and end > window):
                 q = torch.arange(start, end, device=self.device)[:, None]
-                mask = (torch.arange(end, device=self.device)[None, :] <= q)[None, None]
+                mask = self._visible(keys[None, :], q)[None, None]
             return CacheWrite(
-                self, rows.start, n, T, starts, end, slice(start, end), mask, start == 0 and T > 1
+                self,
+                rows.start,
+                n,
+                T,
+                starts,
+                end,
+                slice(start, end),
+                mask,
+                mask is None and start == 0 and T > 1,
             )
         first = torch.tensor(starts, device=self.device)[:, None]  # (n, 1)
         positions = first + torch.arange(T, device=self.device)  # (n, T)
-        mask = torch.arange(end, device=self.device)[None, None, :] <= positions[:, :, None]
+        mask = self._visible(keys[None, None, :], positions[:, :, None])
         return CacheWrite(self, rows.start, n, T, starts, end, positions, mask[:, None], False)
+
+    def _visible(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """Which key positions each query position sees: causal, within model.sliding_window.
+
+        The cache keeps every key of a row (a window's worth would do; the storage is the same
+        as without a window, 2 L K S D values): the mask hides the older ones.
+        """
+        seen = keys <= queries
+        if self.cfg.sliding_window is not None:
+            seen = seen & (keys > queries - self.cfg.sliding_window)
+        return seen
 
 
 class _Rows:
