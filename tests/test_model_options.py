@@ -97,26 +97,29 @@ OPTIONS = {
 def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(cfg).eval()
-    with torch.no_grad():  # norms and biases off their init, so that a missing one shows
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # weights spread wide and norms and biases off their init, so that
+        for name, p in model.named_parameters():  # a missing or stale term shows in the logits
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 p.add_(0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.12)
     return model
 
 
 @pytest.mark.parametrize("case", list(OPTIONS))
-def test_kv_cache_and_decoder_equal_the_full_forward(case: str) -> None:
-    """Prefill 10, then one token at a time to 70 (past the window and past the original
-    length): each step's logits equal those of a full forward over the tokens so far."""
+@pytest.mark.parametrize("prefill", [10, 30])
+def test_kv_cache_and_decoder_equal_the_full_forward(case: str, prefill: int) -> None:
+    """Prefill 10 or 30 tokens, then one token at a time to 70 (past the window and past the
+    original length): each step's logits equal those of a full forward over the tokens so far."""
     model = random_model(tiny(**OPTIONS[case]))
     ids = torch.randint(0, 97, (2, 70))
     with torch.inference_mode():
-        full = [model(ids[:, : t + 1])[0][:, -1] for t in range(9, 70)]
+        full = [model(ids[:, : t + 1])[0][:, -1] for t in range(prefill - 1, 70)]
         for fast in (False, True):
             cache = KVCache(model.cfg, batch_size=2)
             decoder = Decoder(model, cache)
-            got = [model(ids[:, :10], kv_cache=cache, last_only=True)[0][:, -1]]
-            for t in range(10, 70):
+            got = [model(ids[:, :prefill], kv_cache=cache, last_only=True)[0][:, -1]]
+            for t in range(prefill, 70):
                 if fast:
                     got.append(decoder.step(ids[:, t]))
                 else:

@@ -156,36 +156,13 @@ def rope_rotation(cos: torch.Tensor, sin: torch.Tensor, rotate_half: torch.Tenso
 
 class Rope:
     """RoPE at one forward's positions, for every layer: `rope(qk)` rotates the new tokens' q
-    and k heads (B, T, heads, D) by cos/sin (T, 1, D) or (B, T, 1, D).
+    and k heads (B, T, heads, D) by cos/sin (T, 1, D) or (B, T, 1, D)."""
 
-    Under dynamic NTK the frequencies depend on the sequence's length, so a KV cache keeps its
-    keys before RoPE and `cached_keys(k)` rotates all of them (B, K, S, D) at this forward's
-    frequencies (key_cos/key_sin (B | 1, S, 1, D)): step t of a decode then equals a full forward
-    over t tokens. Every other type rotates a key once, when it is written (key_cos None).
-    """
-
-    def __init__(
-        self,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        rotate: Rotate,
-        key_cos: torch.Tensor | None = None,
-        key_sin: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rotate: Rotate) -> None:
         self.cos, self.sin, self.rotate = cos, sin, rotate
-        self.key_cos, self.key_sin = key_cos, key_sin
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.rotate(x, self.cos, self.sin)
-
-    @property
-    def caches_raw_keys(self) -> bool:
-        return self.key_cos is not None
-
-    def cached_keys(self, k: torch.Tensor) -> torch.Tensor:
-        if self.key_cos is None:
-            return k
-        return self.rotate(k.transpose(1, 2), self.key_cos, self.key_sin).transpose(1, 2)
 
 
 def dynamic_rope(
@@ -196,22 +173,25 @@ def dynamic_rope(
     device: torch.device,
 ) -> Rope | None:
     """Dynamic NTK: the frequencies of the sequence's length L, as transformers computes them
-    from max(position_ids) + 1. Without a KV cache one L for the forward (its largest position
-    + 1; None, the plain tables, up to the original length); with one, each row's own L (its
-    length after this write), and every cached key rotated anew (`Rope.cached_keys`)."""
+    from max(position_ids) + 1; None (the plain tables) while L is at most the original length.
+    Without a KV cache one L for the forward (its largest position + 1); with one, each row's
+    own (its length after this write: past the original length a row is refilled from position
+    0, `Transformer.forward`, so its L covers all of its tokens)."""
+    original = cfg.rope_scaling.original_max_position_embeddings
     if write is None:
         L = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
-        if L <= cfg.rope_scaling.original_max_position_embeddings:
+        if L <= original:
             return None
         cos, sin = cos_sin(inv_frequencies(cfg, L)[0].to(device), torch.arange(L, device=device))
         return Rope(cos[positions][..., None, :], sin[positions][..., None, :], rotate)
     lengths = torch.tensor(write.starts)[:, None] + write.T  # (n, 1)
+    if int(lengths.max()) <= original:
+        return None
     inv_freq = inv_frequencies(cfg, lengths)[0].to(device)[:, None]  # (n, 1, D/2)
-    key_cos, key_sin = cos_sin(inv_freq, torch.arange(write.end, device=device))  # (n, S, D)
+    cos, sin = cos_sin(inv_freq, torch.arange(write.end, device=device))  # (n, S, D)
     if isinstance(positions, slice):
-        cos, sin = key_cos[:, positions], key_sin[:, positions]
+        cos, sin = cos[:, positions], sin[:, positions]
     else:  # (n, T) positions of rows at different lengths
         rows = torch.arange(write.n, device=device)[:, None]
-        cos, sin = key_cos[rows, positions], key_sin[rows, positions]
-    key_cos, key_sin = key_cos[:, :, None], key_sin[:, :, None]  # (n, S, 1, D)
-    return Rope(cos[..., None, :], sin[..., None, :], rotate, key_cos, key_sin)
+        cos, sin = cos[rows, positions], sin[rows, positions]
+    return Rope(cos[..., None, :], sin[..., None, :], rotate)

@@ -134,10 +134,7 @@ class Attention(nn.Module):
         # memory, so the transpose back below is free.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
         if cache is not None:
-            if rope.caches_raw_keys:  # dynamic NTK: keys are stored before RoPE
-                k = qk[:, :, H:].transpose(1, 2)
             k, v = cache.update(layer, k, v)  # (B, K, S, D): the cached keys and these
-            k = rope.cached_keys(k)
         dropout = self.dropout if self.training else 0.0
         y = attention(q, k, v, mask.bool_mask, mask.is_causal, dropout)  # (B, H, T, D)
         if mask.empty_rows is not None:
@@ -288,6 +285,13 @@ class Transformer(nn.Module):
         last_only: compute logits for the last position only (decoding).
         reduction: "mean" or "sum" of the per-token losses.
         """
+        if kv_cache is not None and self.cfg.rope_scaling.type == "dynamic":
+            logits = self._refill_past_original(idx, kv_cache, last_only)
+            if logits is not None:
+                loss = None
+                if targets is not None:
+                    loss = self.loss_function(logits.flatten(0, 1), targets.reshape(-1), reduction)
+                return logits, loss
         positions, mask, write = forward_inputs(
             idx,
             attention_mask,
@@ -311,6 +315,36 @@ class Transformer(nn.Module):
             return logits, None
         loss = self.loss_function(logits.flatten(0, 1), targets.reshape(-1), reduction)
         return logits, loss
+
+    def _refill_past_original(
+        self, idx: torch.Tensor, kv_cache: KVCache | Any, last_only: bool
+    ) -> torch.Tensor | None:
+        """Dynamic NTK with a KV cache: logits (n, T | 1, V), or None for the plain cached path.
+
+        The frequencies change with the length, and with them every hidden state of a sequence
+        from the second layer on, so keys cached at a shorter length are stale once a row passes
+        the original length. Such a row is refilled: cleared, then its whole sequence (the cache
+        keeps each row's ids) forwarded from position 0, what a full forward computes, at the
+        cost of decoding without a cache. Up to the original length RoPE is plain and the cache
+        is used as it is.
+        """
+        cache, r0 = getattr(kv_cache, "cache", kv_cache), getattr(kv_cache, "r0", 0)
+        rows = range(r0, r0 + idx.shape[0])
+        seqs = [torch.cat((cache.ids[r], idx[i])) for i, r in enumerate(rows)]
+        stale = any(
+            cache.lengths[r] and len(s) > self.cfg.rope_scaling.original_max_position_embeddings
+            for r, s in zip(rows, seqs)
+        )
+        for r, s in zip(rows, seqs):
+            cache.ids[r] = s
+        if not stale:
+            return None
+        out = []
+        for r, s in zip(rows, seqs):
+            cache.clear_row(r)
+            logits, _ = self(s[None], kv_cache=cache.rows(r, r + 1), last_only=last_only)
+            out.append(logits[:, -idx.shape[1] :] if not last_only else logits)
+        return torch.cat(out)
 
     # ------------------------------------------------------------------ sizes
 
