@@ -43,6 +43,10 @@ CASES = {
     "llama-yarn": ("LlamaForCausalLM", "LlamaConfig",
                    dict(max_position_embeddings=96, rope_parameters=_rope(
                        "yarn", factor=4.0, original_max_position_embeddings=24))),
+    "llama-yarn-attention": ("LlamaForCausalLM", "LlamaConfig",
+                             dict(max_position_embeddings=96, rope_parameters=_rope(
+                                 "yarn", factor=4.0, original_max_position_embeddings=24,
+                                 attention_factor=1.3, beta_fast=16.0, beta_slow=2.0))),
     "llama3-head_dim": ("LlamaForCausalLM", "LlamaConfig",
                         dict(max_position_embeddings=96, head_dim=24, rope_parameters=_rope(
                             "llama3", factor=4.0, original_max_position_embeddings=24,
