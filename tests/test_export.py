@@ -320,7 +320,7 @@ def _break_shard(folder: Path) -> None:
 
 def _break_rope_scaling(folder: Path) -> None:
     cfg = json.loads((folder / "config.json").read_text())
-    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0}
+    rope = {"rope_type": "longrope", "rope_theta": 500.0, "factor": 8.0}
     _write_json(folder / "config.json", dict(cfg, rope_parameters=rope))
 
 
@@ -332,12 +332,12 @@ def _break_no_tokenizer(folder: Path) -> None:
     "breaker, message",
     [
         (lambda f: (f / "config.json").unlink(), "no config.json; not a Hugging Face model folder"),
-        (_break_gpt2, "'gpt2' model (GPT2LMHeadModel), not LlamaForCausalLM"),
+        (_break_gpt2, "'gpt2' model (GPT2LMHeadModel), not one of the architectures minillm"),
         (_break_truncate, "model.safetensors: not a readable safetensors file"),
         (_break_bin_only, "pytorch_model.bin (pickle) weights only"),
         (_break_missing_tensor, "model.layers.1.mlp.up_proj.weight is missing"),
         (_break_shape, "weights do not fit the model: shape mismatch"),
-        (_break_rope_scaling, "rope_type 'llama3' (RoPE scaling) is not supported"),
+        (_break_rope_scaling, "rope_type 'longrope' is not supported"),
         (_break_no_tokenizer, "no tokenizer.json"),
     ],
 )

@@ -184,7 +184,7 @@ def test_a_tokenizer_without_chat_tokens_exports_plain_text_only(tmp_path: Path)
 
 def test_rope_permutation_turns_rotate_half_into_adjacent_pairs() -> None:
     """q @ W rotated our way equals (q @ permuted W) rotated llama.cpp's way, rows put back."""
-    from minillm.model.transformer import apply_rope, rope_tables
+    from minillm.model.rope import apply_rope, rope_tables
 
     H, D, C, T = 3, 8, 12, 5
     w = torch.randn(H * D, C)

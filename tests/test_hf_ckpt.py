@@ -209,18 +209,19 @@ def _edit_config(folder: Path, **changes) -> None:
     (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
 
 
-QWEN2 = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=32)  # fmt: skip
+GEMMA = dict(architectures=["GemmaForCausalLM"], model_type="gemma")
+LONGROPE = dict(rope_type="longrope", factor=8.0, original_max_position_embeddings=32,
+                short_factor=[1.0] * 8, long_factor=[2.0] * 8)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "case, where, message",
     [
-        ("qwen2", "config.json", "model_type: a 'qwen2' model (Qwen2ForCausalLM), not "
-         "LlamaForCausalLM or MixtralForCausalLM, the architectures minillm reads"),
-        ("rope-scaling", "config.json", "rope_scaling: rope_type 'llama3' (RoPE scaling) is not "
-         "supported"),
+        ("gemma", "config.json", "model_type: a 'gemma' model (GemmaForCausalLM), not one of "
+         "the architectures minillm reads (LlamaForCausalLM, MixtralForCausalLM, "
+         "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)"),
+        ("rope-scaling", "config.json", "rope_scaling: rope_type 'longrope' is not supported "
+         "(minillm: linear, dynamic, yarn, llama3)"),
         ("attention-bias", "config.json", "attention_bias: True is not supported (minillm needs "
          "False)"),
         ("sentencepiece", "tokenizer.json", "pre_tokenizer: Metaspace, not ByteLevel: a BPE that "
@@ -237,7 +238,7 @@ def test_what_minillm_cannot_compute_is_one_error_line(
         folder, _ = llama_folder(tmp_path, tokenizer=tokenizer())
     else:
         folder, _ = llama_folder(tmp_path)
-        changes = {"qwen2": QWEN2, "rope-scaling": {"rope_scaling": LLAMA3_ROPE},
+        changes = {"gemma": GEMMA, "rope-scaling": {"rope_scaling": LONGROPE},
                    "attention-bias": {"attention_bias": True}}[case]  # fmt: skip
         _edit_config(folder, **changes)
     for command in (["sample", "--prompt", "x"], ["export", "--out", str(tmp_path / "o.gguf"),

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from minillm.model import Transformer, kernels_cpu, use_cpu_kernels
 from minillm.model.hf_names import to_hf_state_dict
-from minillm.model.transformer import RMSNorm, apply_rope, rope_tables
+from minillm.model.rope import apply_rope, rope_tables
+from minillm.model.transformer import RMSNorm
 from tests.test_model import make_pair
 
 

@@ -11,7 +11,7 @@ from minillm.infer.engine import SamplingParams, generate
 from minillm.model import KVCache, Transformer
 from minillm.model.decode import Decoder
 from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
-from minillm.model.transformer import apply_rope, rope_rotation, rope_tables, rotate_half_matrix
+from minillm.model.rope import apply_rope, rope_rotation, rope_tables, rotate_half_matrix
 
 
 def make_pair(**kw) -> tuple[Transformer, transformers.LlamaForCausalLM, ModelConfig]:

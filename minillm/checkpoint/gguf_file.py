@@ -1,7 +1,8 @@
 """GGUF files for llama.cpp, Ollama, LM Studio and llama-cpp-python: `export --format gguf`.
 
 Offers `GGUF_DTYPES`, `check_gguf_target`, `modelfile_path`, `llama_cpp_pre_tokenizer`,
-`gguf_vocab`, `gguf_tensors`, `modelfile_text` and `export_gguf` (what the command runs).
+`gguf_vocab`, `gguf_arch`, `gguf_tensors`, `modelfile_text` and `export_gguf` (what the command
+runs).
 
 The file is written with gguf-py, the llama.cpp project's own writer, the way its
 `convert_hf_to_gguf.py` writes a `LlamaForCausalLM`, except that the tokenizer is described
@@ -11,14 +12,22 @@ GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; any other pre-tokenizer
 line rather than exported with a split that would silently differ.
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
-llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), (x2, x3) ... where ours and HF's rotate
-halves (x_i, x_{i + D/2}), so the rows of wq and wk are permuted per head as the converter does.
+The architecture is llama.cpp's own for the family (`gguf_arch`): `qwen3` (model.qk_norm),
+`qwen2` (model.attention_bias) or `llama`. llama.cpp's `llama` RoPE rotates adjacent pairs (x0,
+x1), (x2, x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so for it the rows of wq
+and wk are permuted per head as the converter does; `qwen2` and `qwen3` rotate halves (NEOX) and
+take them as they are. RoPE scaling: linear and yarn as llama.cpp's rope.scaling keys, llama3 as
+the `rope_freqs` tensor of per-frequency divisors; what llama.cpp cannot compute (dynamic NTK, a
+sliding window shorter than the context, YaRN without truncation) is one error line naming the
+key, and nothing written.
 Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries the chat template in Go form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +173,53 @@ def rope_pairs_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, rows // n_head // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def gguf_arch(cfg: ModelConfig) -> Any:
+    """llama.cpp's architecture (a gguf.MODEL_ARCH) that computes `cfg`, or a CheckpointError
+    naming the option none of them has."""
+    import gguf
+
+    def refuse(key: str, what: str) -> CheckpointError:
+        return CheckpointError(f"model.{key}: {what}; llama.cpp has no equivalent, not exported")
+
+    s = cfg.rope_scaling
+    if s.type == "dynamic":
+        raise refuse("rope_scaling.type", "dynamic (NTK frequencies that follow the length)")
+    if s.type == "yarn":
+        # llama.cpp's llama and qwen graphs take YaRN's factor and original length, and use the
+        # paper's defaults for the rest (measured: its yarn_attn_factor and beta keys change
+        # nothing there).
+        default = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
+        for key, value, want in (
+            ("attention_factor", s.attention_factor, default),
+            ("beta_fast", s.beta_fast, 32.0),
+            ("beta_slow", s.beta_slow, 1.0),
+        ):
+            if value is not None and not math.isclose(value, want, rel_tol=1e-6):
+                raise refuse(f"rope_scaling.{key}", f"{value} (llama.cpp's YaRN uses {want:g})")
+        if not s.truncate:
+            raise refuse("rope_scaling.truncate", "false (llama.cpp rounds the correction range)")
+    if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
+        raise refuse(
+            "sliding_window", f"{cfg.sliding_window} (its llama, qwen2 and qwen3 see it all)"
+        )
+    if cfg.qk_norm or cfg.attention_bias:
+        if cfg.n_experts:  # hf_model_type's rule: no family has both
+            raise refuse("n_experts", "with qk_norm or attention_bias")
+        if s.type == "llama3":  # rope_freqs is read by llama.cpp's llama graph
+            raise refuse("rope_scaling.type", "llama3 in a qwen2 or qwen3 model")
+        return gguf.MODEL_ARCH.QWEN3 if cfg.qk_norm else gguf.MODEL_ARCH.QWEN2
+    return gguf.MODEL_ARCH.LLAMA
+
+
+def llama3_rope_freqs(cfg: ModelConfig) -> torch.Tensor:
+    """llama.cpp's `rope_freqs` (D/2,) for rope_scaling llama3: what each plain frequency is
+    divided by (convert_hf_to_gguf.py's rope_factors), from our own frequencies."""
+    from minillm.model.rope import inv_frequencies
+
+    plain = ModelConfig(**{**dataclasses.asdict(cfg), "rope_scaling": {}})
+    return inv_frequencies(plain)[0] / inv_frequencies(cfg)[0]
+
+
 def gguf_tensors(
     state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str
 ) -> list[tuple[str, np.ndarray, Any]]:
@@ -182,17 +238,22 @@ def gguf_tensors(
     from minillm.model.hf_names import to_hf_state_dict
 
     qtypes = gguf.GGMLQuantizationType
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.n_layer)
+    arch = gguf_arch(cfg)
+    names = gguf.get_tensor_name_map(arch, cfg.n_layer)
+    pairs = arch == gguf.MODEL_ARCH.LLAMA  # qwen2/qwen3 rotate halves, as we do
     named: list[tuple[str, torch.Tensor]] = []
+    if cfg.rope_scaling.type == "llama3":
+        named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                      llama3_rope_freqs(cfg)))  # fmt: skip
     for hf_name, w in to_hf_state_dict(state, cfg).items():
         if ".block_sparse_moe." in hf_name:  # llama.cpp stacks the experts: written below
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight",))
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:  # a name gguf does not know would be a bug in the mapping
-            raise RuntimeError(f"gguf has no llama tensor for {hf_name}")
-        if hf_name.endswith("q_proj.weight"):
+            raise RuntimeError(f"gguf has no {arch.name.lower()} tensor for {hf_name}")
+        if pairs and hf_name.endswith("q_proj.weight"):
             w = rope_pairs_permute(w, cfg.n_head)
-        elif hf_name.endswith("k_proj.weight"):
+        elif pairs and hf_name.endswith("k_proj.weight"):
             w = rope_pairs_permute(w, cfg.n_kv_head)
         named.append((name, w))
     for i in range(cfg.n_layer if cfg.n_experts else 0):
@@ -266,6 +327,19 @@ def _file_type(dtype: str) -> int:
     }[dtype]
 
 
+def _add_rope_scaling(w: Any, m: ModelConfig) -> None:
+    """llama.cpp's rope.scaling keys for linear and yarn (llama3 is the rope_freqs tensor)."""
+    import gguf
+
+    s = m.rope_scaling
+    if s.type not in ("linear", "yarn"):
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType(s.type))
+    w.add_rope_scaling_factor(s.factor)
+    if s.type == "yarn":  # the rest is llama.cpp's defaults, which gguf_arch checked
+        w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+
+
 def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = False) -> Path:
     """Write a LoadedCheckpoint as a llama.cpp GGUF file at `out` and an Ollama Modelfile beside
     it, each under a temporary name, fsynced, then renamed: a failure leaves both as they were.
@@ -283,12 +357,13 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
     vocab = gguf_vocab(ckpt.tokenizer, m.vocab_size, where)  # before anything is written
     eot, end = eot_id(ckpt.tokenizer), ckpt.tokenizer.token_to_id(END)
     state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
+    arch = gguf_arch(m)  # before anything is written: an option llama.cpp lacks is refused
     tensors = gguf_tensors(state, m, dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staged = StagedFile(out)
     modelfile = None
-    w = gguf.GGUFWriter(staged.tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    w = gguf.GGUFWriter(staged.tmp, gguf.MODEL_ARCH_NAMES[arch])
     try:
         w.add_type(gguf.GGUFType.MODEL)
         w.add_name(_run_name(ckpt.path))
@@ -309,6 +384,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_value_length(m.head_dim)
         w.add_rope_freq_base(m.rope_theta)
         w.add_rope_dimension_count(m.head_dim)
+        _add_rope_scaling(w, m)
         w.add_layer_norm_rms_eps(m.norm_eps)
         w.add_vocab_size(m.vocab_size)
         # The tokenizer: byte-level BPE with the split named above, and minillm's special ids.

@@ -10,8 +10,10 @@ An exported folder holds config.json, model.safetensors (HF names), tokenizer.js
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. With the chat tokens,
 tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids)
-and generation stops at `<|end|>` as well as at end-of-text. A model with `model.n_experts` is
-written as a MixtralForCausalLM.
+and generation stops at `<|end|>` as well as at end-of-text. The class is the family that
+computes the model (minillm.model.hf_names.hf_model_type): LlamaForCausalLM, Qwen3ForCausalLM
+(qk_norm), Qwen2ForCausalLM (attention_bias), MistralForCausalLM (sliding_window) or, with
+`model.n_experts`, MixtralForCausalLM.
 """
 
 from __future__ import annotations

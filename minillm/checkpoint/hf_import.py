@@ -1,4 +1,5 @@
-"""Read a Hugging Face Llama folder as our config, weights and tokenizer (an HF folder -> us).
+"""Read a Hugging Face folder as our config, weights and tokenizer (an HF folder -> us): Llama,
+Qwen2, Qwen3, Mistral or Mixtral (minillm.model.hf_names.READABLE).
 
 Offers `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)` (what
 `train.init_from: DIR` uses), `hf_model_config` (the ModelConfig of config.json alone),
@@ -7,10 +8,10 @@ Offers `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)`
 minillm.checkpoint.hf_export; parameter names and the config mapping live in
 minillm/model/hf_names.py.
 
-A folder is read only where minillm computes what transformers would: a LlamaForCausalLM or
-MixtralForCausalLM (without sliding-window attention) without RoPE scaling or biases (hf_names
-says which key is not), and a byte-level BPE tokenizer with `<|endoftext|>`; anything else is
-one CheckpointError or ConfigError naming the file and the key.
+A folder is read only where minillm computes what transformers would: one of those families
+with the options our model has (hf_names says which key is not: another rope_type, sliding
+windows in some layers, an MLP or output bias), and a byte-level BPE tokenizer with
+`<|endoftext|>`; anything else is one CheckpointError or ConfigError naming the file and the key.
 """
 
 from __future__ import annotations

@@ -17,7 +17,15 @@ from minillm.config.loading import (
     override_keys,
     read_raw_config,
 )
-from minillm.config.schema import SECTIONS, Config, DataConfig, ModelConfig, SampleConfig
+from minillm.config.schema import (
+    ROPE_SCALING_TYPES,
+    SECTIONS,
+    Config,
+    DataConfig,
+    ModelConfig,
+    RopeScalingConfig,
+    SampleConfig,
+)
 from minillm.config.section import DEVICE_PATTERN
 from minillm.config.train_schema import LORA_TARGETS, LoRAConfig, TrainConfig
 from minillm.errors import ConfigError
@@ -31,6 +39,8 @@ __all__ = [
     "DataConfig",
     "LoRAConfig",
     "ModelConfig",
+    "ROPE_SCALING_TYPES",
+    "RopeScalingConfig",
     "SampleConfig",
     "TrainConfig",
     "_type_name",

@@ -19,6 +19,64 @@ from minillm.config.section import Section, setting
 from minillm.config.train_schema import TrainConfig
 from minillm.errors import ConfigError
 
+# model.rope_scaling.type: how RoPE is stretched past the length a model was trained at
+# (minillm.model.rope computes each as transformers' ROPE_INIT_FUNCTIONS does).
+ROPE_SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass
+class RopeScalingConfig(Section):
+    """RoPE scaling: frequencies stretched so that a model reads past its trained length."""
+
+    _section: typing.ClassVar[str] = "model.rope_scaling"
+
+    type: Literal["none", "linear", "dynamic", "yarn", "llama3"] = setting(
+        "none",
+        help="none = plain RoPE; linear = position interpolation (every frequency / factor); "
+        "dynamic = NTK-aware base that grows with the sequence length past "
+        "original_max_position_embeddings; yarn = YaRN (NTK-by-parts and an attention factor); "
+        "llama3 = Llama 3.1's per-band frequency scaling. As transformers' rope_type.",
+    )
+    factor: float = setting(1.0, help="Context extension factor (new length / original).")
+    original_max_position_embeddings: int | None = setting(
+        None,
+        help="The context the model was trained at: where yarn's and llama3's bands are "
+        "measured and past which dynamic starts to scale. Needed by dynamic, yarn and llama3.",
+    )
+    attention_factor: float | None = setting(
+        None,
+        help="yarn: scale of cos and sin (so of the attention logits, squared). "
+        "null = 0.1 ln(factor) + 1, as the YaRN paper and transformers.",
+    )
+    beta_fast: float = setting(32.0, help="yarn: rotations where the frequencies stay unscaled.")
+    beta_slow: float = setting(1.0, help="yarn: rotations where they are fully interpolated.")
+    truncate: bool = setting(
+        True, help="yarn: round the correction range to whole dimensions (transformers' default)."
+    )
+    low_freq_factor: float = setting(1.0, help="llama3: wavelengths past original / this scale.")
+    high_freq_factor: float = setting(
+        4.0, help="llama3: wavelengths under original / this stay; between, a smooth blend."
+    )
+
+    def __post_init__(self) -> None:
+        if self.type == "none":
+            return
+        if not self.factor >= 1.0:
+            self._fail("factor", f"must be >= 1 with type {self.type}, got {self.factor}")
+        self._positive("original_max_position_embeddings", "attention_factor")
+        self._positive("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor")
+        needs_original = self.type in ("dynamic", "yarn", "llama3")
+        if needs_original and self.original_max_position_embeddings is None:
+            self._fail(
+                "original_max_position_embeddings",
+                f"type {self.type} needs the length the model was trained at",
+            )
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            self._fail(
+                "high_freq_factor",
+                f"{self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}",
+            )
+
 
 @dataclass
 class ModelConfig(Section):
@@ -32,12 +90,36 @@ class ModelConfig(Section):
     )
     d_model: int = setting(help="Width of the residual stream (C).")
     n_layer: int = setting(help="Number of Transformer blocks.")
-    n_head: int = setting(help="Query heads per attention layer; must divide d_model.")
+    n_head: int = setting(
+        help="Query heads per attention layer; must divide d_model unless head_dim is set."
+    )
     n_kv_head: int | None = setting(
         None, help="Key/value heads (grouped-query attention); must divide n_head. null = n_head."
     )
     ffn_hidden: int | None = setting(
         None, help="SwiGLU hidden width. null = 8/3 * d_model rounded up to multiple_of."
+    )
+    head_dim: int | None = setting(
+        None,
+        help="Width of each attention head (D), even for RoPE; q/k/v project d_model to heads * "
+        "head_dim and the output back. null = d_model / n_head (Qwen3 sets its own).",
+    )
+    attention_bias: bool = setting(
+        False, help="Biases on the q, k and v projections (Qwen2); the output projection has none."
+    )
+    qk_norm: bool = setting(
+        False,
+        help="A learned RMSNorm over head_dim on every query and key head before RoPE (Qwen3; "
+        "nanochat and modded-nanogpt use it to keep attention logits bounded).",
+    )
+    sliding_window: int | None = setting(
+        None,
+        help="Each token attends to itself and the sliding_window - 1 tokens before it "
+        "(Mistral); null = the whole causal context.",
+    )
+    rope_scaling: RopeScalingConfig = field(
+        default_factory=RopeScalingConfig,
+        metadata={"help": "RoPE scaling to read past the trained length (below)."},
     )
     multiple_of: int = setting(256, help="Rounding of the derived SwiGLU width (LLaMA uses 256).")
     max_seq_len: int = setting(
@@ -77,10 +159,19 @@ class ModelConfig(Section):
                 f"{self.n_experts_per_token} is more than n_experts={self.n_experts}",
             )
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
-        if self.d_model % self.n_head:
-            self._fail("n_head", f"{self.n_head} does not divide d_model={self.d_model}")
-        if self.head_dim % 2:
-            self._fail("n_head", f"head dim d_model/n_head = {self.head_dim} must be even for RoPE")
+        self._positive("head_dim", "sliding_window")
+        if self.head_dim is None:
+            if self.d_model % self.n_head:
+                self._fail("n_head", f"{self.n_head} does not divide d_model={self.d_model}")
+            if (self.d_model // self.n_head) % 2:
+                self._fail(
+                    "n_head",
+                    f"head dim d_model/n_head = {self.d_model // self.n_head} must be even "
+                    "for RoPE",
+                )
+            self.head_dim = self.d_model // self.n_head
+        elif self.head_dim % 2:
+            self._fail("head_dim", f"{self.head_dim} must be even for RoPE")
         if self.n_kv_head is not None and (
             self.n_kv_head > self.n_head or self.n_head % self.n_kv_head
         ):
@@ -95,10 +186,8 @@ class ModelConfig(Section):
             self.ffn_hidden = self.multiple_of * math.ceil(hidden / self.multiple_of)
         if self.n_experts and self.moe_ffn_hidden is None:
             self.moe_ffn_hidden = self.ffn_hidden
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        if isinstance(self.rope_scaling, dict):  # ModelConfig(rope_scaling={...}) in Python
+            self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
 
 
 @dataclass

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from minillm.model.kv_cache import KVCache
 from minillm.model.moe import MoE
-from minillm.model.transformer import Transformer, attention, rms_norm, rope_rotation, swiglu
+from minillm.model.rope import rope_rotation
+from minillm.model.transformer import Transformer, attention, rms_norm, swiglu
 
 
 class Decoder:
@@ -59,12 +60,21 @@ class Decoder:
             (
                 block.attn_norm.weight,
                 block.attn.wqkv.weight,
+                block.attn.wqkv.bias,  # model.attention_bias, else None
                 block.attn.wo.weight.t(),
                 block.ffn_norm.weight,
                 *ffn,
             )
             for block, ffn in zip(model.blocks, ffns)
         ]
+        # model.qk_norm: each layer's q and k gains (None without)
+        self.qk_norms = [
+            (b.attn.q_norm.weight, b.attn.k_norm.weight) if b.attn.q_norm is not None else None
+            for b in model.blocks
+        ]
+        # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
+        # model's own forward, not this path's one rotation per new token.
+        self.dynamic_rope = cfg.rope_scaling.type == "dynamic"
         self.embedding, self.head = model.tok_emb.weight, model.head_weight
         self.norm, self.eps = model.norm.weight, cfg.norm_eps
         self.rope = (model.rope_cos, model.rope_sin, model.rope_rotate_half)
@@ -95,6 +105,11 @@ class Decoder:
         n = tokens.shape[0]
         if n > cache.batch_size:
             raise ValueError(f"{n} tokens for a KV cache of {cache.batch_size} rows")
+        if self.dynamic_rope:
+            view = cache.rows(0, n)
+            return self.model(tokens[:, None].to(cache.device), kv_cache=view, last_only=True)[0][
+                :, 0
+            ]
         write = cache.append(1, range(n))
         key_mask = write.key_mask  # (n, 1, 1, S) or None
         positions = write.positions  # the new tokens' RoPE positions: a slice, or (n, 1)
@@ -105,9 +120,16 @@ class Decoder:
         cos, sin, rotate_half = self.rope
         rot = rope_rotation(cos[positions], sin[positions], rotate_half)  # (n | 1, D, D)
         x = F.embedding(tokens, self.embedding)  # (n, C)
-        for layer, (norm1, w_qkv, wo_t, norm2, w_gate_up, w_down_t, moe) in enumerate(self.layers):
-            qkv = F.linear(rms_norm(x, norm1, eps), w_qkv).view(n, H + 2 * K, D)
+        for layer, (norm1, w_qkv, b_qkv, wo_t, norm2, w_gate_up, w_down_t, moe) in enumerate(
+            self.layers
+        ):
+            qkv = F.linear(rms_norm(x, norm1, eps), w_qkv, b_qkv).view(n, H + 2 * K, D)
             qk = qkv[:, : H + K]
+            if self.qk_norms[layer] is not None:
+                q_gain, k_gain = self.qk_norms[layer]
+                qk = torch.cat(
+                    (rms_norm(qk[:, :H], q_gain, eps), rms_norm(qk[:, H:], k_gain, eps)), 1
+                )
             if qk.dtype == rot.dtype:
                 qk = torch.matmul(qk, rot)  # q and k heads rotated
             else:  # RoPE in the tables' precision, as apply_rope does

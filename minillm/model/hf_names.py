@@ -1,7 +1,10 @@
-"""The one mapping between minillm's parameters and Hugging Face `LlamaForCausalLM`'s (a
-mixture of experts: `MixtralForCausalLM`'s).
+"""The one mapping between minillm's parameters and Hugging Face `LlamaForCausalLM`'s, and the
+families that are our model with options: `Qwen2ForCausalLM` (model.attention_bias),
+`Qwen3ForCausalLM` (model.qk_norm), `MistralForCausalLM` (model.sliding_window) and, with
+experts, `MixtralForCausalLM`; each takes model.rope_scaling and model.head_dim.
 
-Offers `hf_config_dict`, `model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
+Offers `READABLE`, `hf_model_type`, `hf_rope_scaling`, `hf_config_dict`, `is_llama_config`,
+`model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
 Both models use RoPE's "rotate half" layout, so q/k weights need no permutation; only our fused
 projections (wqkv, w_gate_up) are split into, or joined from, HF's separate ones. Mixtral's
 experts are written under the names of its published checkpoints (block_sparse_moe.experts.N.w1,
@@ -18,42 +21,110 @@ import torch
 from minillm.config import ModelConfig
 from minillm.errors import ConfigError
 
+# The HF model types minillm reads and writes, with the class each names.
+READABLE = {
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+# model.rope_scaling's keys as transformers' rope_parameters spell them (all but `type`).
+_ROPE_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+    ),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def hf_model_type(cfg: ModelConfig) -> str:
+    """The transformers family that computes `cfg`: Mixtral with experts, Qwen3 with qk_norm,
+    Qwen2 with q/k/v biases, Mistral with a sliding window, else Llama (every one takes
+    rope_scaling and head_dim). A ConfigError names an option no family has with the others."""
+    if cfg.n_experts and (cfg.qk_norm or cfg.attention_bias):
+        key = "qk_norm" if cfg.qk_norm else "attention_bias"
+        raise ConfigError(f"model.{key}", "with model.n_experts: no transformers family has both")
+    if cfg.qk_norm and cfg.attention_bias:  # Qwen3's attention_bias biases o_proj too
+        raise ConfigError("model.attention_bias", "with model.qk_norm: no transformers family")
+    if cfg.n_experts:
+        return "mixtral"
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.attention_bias:
+        return "qwen2"
+    return "mistral" if cfg.sliding_window is not None else "llama"
+
+
+def hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
+    """config.json's rope_scaling for model.rope_scaling (None for plain RoPE), which
+    transformers 4 reads as such and 5 as its rope_parameters."""
+    s = cfg.rope_scaling
+    if s.type == "none":
+        return None
+    out: dict[str, Any] = {"rope_type": s.type, "rope_theta": cfg.rope_theta}
+    out.update({k: getattr(s, k) for k in _ROPE_KEYS[s.type] if getattr(s, k) is not None})
+    return out
+
 
 def hf_config_dict(
     cfg: ModelConfig, bos_id: int | None, eos_id: int | None, router_aux_loss_coef: float = 0.0
 ) -> dict[str, Any]:
-    """A `config.json` for `LlamaForCausalLM` (`MixtralForCausalLM` with model.n_experts) of the
-    same architecture; router_aux_loss_coef is the run's train.moe_aux_loss."""
-    moe = {}
-    if cfg.n_experts:
-        moe = {
+    """A `config.json` for the transformers class of the same architecture (`hf_model_type`);
+    router_aux_loss_coef is the run's train.moe_aux_loss."""
+    model_type = hf_model_type(cfg)
+    family: dict[str, Any] = {}
+    if model_type == "mixtral":
+        family = {
             "num_local_experts": cfg.n_experts,
             "num_experts_per_tok": cfg.n_experts_per_token,
             "router_aux_loss_coef": router_aux_loss_coef,
             "output_router_logits": False,
             "router_jitter_noise": 0.0,
-            "sliding_window": None,
         }
+    if model_type in ("mixtral", "mistral"):
+        family["sliding_window"] = cfg.sliding_window
+    if model_type in ("qwen2", "qwen3"):  # every layer slides (max_window_layers 0) or none does
+        window = cfg.sliding_window is not None
+        kind = "sliding_attention" if window else "full_attention"
+        family.update(
+            use_sliding_window=window,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=0 if window else cfg.n_layer,
+            layer_types=[kind] * cfg.n_layer,
+        )
+    if model_type in ("llama", "qwen3"):
+        family["attention_bias"] = False
+    if model_type == "llama":
+        family["mlp_bias"] = False
+    # transformers' dynamic NTK scales past max_position_embeddings: our original length.
+    dynamic = cfg.rope_scaling.type == "dynamic"
+    max_len = cfg.rope_scaling.original_max_position_embeddings if dynamic else cfg.max_seq_len
     return {
-        "architectures": ["MixtralForCausalLM" if cfg.n_experts else "LlamaForCausalLM"],
-        "model_type": "mixtral" if cfg.n_experts else "llama",
+        "architectures": [READABLE[model_type]],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.moe_ffn_hidden if cfg.n_experts else cfg.ffn_hidden,
-        **moe,
+        **family,
         "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": hf_rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
         "initializer_range": 0.02,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
@@ -65,77 +136,118 @@ def hf_config_dict(
     }
 
 
-# The HF model types minillm reads, with the class each names.
-READABLE = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
-
-
 def is_llama_config(hf: dict[str, Any]) -> bool:
-    """Whether an HF config.json describes a model minillm computes: model_type "llama" or
-    "mixtral", and its class (LlamaForCausalLM, MixtralForCausalLM) among its architectures
-    where it lists any."""
+    """Whether an HF config.json describes a family minillm computes: a model_type of READABLE,
+    and its class among its architectures where it lists any."""
     archs = hf.get("architectures") or []
     model_class = READABLE.get(hf.get("model_type"))
     return model_class is not None and (not archs or model_class in archs)
 
 
+def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+    """rope_theta and model.rope_scaling's values from config.json's rope_scaling (transformers
+    4) or rope_parameters (5); what minillm does not compute is a ConfigError naming the key."""
+    key, params = "rope_parameters", hf.get("rope_parameters")
+    if isinstance(hf.get("rope_scaling"), dict):
+        key, params = "rope_scaling", hf["rope_scaling"]
+    params = params if isinstance(params, dict) else {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), {}
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(
+            key, f"rope_type {kind!r} is not supported (minillm: {', '.join(_ROPE_KEYS)})", where
+        )
+    for extra in ("mscale", "mscale_all_dim"):
+        if params.get(extra):
+            raise ConfigError(f"{key}.{extra}", f"{params[extra]!r} is not supported", where)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{key}.partial_rotary_factor", "partial RoPE is not supported", where)
+    scaling = {
+        "type": kind,
+        **{k: params[k] for k in _ROPE_KEYS[kind] if params.get(k) is not None},
+    }
+    max_len = hf.get("max_position_embeddings", 2048)
+    if kind == "dynamic":  # transformers scales past max_position_embeddings
+        scaling["original_max_position_embeddings"] = max_len
+    elif kind in ("yarn", "llama3"):  # transformers' defaults where the file has none
+        scaling.setdefault("original_max_position_embeddings", max_len)
+        if "factor" not in scaling:
+            scaling["factor"] = max_len / scaling["original_max_position_embeddings"]
+    return float(theta), scaling
+
+
+def _window_from_hf(hf: dict[str, Any], where: str) -> int | None:
+    """model.sliding_window: Mistral's and Mixtral's sliding_window; Qwen's where every layer
+    slides (layer_types, or use_sliding_window from max_window_layers 0 on); some layers only
+    is a ConfigError naming the key."""
+    window = hf.get("sliding_window")
+    n_layer = hf["num_hidden_layers"]
+    if hf.get("model_type") in ("qwen2", "qwen3"):
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            first = hf.get("max_window_layers", 28) if hf.get("use_sliding_window") else n_layer
+            layer_types = [
+                "sliding_attention" if window is not None and i >= first else "full_attention"
+                for i in range(n_layer)
+            ]
+        if len(set(layer_types)) > 1:
+            raise ConfigError(
+                "layer_types",
+                "sliding-window attention in some layers only is not supported",
+                where,
+            )
+        return window if layer_types and layer_types[0] == "sliding_attention" else None
+    return window if hf.get("model_type") in ("mistral", "mixtral") else None
+
+
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
-    """Our ModelConfig from an HF Llama or Mixtral `config.json`; refuses what our model cannot
-    express."""
+    """Our ModelConfig from an HF config.json of a family minillm reads (READABLE); refuses, one
+    key named, what our model cannot express."""
 
     if not is_llama_config(hf):
         archs = hf.get("architectures") or []
         raise ConfigError(
             "model_type",
             f"a {hf.get('model_type')!r} model ({', '.join(archs) or 'no architectures'}), "
-            "not LlamaForCausalLM or MixtralForCausalLM, the architectures minillm reads",
+            f"not one of the architectures minillm reads ({', '.join(READABLE.values())})",
             where,
         )
-    for key, ok in (
-        ("attention_bias", False),
-        ("mlp_bias", False),
-        ("hidden_act", "silu"),
-    ):
+    model_type = hf["model_type"]
+    refused: list[tuple[str, Any]] = [("mlp_bias", False), ("hidden_act", "silu")]
+    if model_type in ("llama", "qwen3", "mistral", "mixtral"):  # biases o_proj too
+        refused.append(("attention_bias", False))
+    for key, ok in refused:
         if hf.get(key, ok) != ok:
             raise ConfigError(key, f"{hf[key]!r} is not supported (minillm needs {ok!r})", where)
-    scaling = hf.get("rope_scaling")
-    if scaling:  # minillm computes plain RoPE; a scaled one would give other logits
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        raise ConfigError(
-            "rope_scaling", f"rope_type {kind!r} (RoPE scaling) is not supported", where
-        )
-    rope_type = (hf.get("rope_parameters") or {}).get("rope_type", "default")
-    if rope_type != "default":  # transformers >= 5 moved RoPE scaling into rope_parameters
-        raise ConfigError(
-            "rope_parameters", f"rope_type {rope_type!r} (RoPE scaling) is not supported", where
-        )
-    rope_theta = hf.get("rope_theta")
-    if rope_theta is None:  # transformers >= 5 nests it in rope_parameters
-        rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    rope_theta, scaling = _rope_from_hf(hf, where)
     n_head = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
-    if head_dim * n_head != hf["hidden_size"]:
-        raise ConfigError("head_dim", "head_dim * num_attention_heads != hidden_size", where)
     moe = {}
-    if hf.get("model_type") == "mixtral":
-        window = hf.get("sliding_window")
-        if window is not None and window < hf.get("max_position_embeddings", 2048):
-            raise ConfigError(
-                "sliding_window", f"{window} (sliding-window attention) is not supported", where
-            )
+    if model_type == "mixtral":
         moe = dict(
             n_experts=hf.get("num_local_experts", 8),
             n_experts_per_token=hf.get("num_experts_per_tok", 2),
             moe_ffn_hidden=hf["intermediate_size"],
         )
+    max_len = hf.get("max_position_embeddings", 2048)
+    if scaling.get("type") == "dynamic":  # reads past it: the length its factor reaches
+        max_len = int(max_len * scaling["factor"])
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
         n_layer=hf["num_hidden_layers"],
         n_head=n_head,
         n_kv_head=hf.get("num_key_value_heads") or n_head,
+        head_dim=head_dim,
+        attention_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        sliding_window=_window_from_hf(hf, where),
+        rope_scaling=scaling,
         ffn_hidden=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        rope_theta=float(rope_theta),
+        max_seq_len=max_len,
+        rope_theta=rope_theta,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **moe,
@@ -164,6 +276,12 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
                 theirs + "post_attention_layernorm.weight": sd[ours + "ffn_norm.weight"],
             }
         )
+        if cfg.attention_bias:  # Qwen2's q/k/v biases, split as the rows are
+            for name, b in zip("qkv", sd[ours + "attn.wqkv.bias"].split((H * D, K * D, K * D))):
+                out[theirs + f"self_attn.{name}_proj.bias"] = b
+        if cfg.qk_norm:  # Qwen3's per-head norms
+            out[theirs + "self_attn.q_norm.weight"] = sd[ours + "attn.q_norm.weight"]
+            out[theirs + "self_attn.k_norm.weight"] = sd[ours + "attn.k_norm.weight"]
         if cfg.n_experts:
             moe = theirs + "block_sparse_moe."
             out[moe + "gate.weight"] = sd[ours + "ffn.router.weight"]
@@ -202,6 +320,13 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
                 ours + "ffn_norm.weight": sd[theirs + "post_attention_layernorm.weight"],
             }
         )
+        if cfg.attention_bias:
+            out[ours + "attn.wqkv.bias"] = torch.cat(
+                [sd[attn + f"{n}_proj.bias"] for n in ("q", "k", "v")], dim=0
+            )
+        if cfg.qk_norm:
+            out[ours + "attn.q_norm.weight"] = sd[attn + "q_norm.weight"]
+            out[ours + "attn.k_norm.weight"] = sd[attn + "k_norm.weight"]
         if cfg.n_experts:
             out.update(_experts_from_hf(sd, theirs, ours + "ffn.", cfg.n_experts))
         else:

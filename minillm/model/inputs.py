@@ -88,13 +88,18 @@ class AttentionMask:
         key_valid: torch.Tensor | None,
         doc_ids: torch.Tensor | None,
         device: torch.device,
+        window: int | None = None,
     ) -> AttentionMask:
-        """Causal mask for queries 0..T-1, with optional padding and documents."""
-        if key_valid is None and doc_ids is None:
+        """Causal mask for queries 0..T-1, with optional padding, documents and a sliding window
+        (each query sees itself and the window - 1 keys before it)."""
+        banded = window is not None and T > window
+        if key_valid is None and doc_ids is None and not banded:
             return cls(None, is_causal=T > 1)
         q_pos = torch.arange(T, device=device)
         k_pos = torch.arange(T, device=device)
         allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # (1, T, S)
+        if banded:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)[None]
         if key_valid is not None:
             allowed = allowed & key_valid[:, None, :]  # (B, T, S)
         if doc_ids is not None:
@@ -130,13 +135,15 @@ def forward_inputs(
     position_ids: torch.Tensor | None,
     kv_cache: KVCache | None,
     max_seq_len: int,
+    window: int | None = None,
 ) -> tuple[slice | torch.Tensor, AttentionMask, CacheWrite | None]:
     """Check the arguments of `Transformer.forward`; return the RoPE positions, the mask and,
     with a KV cache, the write that places this forward's keys and values in it.
 
     The positions index the RoPE tables: a slice while every row counts from one start (0, or
     the cache's length), else a (B, T) or (1, T) tensor (left padding, documents, the caller's
-    position_ids, cached rows at different lengths).
+    position_ids, cached rows at different lengths). `window`: model.sliding_window (a KV
+    cache applies its own, the model's).
     """
     check_inputs(idx, attention_mask, doc_ids, position_ids, max_seq_len)
     B, T = idx.shape
@@ -163,5 +170,5 @@ def forward_inputs(
             attention_mask = None  # no padding: plain causal attention is the same and faster
     if position_ids is None:
         position_ids = _positions(B, T, attention_mask, doc_ids)
-    mask = AttentionMask.build(T, attention_mask, doc_ids, idx.device)
+    mask = AttentionMask.build(T, attention_mask, doc_ids, idx.device, window)
     return (slice(0, T) if position_ids is None else position_ids), mask, None

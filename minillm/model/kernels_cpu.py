@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from minillm.model.moe import MoE
+from minillm.model.rope import apply_rope
 from minillm.model.transformer import (
     RMSNorm,
-    Rope,
     SwiGLU,
     Transformer,
-    apply_rope,
     cross_entropy,
     swiglu,
 )
@@ -208,11 +207,7 @@ class FusedTransformer(Transformer):
     """Transformer with the fused RoPE and cross-entropy."""
 
     loss_function = staticmethod(fused_cross_entropy)
-
-    def rope(self, positions: slice | torch.Tensor) -> Rope:
-        cos = self.rope_cos[positions][..., None, :]  # (T, 1, D) or (B, T, 1, D)
-        sin = self.rope_sin[positions][..., None, :]
-        return lambda x: fused_rope(x, cos, sin)
+    rotate = staticmethod(fused_rope)
 
 
 _FUSED = {

@@ -87,6 +87,9 @@ class KVCache:
             raise ValueError(f"KV cache of {max_len} exceeds max_seq_len={cfg.max_seq_len}")
         self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, torch.device(device), dtype
         self.lengths: list[int] = []  # host-side: read every step, a tensor would cost a sync
+        # Each row's token ids, kept by a dynamic NTK model's forward to refill a row past its
+        # original length (Transformer.forward); empty otherwise.
+        self.ids: list[torch.Tensor] = []
         self._store(self._empty(0, 0), self._empty(0, 0))
         self.add_rows(batch_size)
 
@@ -145,15 +148,21 @@ class KVCache:
         """n new empty rows at the end; returns the index of the first."""
         first = self.batch_size
         self.lengths += [0] * n
+        self.ids += [self._no_ids()] * n
         return first
+
+    def _no_ids(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.long, device=self.device)
 
     def pop_row(self) -> None:
         """Drop the last row (move a row you keep into a freed index first: `move_row`)."""
         self.lengths.pop()
+        self.ids.pop()
 
     def clear_row(self, row: int) -> None:
         """Empty row `row` for a new sequence (its stale keys stay, past its length)."""
         self.lengths[row] = 0
+        self.ids[row] = self._no_ids()
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's sequence into row dst (whose own is dropped); src stays as it was."""
@@ -165,6 +174,7 @@ class KVCache:
             self.k[:, dst, :, :n] = self.k[:, src, :, :n]
             self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
+        self.ids[dst] = self.ids[src]
 
     def rows(self, r0: int, r1: int) -> _Rows:
         """This cache seen as rows r0..r1-1 only, for a model forward over those rows."""
@@ -188,19 +198,41 @@ class KVCache:
         for r in rows:
             self.lengths[r] += T
         n = len(rows)
+        window = self.cfg.sliding_window
+        keys = torch.arange(end, device=self.device)
         if min(starts) == starts[0] == end - T:  # every row at one length
             start = starts[0]
             mask = None
-            if start > 0 and T > 1:  # a chunk after cached tokens: causal from `start` on
+            # A chunk after cached tokens (causal from `start` on), or keys out of the window.
+            if (start > 0 and T > 1) or (window is not None and end > window):
                 q = torch.arange(start, end, device=self.device)[:, None]
-                mask = (torch.arange(end, device=self.device)[None, :] <= q)[None, None]
+                mask = self._visible(keys[None, :], q)[None, None]
             return CacheWrite(
-                self, rows.start, n, T, starts, end, slice(start, end), mask, start == 0 and T > 1
+                self,
+                rows.start,
+                n,
+                T,
+                starts,
+                end,
+                slice(start, end),
+                mask,
+                mask is None and start == 0 and T > 1,
             )
         first = torch.tensor(starts, device=self.device)[:, None]  # (n, 1)
         positions = first + torch.arange(T, device=self.device)  # (n, T)
-        mask = torch.arange(end, device=self.device)[None, None, :] <= positions[:, :, None]
+        mask = self._visible(keys[None, None, :], positions[:, :, None])
         return CacheWrite(self, rows.start, n, T, starts, end, positions, mask[:, None], False)
+
+    def _visible(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """Which key positions each query position sees: causal, within model.sliding_window.
+
+        The cache keeps every key of a row (a window's worth would do; the storage is the same
+        as without a window, 2 L K S D values): the mask hides the older ones.
+        """
+        seen = keys <= queries
+        if self.cfg.sliding_window is not None:
+            seen = seen & (keys > queries - self.cfg.sliding_window)
+        return seen
 
 
 class _Rows:

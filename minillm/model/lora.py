@@ -59,6 +59,11 @@ class LoRALinear(nn.Module):
         return self.base(x).add_(update, alpha=self.scale)
 
     @property
+    def bias(self) -> torch.Tensor | None:
+        """The base's bias (model.attention_bias on wqkv), which no adapter changes."""
+        return self.base.bias
+
+    @property
     def weight(self) -> torch.Tensor:
         """The merged W + scale B A: what a reader of the weights (the decoding fast path,
         `minillm.model.decode.Decoder`) must multiply by to compute this layer's function."""

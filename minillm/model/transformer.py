@@ -1,9 +1,12 @@
 """The LLaMA-style decoder-only Transformer, as docs/architecture.md derives it.
 
-Offers `RMSNorm`, `rms_norm`, `rope_tables`, `apply_rope`, `rotate_half_matrix`, `rope_rotation`,
-`attention`, `cross_entropy`, `Attention`, `SwiGLU`, `Block`, `Transformer` and `dropout_off`.
-The model is the same function as Hugging Face's `LlamaForCausalLM` given the same weights (RoPE
-in its "rotate half" layout; `minillm.model.hf_names` maps the parameter names).
+Offers `RMSNorm`, `rms_norm`, `attention`, `cross_entropy`, `Attention`, `SwiGLU`, `Block`,
+`Transformer` and `dropout_off`; RoPE (its tables, rotation and scaled frequencies) is
+`minillm.model.rope`. The model is the same function as Hugging Face's `LlamaForCausalLM` given
+the same weights (RoPE in its "rotate half" layout; `minillm.model.hf_names` maps the parameter
+names), and its options are the other families' differences: `head_dim`, `attention_bias`
+(Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral) and `rope_scaling` (Llama 3.1 and the
+long-context methods).
 
 Everything here is the plain PyTorch of the formulas. The fast paths sit on top and are chosen by
 their callers: `minillm.model.kernels_cpu.use_cpu_kernels(model)` swaps in hand-written autograd
@@ -13,14 +16,15 @@ runs these same modules' forwards one token at a time for sampling. The KV cache
 `minillm.model.inputs`.
 
 Shape legend: B batch, T new tokens, S keys (cached + new), H query heads, K key/value heads,
-D head dim, C model dim (H*D), F SwiGLU hidden dim, V vocabulary.
+D head dim, C model dim (H*D unless model.head_dim says otherwise), F SwiGLU hidden dim,
+V vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,11 +36,17 @@ from minillm.config import ModelConfig
 from minillm.model.inputs import AttentionMask, forward_inputs
 from minillm.model.kv_cache import CacheWrite, KVCache
 from minillm.model.moe import MoE, swiglu  # defined there: the experts use it too
+from minillm.model.rope import (
+    Rope,
+    apply_rope,
+    cos_sin,
+    dynamic_rope,
+    inv_frequencies,
+    rotate_half_matrix,
+)
 
 # `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-
-Rope = Callable[[torch.Tensor], torch.Tensor]  # rotates (B, T, heads, D) to the tokens' positions
 
 # ----------------------------------------------------------------------------- RMSNorm
 
@@ -59,49 +69,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-# ----------------------------------------------------------------------------- RoPE
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of RoPE angles, (max_len, D), in the "rotate half" layout (frequencies twice)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    angles = torch.outer(torch.arange(max_len, dtype=torch.int64).float(), inv_freq)  # (S, D/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (S, D)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of x (B, T, H, D) by cos/sin, (T, 1, D) or (B, T, 1, D).
-
-    x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in the tables' precision. The two halves of the
-    tables are equal, so only the first is read. Returns a new contiguous tensor.
-    """
-    half = x.shape[-1] // 2
-    cos, sin = cos[..., :half], sin[..., :half]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def rotate_half_matrix(head_dim: int) -> torch.Tensor:
-    """The (D, D) matrix P with x @ P = [-x2, x1], HF's rotate_half(x), for x = [x1, x2]."""
-    half = head_dim // 2
-    i = torch.arange(half)
-    p = torch.zeros(head_dim, head_dim)
-    p[i + half, i] = -1.0
-    p[i, i + half] = 1.0
-    return p
-
-
-def rope_rotation(cos: torch.Tensor, sin: torch.Tensor, rotate_half: torch.Tensor) -> torch.Tensor:
-    """The matrices R (..., D, D) with x @ R == apply_rope(x, cos, sin) at one position per row.
-
-    apply_rope(x) = x cos + rotate_half(x) sin = x @ (diag(cos) + P diag(sin)), P the
-    `rotate_half_matrix`; cos, sin (..., D) are table rows. Decoding rotates all q and k heads of
-    a token with this one small matmul instead of apply_rope's elementwise ops.
-    """
-    return torch.diag_embed(cos).addcmul_(rotate_half, sin[..., None, :])
 
 
 # ----------------------------------------------------------------------------- attention
@@ -129,16 +96,20 @@ def attention(
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with grouped-query heads, through SDPA."""
+    """Causal multi-head self-attention with grouped-query heads, through SDPA; optionally q/k/v
+    biases, per-head RMSNorm of q and k (qk_norm) and a sliding window (in the mask)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         # q, k and v in one matmul: one large GEMM is faster than three small ones.
         self.wqkv = nn.Linear(
-            cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False
+            cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.attention_bias
         )
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        # model.qk_norm (Qwen3): each head's q and k normalised over D before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -155,6 +126,9 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, H + 2 * K, D)
         # split, not slicing: the backward of a split is one cat, that of a slice a zero-filled copy
         qk, v = qkv.split((H + K, K), dim=2)
+        if self.q_norm is not None:
+            q, k = qk.split((H, K), dim=2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
         q, k = rope(qk).split((H, K), dim=2)  # q and k rotated in one pass
         # SDPA takes these strided views as they are; its output is laid out (B, T, H, D) in
         # memory, so the transpose back below is free.
@@ -225,6 +199,7 @@ class Transformer(nn.Module):
     """Token embedding, n_layer pre-norm blocks, final RMSNorm, output head (tied or not)."""
 
     loss_function = staticmethod(cross_entropy)  # kernels_cpu swaps in a fused one
+    rotate = staticmethod(apply_rope)  # and a RoPE whose backward saves nothing
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -237,7 +212,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # A tied head reuses tok_emb.weight and owns no parameter, so state_dict has no duplicate.
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, False)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # The tables of every position (dynamic NTK's up to its original length: past it, they
+        # are recomputed per forward, `rope`).
+        inv_freq, scale = inv_frequencies(cfg)
+        cos, sin = cos_sin(inv_freq, torch.arange(cfg.max_seq_len), scale)
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("rope_rotate_half", rotate_half_matrix(cfg.head_dim), persistent=False)
@@ -250,6 +228,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
             elif id(p) in residual:
                 nn.init.normal_(p, mean=0.0, std=resid_std)
             else:
@@ -271,11 +251,16 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
-    def rope(self, positions: slice | torch.Tensor) -> Rope:
-        """RoPE at positions (a slice of the tables, or (B, T) indices) for every layer."""
+    def rope(self, positions: slice | torch.Tensor, write: CacheWrite | None = None) -> Rope:
+        """RoPE at positions (a slice of the tables, or (B, T) indices) for every layer; `write`
+        places this forward in a KV cache (dynamic NTK rotates the cached keys too)."""
+        if self.cfg.rope_scaling.type == "dynamic":
+            scaled = dynamic_rope(self.cfg, positions, write, self.rotate, self.rope_cos.device)
+            if scaled is not None:
+                return scaled
         cos = self.rope_cos[positions][..., None, :]  # (T, 1, D) or (B, T, 1, D)
         sin = self.rope_sin[positions][..., None, :]
-        return lambda x: apply_rope(x, cos, sin)
+        return Rope(cos, sin, self.rotate)
 
     def forward(
         self,
@@ -300,10 +285,23 @@ class Transformer(nn.Module):
         last_only: compute logits for the last position only (decoding).
         reduction: "mean" or "sum" of the per-token losses.
         """
+        if kv_cache is not None and self.cfg.rope_scaling.type == "dynamic":
+            logits = self._refill_past_original(idx, kv_cache, last_only)
+            if logits is not None:
+                loss = None
+                if targets is not None:
+                    loss = self.loss_function(logits.flatten(0, 1), targets.reshape(-1), reduction)
+                return logits, loss
         positions, mask, write = forward_inputs(
-            idx, attention_mask, doc_ids, position_ids, kv_cache, self.cfg.max_seq_len
+            idx,
+            attention_mask,
+            doc_ids,
+            position_ids,
+            kv_cache,
+            self.cfg.max_seq_len,
+            self.cfg.sliding_window,
         )
-        rope = self.rope(positions)
+        rope = self.rope(positions, write)
         x = self.drop(self.tok_emb(idx))  # (B, T, C)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
@@ -317,6 +315,36 @@ class Transformer(nn.Module):
             return logits, None
         loss = self.loss_function(logits.flatten(0, 1), targets.reshape(-1), reduction)
         return logits, loss
+
+    def _refill_past_original(
+        self, idx: torch.Tensor, kv_cache: KVCache | Any, last_only: bool
+    ) -> torch.Tensor | None:
+        """Dynamic NTK with a KV cache: logits (n, T | 1, V), or None for the plain cached path.
+
+        The frequencies change with the length, and with them every hidden state of a sequence
+        from the second layer on, so keys cached at a shorter length are stale once a row passes
+        the original length. Such a row is refilled: cleared, then its whole sequence (the cache
+        keeps each row's ids) forwarded from position 0, what a full forward computes, at the
+        cost of decoding without a cache. Up to the original length RoPE is plain and the cache
+        is used as it is.
+        """
+        cache, r0 = getattr(kv_cache, "cache", kv_cache), getattr(kv_cache, "r0", 0)
+        rows = range(r0, r0 + idx.shape[0])
+        seqs = [torch.cat((cache.ids[r], idx[i])) for i, r in enumerate(rows)]
+        stale = any(
+            cache.lengths[r] and len(s) > self.cfg.rope_scaling.original_max_position_embeddings
+            for r, s in zip(rows, seqs)
+        )
+        for r, s in zip(rows, seqs):
+            cache.ids[r] = s
+        if not stale:
+            return None
+        out = []
+        for r, s in zip(rows, seqs):
+            cache.clear_row(r)
+            logits, _ = self(s[None], kv_cache=cache.rows(r, r + 1), last_only=last_only)
+            out.append(logits[:, -idx.shape[1] :] if not last_only else logits)
+        return torch.cat(out)
 
     # ------------------------------------------------------------------ sizes
 
@@ -346,7 +374,8 @@ class Transformer(nn.Module):
 
         The embedding lookup is no matmul; the head always is. An MoE counts its router and the
         k experts a token goes through (the active parameters). The attention term is the PaLM
-        one, 12 * n_layer * d_model * seq_len (scores and weighted values, forward and backward).
+        one, 12 * n_layer * (n_head * head_dim) * seq_len (scores and weighted values, forward
+        and backward), its keys capped at model.sliding_window.
         """
         cfg = self.cfg
         matmul = sum(
@@ -355,7 +384,8 @@ class Transformer(nn.Module):
         matmul -= self._inactive_expert_params()
         if self.lm_head is None:
             matmul += self.tok_emb.weight.numel()
-        return 6 * matmul + 12 * cfg.n_layer * cfg.d_model * seq_len
+        keys = min(seq_len, cfg.sliding_window or seq_len)
+        return 6 * matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * keys
 
 
 @contextlib.contextmanager

@@ -1,0 +1,85 @@
+"""GGUF export of the families (issue 42): Llama with linear, YaRN and Llama 3 RoPE scaling
+(another head_dim), Qwen2 (biases) and Qwen3 (qk_norm) as llama.cpp's own `llama`, `qwen2` and
+`qwen3`, verified in llama.cpp (logits and greedy text at lengths past the original context);
+what llama.cpp cannot compute is one error line naming the option, nothing written."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from minillm.checkpoint.gguf_file import export_gguf
+from minillm.checkpoint.store import load_checkpoint
+from minillm.errors import CheckpointError
+from minillm.infer.engine import SamplingParams, generate
+from tests.helpers import VOCAB
+from tests.test_hf_families import family_folder
+
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
+)
+ARCH = {
+    "llama-linear": "llama",
+    "llama-yarn": "llama",
+    "llama3-head_dim": "llama",
+    "qwen2-tied": "qwen2",
+    "qwen2-untied-yarn": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def _llama(path: Path, **kw):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=96, n_batch=96, n_ubatch=96, n_threads=2,
+                 n_threads_batch=2, verbose=False, type_k=0, type_v=0, **kw)  # fmt: skip
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(ARCH))
+def test_llama_cpp_computes_our_logits_and_greedy_text(tmp_path: Path, case: str) -> None:
+    from gguf import GGUFReader
+
+    folder, _ = family_folder(tmp_path, case)
+    loaded = load_checkpoint(folder)
+    path = export_gguf(loaded, tmp_path / "m.gguf")
+    arch = GGUFReader(path).fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == ARCH[case]
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (70,)).tolist()
+    llm = _llama(path, logits_all=True)
+    llm.eval(ids)
+    theirs = np.asarray(llm.scores[: len(ids)])
+    with torch.no_grad():
+        ours = loaded.model(torch.tensor([ids]))[0][0].numpy()
+    rel = np.abs(theirs - ours).max() / (ours.max() - ours.min())
+    print(f"\n{case}: max |diff| {rel:.2e} of the logit range")
+    assert rel <= 1e-4  # test_gguf.py's bound for f32 weights and an f32 KV cache
+    prompt = ids[:30]
+    mine = generate(loaded.model, [prompt], SamplingParams.greedy(40))[0]
+    llm = _llama(path)
+    cpp = list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), 40))
+    assert cpp == mine
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("llama-dynamic", "model.rope_scaling.type: dynamic"),
+        ("mistral", "model.sliding_window: 16"),
+        ("llama-yarn-attention", "model.rope_scaling.attention_factor: 1.3"),
+    ],
+)
+def test_what_llama_cpp_cannot_compute_is_refused_by_name(
+    tmp_path: Path, case: str, message: str
+) -> None:
+    folder, _ = family_folder(tmp_path, case)
+    with pytest.raises(CheckpointError) as e:
+        export_gguf(load_checkpoint(folder), tmp_path / "m.gguf")
+    assert str(e.value).startswith(message) and "llama.cpp has no equivalent" in str(e.value)
+    assert "\n" not in str(e.value) and not list(tmp_path.glob("m.*"))

@@ -1,0 +1,214 @@
+"""The families that are our one Transformer with options (issue 42): Llama with each RoPE
+scaling and any head_dim, Qwen2 (q/k/v biases, tied or not), Qwen3 (qk_norm, its own head_dim)
+and Mistral (sliding window), each made by transformers with random weights, read as a folder
+(`--ckpt`, `train.init_from`), compared with transformers' logits, gradients and generate at
+lengths past the window and past the original context, and exported back to its own class."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from minillm.checkpoint.hf_export import export_checkpoint
+from minillm.checkpoint.hf_import import import_hf_folder
+from minillm.checkpoint.store import load_checkpoint
+from minillm.config import Config, ConfigError, TrainConfig
+from minillm.data.tokenizer import EOT
+from minillm.infer.engine import SamplingParams, generate
+from minillm.info import model_info
+from minillm.model import Transformer
+from minillm.model.hf_names import model_config_from_hf
+from tests.helpers import VOCAB, tiny_tokenizer
+
+T = 70  # tokens compared: past the window (16) and past the original context (24)
+SIZES = dict(vocab_size=VOCAB + 20, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)  # fmt: skip
+
+
+def _rope(kind: str, **kw) -> dict:
+    return {"rope_type": kind, "rope_theta": 500.0, **kw}
+
+
+# name -> (transformers class, config class, config values)
+CASES = {
+    "llama-linear": ("LlamaForCausalLM", "LlamaConfig",
+                     dict(max_position_embeddings=96, rope_parameters=_rope("linear", factor=4.0))),
+    "llama-dynamic": ("LlamaForCausalLM", "LlamaConfig",
+                      dict(max_position_embeddings=24,
+                           rope_parameters=_rope("dynamic", factor=4.0))),
+    "llama-yarn": ("LlamaForCausalLM", "LlamaConfig",
+                   dict(max_position_embeddings=96, rope_parameters=_rope(
+                       "yarn", factor=4.0, original_max_position_embeddings=24))),
+    "llama-yarn-attention": ("LlamaForCausalLM", "LlamaConfig",
+                             dict(max_position_embeddings=96, rope_parameters=_rope(
+                                 "yarn", factor=4.0, original_max_position_embeddings=24,
+                                 attention_factor=1.3, beta_fast=16.0, beta_slow=2.0))),
+    "llama3-head_dim": ("LlamaForCausalLM", "LlamaConfig",
+                        dict(max_position_embeddings=96, head_dim=24, rope_parameters=_rope(
+                            "llama3", factor=4.0, original_max_position_embeddings=24,
+                            low_freq_factor=1.0, high_freq_factor=4.0))),
+    "qwen2-tied": ("Qwen2ForCausalLM", "Qwen2Config",
+                   dict(max_position_embeddings=96, tie_word_embeddings=True,
+                        rope_parameters=_rope("default"))),
+    "qwen2-untied-yarn": ("Qwen2ForCausalLM", "Qwen2Config",
+                          dict(max_position_embeddings=96, tie_word_embeddings=False,
+                               rope_parameters=_rope("yarn", factor=4.0,
+                                                     original_max_position_embeddings=24))),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config",
+              dict(max_position_embeddings=96, head_dim=24, tie_word_embeddings=False,
+                   rope_parameters=_rope("default"))),
+    "mistral": ("MistralForCausalLM", "MistralConfig",
+                dict(max_position_embeddings=96, sliding_window=16, tie_word_embeddings=False,
+                     rope_parameters=_rope("default"))),
+}  # fmt: skip
+
+
+def family_folder(root: Path, case: str) -> tuple[Path, torch.nn.Module]:
+    """transformers' model of `case` with random weights spread wide (norms and biases off their
+    init), saved with our tokenizer."""
+    model_class, config_class, values = CASES[case]
+    tok = tiny_tokenizer()
+    eot = tok.token_to_id(EOT)
+    hf_cfg = getattr(transformers, config_class)(**SIZES, **values, bos_token_id=eot,
+                                                 eos_token_id=eot)  # fmt: skip
+    torch.manual_seed(5)
+    hf = getattr(transformers, model_class)(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    folder = root / case
+    hf.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder, hf
+
+
+def ours(folder: Path) -> Transformer:
+    cfg, state, _ = import_hf_folder(folder)
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_gradients_equal_transformers(tmp_path: Path, case: str) -> None:
+    folder, hf = family_folder(tmp_path, case)
+    model = ours(folder)
+    idx = torch.randint(0, VOCAB + 20, (2, T))
+    targets = torch.cat((idx[:, 1:], torch.full((2, 1), -100)), dim=1)  # as transformers shifts
+    logits, loss = model(idx, targets)
+    ref = hf(idx, labels=idx)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=0)
+    loss.backward()
+    ref.loss.backward()
+    layer = hf.model.layers[1].self_attn
+    want = {
+        "tok_emb.weight": hf.model.embed_tokens.weight.grad,
+        "blocks.1.attn.wqkv.weight": torch.cat(
+            [layer.q_proj.weight.grad, layer.k_proj.weight.grad, layer.v_proj.weight.grad]
+        ),
+        "blocks.1.attn.wo.weight": layer.o_proj.weight.grad,
+    }
+    if layer.q_proj.bias is not None:
+        want["blocks.1.attn.wqkv.bias"] = torch.cat(
+            [layer.q_proj.bias.grad, layer.k_proj.bias.grad, layer.v_proj.bias.grad]
+        )
+    if hasattr(layer, "q_norm"):
+        want["blocks.1.attn.q_norm.weight"] = layer.q_norm.weight.grad
+        want["blocks.1.attn.k_norm.weight"] = layer.k_norm.weight.grad
+    grads = dict(model.named_parameters())
+    for name, g in want.items():
+        torch.testing.assert_close(grads[name].grad, g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cached_greedy_equals_transformers_generate(tmp_path: Path, case: str) -> None:
+    """Our KV-cached greedy decode against transformers' generate, 30 prompt tokens then 40 new
+    ones. Dynamic NTK against transformers without its cache: its cached generate keeps keys
+    rotated at earlier lengths' frequencies, so it is not its own full forward (ours is)."""
+    folder, hf = family_folder(tmp_path, case)
+    model = ours(folder)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (30,)).tolist()
+    got = generate(model, [prompt], SamplingParams.greedy(40))[0]
+    hf.generation_config.eos_token_id = None  # 40 tokens, as ours without stop ids
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                          use_cache=case != "llama-dynamic")  # fmt: skip
+    assert got == out[0, 30:].tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_writes_the_same_class_back(tmp_path: Path, case: str) -> None:
+    folder, hf = family_folder(tmp_path, case)
+    out = export_checkpoint(load_checkpoint(folder), tmp_path / "out")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [CASES[case][0]]
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again) is type(hf)
+    idx = torch.randint(0, VOCAB + 20, (1, T))
+    with torch.no_grad():
+        torch.testing.assert_close(again(idx).logits, hf(idx).logits, atol=1e-5, rtol=0)
+    assert import_hf_folder(out)[0] == import_hf_folder(folder)[0]
+
+
+# Published config.json values (nothing downloaded): the sizes `minillm info` must count.
+PUBLISHED = {
+    "Llama-3.1-8B": (8_030_261_248, dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        hidden_act="silu", rope_scaling=dict(factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=8192, rope_type="llama3"))),
+    "Qwen2.5-7B": (7_615_616_512, dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064,
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, sliding_window=131072, use_sliding_window=False,
+        max_window_layers=28, tie_word_embeddings=False, hidden_act="silu", rope_scaling=None)),
+    "Qwen3-8B": (8_190_735_360, dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936,
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, sliding_window=None, use_sliding_window=False,
+        max_window_layers=36, tie_word_embeddings=False, attention_bias=False,
+        hidden_act="silu", rope_scaling=None)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_info_counts_the_parameters_transformers_has(name: str) -> None:
+    published, values = PUBLISHED[name]
+    hf_cfg = transformers.AutoConfig.for_model(**values)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    theirs = sum(p.numel() for p in hf.parameters())
+    m = model_config_from_hf(values)
+    cfg = Config(m, train=TrainConfig(seq_len=4096, batch_size=1, device="cpu"))
+    assert model_info(cfg)["params"] == theirs == published
+
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+              sliding_window=16, max_window_layers=1), "layer_types"),
+        (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, mscale=0.7, mscale_all_dim=0.7)),
+         "rope_scaling.mscale"),
+        (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True),
+         "attention_bias"),
+    ],
+)  # fmt: skip
+def test_what_a_family_has_beyond_our_options_is_refused_by_key(changes: dict, key: str) -> None:
+    values = {**PUBLISHED["Llama-3.1-8B"][1], "num_hidden_layers": 2, **changes}
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(values)
+    assert e.value.key == key
