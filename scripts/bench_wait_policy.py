@@ -123,8 +123,10 @@ def main() -> None:
                 h.terminate()
                 h.join()
 
-    print("\n| machine | threads | OMP_WAIT_POLICY | load avg | train steps/s | vs default "
-          "| decode tokens/s | vs default |")
+    print(
+        "\n| machine | threads | OMP_WAIT_POLICY | load avg | train steps/s | vs default "
+        "| decode tokens/s | vs default |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     base = {(r[0], r[1]): r[4] for r in rows if r[2] == "default"}
     for load, threads, p, la, med in rows:
