@@ -9,8 +9,10 @@ wake-up on a quiet machine; on a busy one the spinning threads take the cores th
 libgomp reads the variable once, when torch loads it, so every cell here is a fresh process with
 the policy in its environment: a training step of the demo's shape (forward, backward, AdamW;
 8 x 256 tokens) and batch-1 decoding (a 256-token prompt's continuation through the decoding
-core), each timed as the median of --repeats runs. "busy" starts --busy CPU-bound processes
-(plain Python loops, as another job would be) for the duration of those cells and stops them.
+core), each timed as the median of --repeats runs. `spin:N` sets libgomp's GOMP_SPINCOUNT=N
+instead: spin N iterations, then sleep (the default spins 300,000; PASSIVE 0). "busy" starts
+--busy CPU-bound processes (plain Python loops, or with --busy-kind torch 2-thread torch jobs,
+as another job would be) for the duration of those cells and stops them.
 Reported: steps/s and tokens/s per cell, and each policy's ratio to the default (unset) in the
 same load and thread count. The load average before each block is printed beside it.
 """
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import time
 
-POLICIES = ("default", "PASSIVE", "ACTIVE")
+POLICIES = "default,PASSIVE,ACTIVE"  # and spin:N, libgomp's GOMP_SPINCOUNT=N (spin, then sleep)
 
 WORKER = r"""
 import json, sys, time
@@ -74,11 +76,26 @@ def spin(stop_at: float) -> None:
         n += 1
 
 
+def torch_job(stop_at: float) -> None:
+    """Another torch job until the given time: 2 threads of small matmuls with libgomp's default
+    wait policy (what a second training run or notebook on the machine is)."""
+    os.environ.pop("OMP_WAIT_POLICY", None)
+    import torch
+
+    torch.set_num_threads(2)
+    a = torch.randn(384, 384)
+    while time.time() < stop_at:
+        a = torch.tanh(a @ a)
+
+
 def cell(policy: str, threads: int, steps: int, new: int) -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("OMP_WAIT_POLICY", None)
-    env.pop("MINILLM_OMP_WAIT_POLICY", None)
-    if policy != "default":  # the worker imports torch first: minillm's own default is not in it
+    env.pop("GOMP_SPINCOUNT", None)
+    # The worker imports torch first: minillm's own default is not in it.
+    if policy.startswith("spin:"):
+        env["GOMP_SPINCOUNT"] = policy.split(":", 1)[1]
+    elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy
     out = subprocess.run([sys.executable, "-c", WORKER, str(threads), str(steps), str(new)],
                          env=env, capture_output=True, text=True, check=True)  # fmt: skip
@@ -89,7 +106,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--busy", type=int, default=2, help="CPU-bound processes for 'busy'")
+    parser.add_argument(
+        "--busy-kind",
+        default="python",
+        choices=["python", "torch"],
+        help="the busy processes: Python loops, or 2-thread torch matmuls",
+    )
     parser.add_argument("--loads", default="quiet,busy")
+    parser.add_argument("--policies", default=POLICIES, help="default, PASSIVE, ACTIVE, spin:N")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="training steps timed per run")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -100,7 +124,9 @@ def main() -> None:
         hogs: list[mp.Process] = []
         if load == "busy":
             stop_at = time.time() + 3600
-            hogs = [mp.Process(target=spin, args=(stop_at,), daemon=True)
+            target = spin if args.busy_kind == "python" else torch_job
+            ctx = mp.get_context("spawn")  # a fresh interpreter: torch's threads of its own
+            hogs = [ctx.Process(target=target, args=(stop_at,), daemon=True)
                     for _ in range(args.busy)]  # fmt: skip
             for h in hogs:
                 h.start()
@@ -108,11 +134,12 @@ def main() -> None:
         try:
             for threads in (int(t) for t in args.threads.split(",")):
                 la = os.getloadavg()[0]
-                runs: dict[str, list[dict[str, float]]] = {p: [] for p in POLICIES}
+                policies = args.policies.split(",")
+                runs: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
                 for _ in range(args.repeats):  # the policies alternate: drift hits them alike
-                    for p in POLICIES:
+                    for p in policies:
                         runs[p].append(cell(p, threads, args.steps, args.new_tokens))
-                for p in POLICIES:
+                for p in policies:
                     med = {k: statistics.median(r[k] for r in runs[p]) for k in runs[p][0]}
                     rows.append((load, threads, p, la, med))
                     print(f"{load:5} {threads} threads {p:8} load {la:4.1f}: "
@@ -124,7 +151,7 @@ def main() -> None:
                 h.join()
 
     print(
-        "\n| machine | threads | OMP_WAIT_POLICY | load avg | train steps/s | vs default "
+        "\n| machine | threads | policy | load avg | train steps/s | vs default "
         "| decode tokens/s | vs default |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
