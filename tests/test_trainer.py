@@ -184,6 +184,21 @@ def test_resume_with_other_architecture_is_refused_naming_keys(
     assert trainer.state.step == 12
 
 
+def test_running_a_finished_run_again_rewrites_none_of_its_files(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    cfg = make_cfg(data_dir, tmp_path / "run", max_steps=4, ckpt_every=2)
+    run_trainer(cfg)
+    run = Path(cfg.train.out_dir)
+    kept = [p for p in run.rglob("*") if p.is_file() and "tb" not in p.parts]
+    before = {p: p.stat().st_mtime_ns for p in kept}
+    assert run / "config.yaml" in before and len(before) > 5
+    again = run_trainer(cfg)
+    assert again.resumed and again.state.step == 4
+    assert {p: p.stat().st_mtime_ns for p in kept} == before
+    assert sorted(p for p in run.rglob("*") if p.is_file() and "tb" not in p.parts) == sorted(kept)
+
+
 def test_no_resume_needs_force(data_dir: Path, tmp_path: Path) -> None:
     cfg = make_cfg(data_dir, tmp_path / "run")
     run_trainer(cfg, stop_at=4)

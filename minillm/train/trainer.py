@@ -119,11 +119,17 @@ class Trainer:
 
     def _write_run_files(self) -> None:
         """config.yaml and tokenizer.json, once the loggers are open: a run that cannot open one
-        (wandb without a login) leaves nothing behind."""
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
-            atomic_copy(self.run.tokenizer_file, self.run_dir / "tokenizer.json")
+        (wandb without a login) leaves nothing behind; files already as they would be written
+        are left alone (running a finished run again touches none of its files)."""
+        if not self.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config, tok = self.run_dir / "config.yaml", self.run_dir / "tokenizer.json"
+        text = dump_config(self.cfg)
+        if not config.is_file() or config.read_text(encoding="utf-8") != text:
+            atomic_write_text(config, text)
+        if not tok.is_file() or tok.read_bytes() != self.run.tokenizer_file.read_bytes():
+            atomic_copy(self.run.tokenizer_file, tok)
 
     # ------------------------------------------------------------------ one step
 
