@@ -215,3 +215,19 @@ def test_no_objective_branch_outside_the_registry_and_the_config() -> None:
         if rel.startswith("minillm/train/objectives/"):
             assert not re.search(r"trainer\._|\btrainer\b", text), rel
     assert found == []
+
+
+def test_a_grpo_run_charts_its_quality_first_and_its_timings_as_diagnostics(
+    bases: Path, tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.helpers import run_trainer
+
+    run_trainer(post_config(bases, tmp_path / "run", "grpo", max_steps=2), config_dir=bases)
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    grpo = {t for t in tags if t.startswith("grpo/")}
+    assert grpo == {"grpo/reward", "grpo/any_correct", "grpo/all_correct"}  # kl 0: no grpo/kl
+    assert {"xray/grpo/sample_share", "xray/grpo/reply_tokens", "train/loss"} <= tags

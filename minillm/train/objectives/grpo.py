@@ -221,7 +221,7 @@ class GRPO:
             "grpo/reward": float(rewards.mean()),
             "grpo/any_correct": float(correct.any(dim=1).double().mean()),
             "grpo/all_correct": float(correct.all(dim=1).double().mean()),
-            "grpo/reply_tokens": sum(len(r.reply) for r in flat) / len(flat),
+            "xray/grpo/reply_tokens": sum(len(r.reply) for r in flat) / len(flat),
         })  # fmt: skip
 
     def normalisers(self, batch: list[list[Rollout]]) -> torch.Tensor:
@@ -255,8 +255,9 @@ class GRPO:
         if self.clock:  # sampling, then learning: the share a step spends on each
             t0, t1 = self.clock
             t2 = time.perf_counter()
-            self.meter.add({"grpo/sample_seconds": t1 - t0, "grpo/learn_seconds": t2 - t1,
-                            "grpo/sample_share": (t1 - t0) / max(t2 - t0, 1e-9)})  # fmt: skip
+            self.meter.add({"xray/grpo/sample_seconds": t1 - t0,
+                            "xray/grpo/learn_seconds": t2 - t1,
+                            "xray/grpo/sample_share": (t1 - t0) / max(t2 - t0, 1e-9)})  # fmt: skip
             self.clock = []
         return totals[0]
 
