@@ -26,6 +26,7 @@ from tests.helpers import (
     error_line,
     legacy_tokenizer_json,
     make_run,
+    spread_weights_,
     tiny_tokenizer,
 )
 
@@ -53,13 +54,7 @@ def llama_folder(
     for key in ("architectures", "model_type", "torch_dtype"):
         hf_cfg.pop(key)
     torch.manual_seed(3)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
+    hf = spread_weights_(transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval())
     folder = root / "hf"
     hf.save_pretrained(folder, **save_kw)
     tok.save(str(folder / "tokenizer.json"))

@@ -22,7 +22,7 @@ from minillm.infer.engine import SamplingParams, generate
 from minillm.info import model_info
 from minillm.model import Transformer
 from minillm.model.hf_names import model_config_from_hf
-from tests.helpers import VOCAB, tiny_tokenizer
+from tests.helpers import VOCAB, spread_weights_, tiny_tokenizer
 
 T = 70  # tokens compared: past the window (16) and past the original context (24)
 SIZES = dict(vocab_size=VOCAB + 20, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -76,13 +76,7 @@ def family_folder(root: Path, case: str) -> tuple[Path, torch.nn.Module]:
     hf_cfg = getattr(transformers, config_class)(**SIZES, **values, bos_token_id=eot,
                                                  eos_token_id=eot)  # fmt: skip
     torch.manual_seed(5)
-    hf = getattr(transformers, model_class)(hf_cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
+    hf = spread_weights_(getattr(transformers, model_class)(hf_cfg).eval())
     folder = root / case
     hf.save_pretrained(folder)
     tok.save(str(folder / "tokenizer.json"))

@@ -36,6 +36,7 @@ from tests.helpers import (
     make_trainer,
     resumed_runs,
     run_trainer,
+    spread_weights_,
     tiny_config,
     tiny_model_config,
     trained_run,
@@ -60,11 +61,7 @@ def lora_config(base: Path, out: Path, **train):  # noqa: ANN201
 def random_model(seed: int = 0, **model) -> Transformer:  # noqa: ANN003
     """A tiny model whose logits are far from uniform (weights of a larger spread)."""
     torch.manual_seed(seed)
-    net = Transformer(tiny_model_config(vocab_size=97, **model)).eval()
-    with torch.no_grad():
-        for name, p in net.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0.0, 0.15)
-    return net
+    return spread_weights_(Transformer(tiny_model_config(vocab_size=97, **model)).eval())
 
 
 def with_random_adapters(net: Transformer, seed: int = 1, **lora) -> Transformer:  # noqa: ANN003

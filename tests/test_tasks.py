@@ -26,7 +26,7 @@ from minillm.infer.task_scoring import (
     score_continuations,
     score_exact_match,
 )
-from tests.helpers import make_run, tiny_tokenizer
+from tests.helpers import make_run, run_trainer, tiny_tokenizer
 
 runner = CliRunner()
 CONTEXT = "First Citizen:\nBefore we proceed any further, hear me"
@@ -369,17 +369,13 @@ def test_exact_match_on_a_model_without_chat_tokens_is_one_line(
 def test_trainer_logs_task_scores_and_samples(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.helpers import make_trainer, prepared_config
+    from tests.helpers import prepared_config
 
     task = write_jsonl(tmp_path / "cloze.jsonl", MC_ROWS)
     train = dict(max_steps=4, eval_every=2, ckpt_every=0, eval_tasks=[str(task)], sample_every=2,
                  sample_prompts=["ROMEO:", "All:"], sample_max_new_tokens=5)  # fmt: skip
     cfg = prepared_config(tmp_path, train=train)
-    trainer = make_trainer(cfg, verbose=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    run_trainer(cfg)
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
     for tag in ("val/tasks/cloze/accuracy_norm", "val/tasks/cloze/accuracy"):

@@ -12,7 +12,7 @@ import functools
 import json
 from pathlib import Path
 
-from tests.helpers import make_trainer, prepared_config
+from tests.helpers import prepared_config, run_trainer
 
 
 def _number_end(s: str, i: int) -> int:
@@ -67,11 +67,7 @@ def test_a_run_opens_on_its_loss_and_validation(tmp_path: Path) -> None:
     train = dict(max_steps=10, log_every=1, eval_every=5, eval_steps=1, ckpt_every=0,
                  eval_tasks=[str(task)])  # fmt: skip
     cfg = prepared_config(tmp_path, train=train)
-    trainer = make_trainer(cfg, verbose=False)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    run_trainer(cfg)
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()
     groups = tb_order(acc.Tags()["scalars"])
