@@ -146,9 +146,10 @@ class Trainer:
         torchrun, reading back the summed normalisers)."""
         tc, obj, world = self.cfg.train, self.objective, self.dist.world_size
         lr = set_lr(self.optimizer, self.state.step, tc)
-        norms = obj.normalisers(prepared)  # this rank's counts (e.g. target tokens), on the host
+        counts = obj.normalisers(prepared)  # this rank's (e.g. target tokens), on the host
         if self.dist.enabled:  # the global batch's: summed on the device (NCCL), read back
-            norms = all_reduce_sum(norms.to(self.device)).cpu()
+            counts = all_reduce_sum(counts.to(self.device)).cpu()
+        norms = counts.clamp(min=1.0)  # what the loss divides by: an empty count divides by 1
         totals: torch.Tensor | None = None
         inputs = 0  # this rank's input tokens
         dropout = contextlib.nullcontext() if obj.dropout else dropout_off(self.model)
@@ -171,7 +172,7 @@ class Trainer:
         loss_mean = obj.step_loss(all_reduce_sum(totals), norms)
         norm, finite = self._clip_and_step(loss_mean)
         # Tokens processed (throughput, MFU, tokens_seen): with a target mask, more than targets.
-        return StepResult(loss_mean, norm, lr, inputs * world, float(norms[0]), finite)
+        return StepResult(loss_mean, norm, lr, inputs * world, float(counts[0]), finite)
 
     def _clip_and_step(self, loss_mean: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip, and step unless the loss or gradient is not finite; return the

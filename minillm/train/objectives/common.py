@@ -5,7 +5,8 @@ Offers `Objective` (the one contract: the Trainer writes the optimizer step once
 `MicroLoss` (one micro-batch's loss and totals),
 `StepResult` (what one optimizer step did), `Reference` (the frozen train.init_from model the
 post-training objectives compare against), `step_indices` (which rows a step reads: a pure
-function of seed and step, so a resume reads the same ones), `token_logps` (per-token
+function of seed and step, so a resume reads the same ones) and `step_rows` (this rank's share of
+them, in micro-batches), `token_logps` (per-token
 log-probabilities of chosen targets, at a sampling temperature), `pad_rows` and `MeanMeter`
 (scalars averaged over the steps since the last log line).
 
@@ -123,8 +124,10 @@ class Objective(Protocol):
 
     def loss(self, model: torch.nn.Module, micro: Any, norms: torch.Tensor) -> MicroLoss:
         """The loss of one micro-batch under `model` (the wrapped policy), normalised by the
-        global `norms`. The policy's forward is the last forward of the model here (the MoE
-        router statistics are read after it)."""
+        global `norms` (the normalisers summed over ranks, each at least 1). The policy's
+        forward is the last forward of the model here (the MoE router statistics are read
+        after it).
+        """
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """The step's loss (0-d) from the global totals; also records the step's scalars."""
@@ -180,11 +183,15 @@ def step_indices(n: int, seed: int, step: int, count: int, offset: int = 0) -> l
     return out
 
 
-def rank_rows(rows: list[Any], batch_size: int, grad_accum: int, dist: DistInfo) -> list[list]:
-    """This rank's micro-batches of a step's global rows (world x grad_accum x batch_size)."""
-    per_rank = batch_size * grad_accum
+def step_rows(n: int, cfg: Config, dist: DistInfo, step: int) -> list[list[int]]:
+    """This rank's micro-batches of row indices (of n rows) for optimizer step `step`: the
+    step's world x grad_accum x batch_size rows of `step_indices`, this rank's share cut into
+    micro-batches of batch_size."""
+    tc = cfg.train
+    per_rank = tc.batch_size * tc.grad_accum
+    rows = step_indices(n, tc.seed, step, per_rank * dist.world_size)
     mine = rows[dist.rank * per_rank : (dist.rank + 1) * per_rank]
-    return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
+    return [mine[i : i + tc.batch_size] for i in range(0, per_rank, tc.batch_size)]
 
 
 def token_logps(

@@ -42,8 +42,7 @@ from minillm.train.objectives.common import (
     Reference,
     Setup,
     pad_rows,
-    rank_rows,
-    step_indices,
+    step_rows,
     token_logps,
 )
 
@@ -213,11 +212,8 @@ class DPO:
 
     def batches(self, step: int) -> list[list[EncodedPair]]:
         """This rank's micro-batches of pairs for optimizer step `step` (seed and step only)."""
-        tc, d = self.cfg.train, self.dist
-        rows = step_indices(len(self.train_pairs), tc.seed, step,
-                            tc.batch_size * tc.grad_accum * d.world_size)  # fmt: skip
-        pairs = [self.train_pairs[i] for i in rows]
-        return rank_rows(pairs, tc.batch_size, tc.grad_accum, d)
+        micro = step_rows(len(self.train_pairs), self.cfg, self.dist, step)
+        return [[self.train_pairs[i] for i in m] for m in micro]
 
     def prepare(self, model: Transformer, step: int, batch: list) -> list[list[EncodedPair]]:
         return batch
@@ -245,7 +241,7 @@ class DPO:
         """The pairs' DPO loss over the global pairs (plus sft_weight x the chosen tokens'
         cross-entropy over the global chosen tokens); the reference first, the policy last."""
         dc = self.cfg.train.dpo
-        n_pairs, n_chosen = (max(float(v), 1.0) for v in norms)
+        n_pairs, n_chosen = norms.tolist()
         ref = self._reference_logps(micro)
         lp_tok, inputs = self._logps(model, micro)
         lp = lp_tok.sum(-1)
@@ -257,7 +253,7 @@ class DPO:
         return MicroLoss(loss, totals.detach().double(), inputs)
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        n_pairs, n_chosen = (max(float(v), 1.0) for v in norms)
+        n_pairs, n_chosen = norms.tolist()
         dpo, nll = totals[0] / n_pairs, totals[4] / n_chosen
         self.meter.add({
             "dpo/loss": dpo, "dpo/nll": nll,

@@ -40,8 +40,7 @@ from minillm.train.objectives.common import (
     Reference,
     Setup,
     pad_rows,
-    rank_rows,
-    step_indices,
+    step_rows,
     token_logps,
 )
 from minillm.train.objectives.rewards import load_reward, score
@@ -158,15 +157,12 @@ class GRPO:
         return self.cfg.train.grpo.kl > 0  # the KL term's reference is train.init_from
 
     def attach(self, model: Transformer) -> None:
-        if self.cfg.train.grpo.kl > 0:
+        if self.needs_start_weights:
             self.reference = Reference(model, bool(self.cfg.train.lora.rank))
 
     def batches(self, step: int) -> list[list[int]]:
         """This rank's micro-batches of prompt indices for step `step` (seed and step only)."""
-        tc, d = self.cfg.train, self.dist
-        rows = step_indices(len(self.prompts), tc.seed, step,
-                            tc.batch_size * tc.grad_accum * d.world_size)  # fmt: skip
-        return rank_rows(rows, tc.batch_size, tc.grad_accum, d)
+        return step_rows(len(self.prompts), self.cfg, self.dist, step)
 
     def prepare(self, model: Transformer, step: int, batch: list[list[int]]) -> list[list[Rollout]]:
         """The step's rollouts (`sample`), timed."""
@@ -245,13 +241,13 @@ class GRPO:
                 ref = token_logps(ref_model, idx, tgt, gc.temperature)
         logp = token_logps(model, idx, tgt, gc.temperature)
         loss, k3 = grpo_loss(logp, logp.detach(), ref, adv, tgt != -100, gc.clip, gc.kl,
-                             max(float(norms[0]), 1.0))  # fmt: skip
+                             float(norms[0]))  # fmt: skip
         totals = torch.stack([loss.detach().double(), k3.double()])
         return MicroLoss(loss, totals, sum(len(r) for r in rows))
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         if self.reference is not None:
-            self.meter.add({"grpo/kl": float(totals[1] / max(float(norms[0]), 1.0))})
+            self.meter.add({"grpo/kl": float(totals[1] / norms[0])})
         if self.clock:  # sampling, then learning: the share a step spends on each
             t0, t1 = self.clock
             t2 = time.perf_counter()

@@ -118,11 +118,11 @@ class LM:
     def loss(self, model: torch.nn.Module, micro: MicroBatch, norms: torch.Tensor) -> MicroLoss:
         m = micro.to(self.device, non_blocking=True)  # asynchronous from pinned memory (CUDA)
         _, loss_sum = model(m.tokens, m.targets, doc_ids=m.doc_ids, reduction="sum")
-        scale = 1.0 / max(float(norms[0]), 1.0)
+        scale = 1.0 / float(norms[0])
         return MicroLoss(loss_sum * scale, loss_sum.detach().double()[None], m.tokens.numel())
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-        return totals[0] / max(float(norms[0]), 1.0)
+        return totals[0] / float(norms[0])
 
     def scalars(self) -> dict[str, float]:
         return {}
