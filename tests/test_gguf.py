@@ -27,7 +27,8 @@ from minillm.checkpoint import gguf_file
 from minillm.checkpoint.gguf_file import export_gguf, llama_cpp_pre_tokenizer, modelfile_path
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat_template import END, encode_prompt
+from minillm.data.chat_template import END
+from minillm.data.conventions import Conventions
 from minillm.data.tokenizer import EOT, eot_id, train_tokenizer
 from minillm.errors import CheckpointError
 from minillm.infer.engine import SamplingParams, generate
@@ -231,9 +232,7 @@ def test_llama_cpp_tokenizer_gives_our_ids_and_bytes(exported) -> None:
     # Parsing specials, the chat tokens are single CONTROL tokens, never text.
     ids = {name: tok.token_to_id(name) for name in ("<|system|>", "<|user|>", "<|end|>")}
     rendered = "<|system|>Be terse.<|end|><|user|>Hi<|end|><|assistant|>"
-    expected = encode_prompt(
-        tok, [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
-    )
+    expected = Conventions.of_own(tok).chat_prompt((("system", "Be terse."), ("user", "Hi")))
     assert llm.tokenize(rendered.encode(), add_bos=False, special=True) == expected
     assert expected[0] == ids["<|system|>"]
     assert llm.detokenize([ids["<|end|>"]]) == b""  # a control token is no text

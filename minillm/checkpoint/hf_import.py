@@ -10,8 +10,9 @@ minillm/model/hf_names.py.
 
 A folder is read only where minillm computes what transformers would: one of those families
 with the options our model has (hf_names says which key is not: another rope_type, sliding
-windows in some layers, an MLP or output bias), and a byte-level BPE tokenizer with
-`<|endoftext|>`; anything else is one CheckpointError or ConfigError naming the file and the key.
+windows in some layers, an MLP or output bias), and a byte-level BPE tokenizer (its special
+tokens, chat template and eos are the model's: minillm.data.conventions); anything else is
+one CheckpointError or ConfigError naming the file and the key.
 """
 
 from __future__ import annotations
@@ -174,9 +175,8 @@ def _kinds(node: Any, children: str) -> list[str]:
 def check_hf_tokenizer(tok: Tokenizer, path: Path) -> None:
     """CheckpointError unless minillm applies `tok` as transformers does: a byte-level BPE (what
     minillm trains; `serve` and the GGUF export read a token's bytes through GPT-2's byte
-    alphabet) that has `<|endoftext|>`, which starts every document minillm samples or scores."""
-    from minillm.data.tokenizer import EOT, special_tokens
-
+    alphabet). Its special tokens, template and eos are the model's own
+    (minillm.data.conventions)."""
     spec = json.loads(tok.to_str())
     model = (spec.get("model") or {}).get("type")
     if model != "BPE":
@@ -190,13 +190,6 @@ def check_hf_tokenizer(tok: Tokenizer, path: Path) -> None:
                 f"{path}: {key}: {' + '.join(kinds) or 'none'}, not ByteLevel: a BPE that is not "
                 "byte-level (sentencepiece style); minillm applies only byte-level BPE tokenizers"
             )
-    if tok.token_to_id(EOT) is None:
-        specials = special_tokens(tok)
-        shown = ", ".join(specials[:6]) + (" ..." if len(specials) > 6 else "")
-        raise CheckpointError(
-            f"{path}: no {EOT} token, which minillm puts before every document it samples or "
-            f"scores (this tokenizer's special tokens: {shown or 'none'})"
-        )
 
 
 def _sample_config(folder: Path) -> SampleConfig:

@@ -91,7 +91,7 @@ def load_ckpt(ckpt: Path, device: str, best: bool = False) -> Any:
 def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:
     """What the running command needs that a Hugging Face folder lacks, said before the (slow)
     load: `eval` without --data or --task would read the run's validation shards, and a folder
-    has none; `chat` needs minillm's chat tokens, which a folder from elsewhere lacks."""
+    has none; `chat` needs a chat template (the folder's, or minillm's own chat tokens)."""
     from minillm.errors import UserError
 
     if ctx is None:
@@ -103,18 +103,18 @@ def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:
             "pass --data FILE (text or a dataset file) or --task FILE"
         )
     if command == "chat":
-        from tokenizers import Tokenizer
-
-        from minillm.data.tokenizer import CHAT_TOKENS
+        from minillm.data.conventions import Conventions
+        from minillm.data.tokenizer import load_tokenizer
 
         try:
-            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception:  # missing or unreadable: the load says so, naming the file
+            tok = load_tokenizer(folder / "tokenizer.json")
+        except UserError:  # missing or unreadable: the load says so, naming the file
             return
-        missing = [t for t in CHAT_TOKENS if tok.token_to_id(t) is None]
-        if missing:
+        conv = Conventions.of(tok, folder)
+        if conv.own and not conv.has_chat:  # not minillm's run: retraining is no advice
             raise UserError(
-                f"{folder / 'tokenizer.json'}: no {', '.join(missing)}: `minillm chat` talks in "
-                "minillm's chat template, which this model's tokenizer does not have; "
+                f"{folder / 'tokenizer.json'}: no <|system|>, <|user|>, <|assistant|>, <|end|> "
+                "and no chat template: `minillm chat` has no template to talk in; "
                 "`minillm sample` continues text"
             )
+        conv.check_chat(str(folder))

@@ -30,9 +30,8 @@ from minillm.runtime.files import read_user_text
 from minillm.runtime.progress import Progress
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
     from minillm.checkpoint.store import LoadedCheckpoint
+    from minillm.data.conventions import Conventions
 
 LN2 = math.log(2.0)
 JSON_KEYS = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
@@ -132,7 +131,7 @@ def _data_tokens(
     if fmt == "text":
         if text_field is not None:
             raise UserError(f"--text-field: {path} is plain text (one document), not a table")
-        return _file_tokens(path, ckpt.tokenizer, max_tokens)
+        return _file_tokens(path, ckpt.conventions, max_tokens)
     return _table_tokens(path, ckpt, text_field, max_tokens)
 
 
@@ -146,7 +145,6 @@ def _table_tokens(
 
     from minillm.data.sources import open_corpus
     from minillm.data.table import TableCorpus
-    from minillm.data.tokenizer import eot_id
     from minillm.errors import ConfigError
 
     if not path.is_file():
@@ -167,37 +165,34 @@ def _table_tokens(
         flag = {"data.text_field": "--text-field"}.get(e.key, "--data")
         raise UserError(f"{e.file or path}: {flag}: {e.message}") from None
     assert isinstance(corpus, TableCorpus)
-    tok = ckpt.tokenizer
-    tok.encode_special_tokens = True  # as in the shards: a literal "<|endoftext|>" is text
-    eot = eot_id(tok)
+    conv = ckpt.conventions  # as in the shards (minillm.data.conventions)
+    eot = conv.doc_end
     ids: list[int] = []
     n_bytes = 0
     for text in corpus.texts():
         if not text:  # like tokenize: an empty row is no document
             continue
-        ids.extend(tok.encode(text, add_special_tokens=False).ids)
-        ids.append(eot)
+        ids.extend(conv.text_ids(text))
+        if ids[-1] != eot:
+            ids.append(eot)
         n_bytes += len(text.encode("utf-8"))
         if max_tokens is not None and len(ids) > max_tokens + 1:
             break  # enough rows read; the bytes below are scaled to the tokens kept
     return _cap(ids, n_bytes, max_tokens)
 
 
-def _file_tokens(
-    path: Path, tokenizer: Tokenizer, max_tokens: int | None
-) -> tuple[np.ndarray, float]:
-    """Token ids of a text file (one document, no special tokens added) and its UTF-8 bytes."""
+def _file_tokens(path: Path, conv: Conventions, max_tokens: int | None) -> tuple[np.ndarray, float]:
+    """Token ids of a text file (one document, as the shards hold it: minillm's own tokenizer
+    adds no special token, a published model's its BOS) and its UTF-8 bytes."""
     text = read_user_text(path, "file")
-    # The file is one document: a literal "<|endoftext|>" in it is text, as in the shards.
-    tokenizer.encode_special_tokens = True
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    ids = conv.text_ids(text)
     return _cap(ids, len(text.encode("utf-8")), max_tokens)
 
 
 def _val_tokens(ckpt: LoadedCheckpoint, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
     """The run's validation shard, its bytes (scaled to the share used) and a note saying so."""
     from minillm.data.meta import load_meta, open_split
-    from minillm.data.tokenizer import eot_id, tokenizer_sha256
+    from minillm.data.tokenizer import tokenizer_sha256
 
     out_dir = Path(ckpt.config.data.out_dir)
     if not (out_dir / "meta.json").is_file():
@@ -207,7 +202,7 @@ def _val_tokens(ckpt: LoadedCheckpoint, max_tokens: int | None) -> tuple[np.ndar
         )
     meta = load_meta(out_dir)
     tok = ckpt.tokenizer
-    same = meta["eot_id"] == eot_id(tok) and meta["vocab_size"] == tok.get_vocab_size()
+    same = meta["eot_id"] == ckpt.conventions.doc_end and meta["vocab_size"] == tok.get_vocab_size()
     tok_file = Path(ckpt.path) / "tokenizer.json"
     if same and meta.get("tokenizer_sha256") and tok_file.is_file():
         same = tokenizer_sha256(tok_file) == meta["tokenizer_sha256"]
