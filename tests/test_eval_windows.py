@@ -154,3 +154,15 @@ def test_seq_len_names_the_rope_scaling_that_sets_the_context(tmp_path: Path) ->
         f"error: --seq-len: {context + 1} exceeds the model's context of {context} tokens "
         f"(model.max_seq_len, with its linear RoPE scaling); pass at most {context}"
     )
+
+
+@pytest.mark.slow
+def test_bench_eval_prints_both_rows(monkeypatch, capsys) -> None:  # noqa: ANN001
+    from tests.helpers import load_script
+
+    bench = load_script("bench_eval", monkeypatch)
+    rows = bench.main(["--layers", "1", "--tokens", "64", "--repeats", "1", "--threads", "0"])
+    by_row = {r["row"]: r for r in rows}
+    assert by_row["minillm eval"]["loss"] == pytest.approx(by_row["transformers"]["loss"], rel=1e-5)
+    out = capsys.readouterr().out
+    assert "| transformers |" in out and "| minillm eval |" in out

@@ -104,10 +104,10 @@ def evaluate_tokens(
 def _unpadded(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A batch of eval windows (B, T) as forwards without padding: eval_batches pads only the
     last window of the text, which is then forwarded alone at its length n (its inputs and
-    targets are the first n columns). The same sums as the padded batch (the model is causal:
-    the padding comes after every target), without the padding's cost: the 2,047 targets of a
-    2,048-token text in an 8,192-token context were an 8,192-token forward. A batch whose last
-    row predicts nothing is a distributed rank's placeholder, forwarded as it is."""
+    targets are the first n columns). The padded batch's sums to float rounding (the model is
+    causal: the padding comes after every target), without the padding's cost: the 2,047
+    targets of a 2,048-token text in an 8,192-token context were an 8,192-token forward. A
+    batch whose last row predicts nothing is a distributed rank's placeholder, kept whole."""
     n = int((y[-1] != -100).sum())
     if n in (0, y.shape[1]):
         return [(x, y)]
