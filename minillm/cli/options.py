@@ -2,8 +2,8 @@
 
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
 `load_config`); `CkptOption`, `BestOption` and `DeviceOption` (a checkpoint or a Hugging Face
-folder on a device, read by `load_ckpt`); `TemperatureOption`, `TopKOption` and `TopPOption`
-(`sample` and `chat`).
+folder on a device, read by `load_ckpt`; its config alone, by `load_ckpt_config`);
+`TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
 """
 
 from __future__ import annotations
@@ -74,6 +74,59 @@ def load_config(path: Path, overrides: list[str] | None, require_model: bool = T
     from minillm.checkpoint.init_from import load_run_config
 
     return run(load_run_config, path, overrides or [], require_model=require_model)
+
+
+def load_ckpt_config(ckpt: Path, best: bool, overrides: list[str] | None) -> tuple[Any, str]:
+    """--ckpt's config without its weights, and what it is (`info --ckpt`; a user error: exit
+    2): a run's (its newest intact checkpoint, with --best the one BEST names) or a
+    checkpoint's resolved config, state.json's; a Hugging Face folder's model, config.json's,
+    with the other sections a run with `train.init_from: FOLDER` would take by default
+    (train.seq_len capped at the model's context). --set overrides train, data and sample."""
+    return run(_ckpt_config, ckpt, best, overrides or [])
+
+
+def _ckpt_config(ckpt: Path, best: bool, overrides: list[str]) -> tuple[Any, str]:
+    import dataclasses
+
+    from minillm.checkpoint.hf_import import hf_model_config
+    from minillm.checkpoint.layout import STATE_FILE, is_hf_folder, read_state, resolve_checkpoint
+    from minillm.checkpoint.store import check_model_config
+    from minillm.config import (
+        ConfigError,
+        TrainConfig,
+        apply_override,
+        config_from_dict,
+        override_keys,
+    )
+    from minillm.errors import CheckpointError
+
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if key.split(".", 1)[0] == "model":
+            raise ConfigError(key, "the model is the checkpoint's (--ckpt)", "--set")
+    if is_hf_folder(ckpt):
+        if best:
+            raise CheckpointError(
+                f"{ckpt}: --best takes a run directory, not a Hugging Face folder"
+            )
+        model = hf_model_config(ckpt)  # config.json alone
+        raw: dict[str, Any] = {
+            "model": dataclasses.asdict(model),
+            "data": {"vocab_size": model.vocab_size},
+            "train": {
+                "seq_len": min(TrainConfig.seq_len, model.max_seq_len),
+                "init_from": str(ckpt),
+            },
+        }
+        where, title = str(ckpt / "config.json"), str(ckpt)
+    else:
+        found = resolve_checkpoint(ckpt, verify=False, best=best)  # the config, not the weights
+        state = read_state(found)
+        check_model_config(found, state)  # state.json's model is the weights' own
+        raw, where, title = state["config"], str(found / STATE_FILE), str(found)
+    for override in overrides:
+        apply_override(raw, override)
+    return config_from_dict(raw, file=where, overridden=override_keys(overrides)), title
 
 
 def load_ckpt(ckpt: Path, device: str, best: bool = False) -> Any:
