@@ -40,8 +40,9 @@ CkptOption = typer.Option(
     "--ckpt",
     metavar="PATH",
     help="A run directory (its newest intact checkpoint), one checkpoint folder, a run's "
-    "checkpoints/LATEST or checkpoints/BEST, or a Hugging Face LlamaForCausalLM folder "
-    "(config.json, safetensors, tokenizer.json).",
+    "checkpoints/LATEST or checkpoints/BEST, or a Hugging Face folder of Llama, Qwen2, "
+    "Qwen3, Mistral or Mixtral (config.json, safetensors, tokenizer.json; its chat template "
+    "and eos are used).",
     callback=_remember_command,
 )
 BestOption = typer.Option(
