@@ -23,7 +23,14 @@ from minillm.data.conventions import Conventions
 from minillm.data.tokenizer import load_tokenizer
 from minillm.infer.engine import Engine, SamplingParams
 from tests.helpers import script_tokens
-from tests.published import CONVERSATIONS, FAMILIES, family_folder, hf_tokenizer, usable
+from tests.published import (
+    CONVERSATIONS,
+    FAMILIES,
+    VOCAB,
+    family_folder,
+    hf_tokenizer,
+    usable,
+)
 
 runner = CliRunner()
 PLAIN = ["Hello there, friend", "Grüße 🙂\n\nline two", "<|im_end|> written <s> in text"]
@@ -41,6 +48,11 @@ def conventions(folder: Path) -> Conventions:
 
 def hf_ids(tok, messages: list[dict], generation: bool) -> list[int]:  # noqa: ANN001
     return list(tok.apply_chat_template(messages, add_generation_prompt=generation)["input_ids"])
+
+
+def padding(model) -> list[int]:  # noqa: ANN001
+    """The embedding rows past the tokenizer's vocabulary: no tokens, never sampled by minillm."""
+    return list(range(VOCAB, model.config.vocab_size))
 
 
 # ------------------------------------------------------------------ the conventions themselves
@@ -114,7 +126,8 @@ def test_chat_replies_as_generate_and_stops_at_any_eos_of_the_list(
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     prompt = torch.tensor([hf_ids(hf_tok, messages, True)])
-    out = model.generate(prompt, max_new_tokens=8, do_sample=False)[0, prompt.shape[1] :]
+    out = model.generate(prompt, max_new_tokens=8, do_sample=False, suppress_tokens=padding(model))
+    out = out[0, prompt.shape[1] :]
     expected = hf_tok.decode(out, skip_special_tokens=True)
     args = ["chat", "--ckpt", str(folder), "--system", "Be brief.", "--message", "Hi"]
     result = runner.invoke(app, [*args, "--max-new-tokens", "8", "--temperature", "0"])
@@ -134,7 +147,8 @@ def test_sample_starts_with_the_models_bos_and_equals_generate(folders: dict) ->
     hf_tok = hf_tokenizer(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = hf_tok("The king", return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1] :]
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, suppress_tokens=padding(model))
+    out = out[0, ids.shape[1] :]
     expected = "The king" + hf_tok.decode(out, skip_special_tokens=True)
     args = ["sample", "--ckpt", str(folder), "--prompt", "The king", "--max-new-tokens", "10"]
     result = runner.invoke(app, [*args, "--temperature", "0"])
