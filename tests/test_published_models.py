@@ -349,3 +349,70 @@ def test_grpo_prompts_and_stops_are_the_models(folders: dict, tmp_path: Path) ->
     grpo = open_objective(setup)
     assert grpo.prompts == [hf_ids(hf_tokenizer(folder), messages, True)]
     assert grpo.stops == conventions(folder).stop_ids
+
+
+# Templates that use what published ones use: namespace() and reversed loops (Qwen3), {% break %}
+# (loopcontrols), tojson, strftime_now and defaulted variables (Llama 3.1), trim, raise_exception.
+FEATURES = [
+    "{%- set ns = namespace(last_user=0) %}"
+    "{%- for m in messages[::-1] %}{%- if m.role == 'user' %}"
+    "{%- set ns.last_user = messages|length - loop.index0 - 1 %}{%- break %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last_user %}{{- m.content | trim }}"
+    "{%- else %}{{- m.content }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}"
+    "{%- endif %}{{- '<|im_start|>system\\nToday: ' + date_string + ' ' + {'k': 'ä'}|tojson }}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for m in messages %}{%- if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('bad role') }}{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+]
+
+
+@pytest.mark.parametrize("template", FEATURES, ids=["namespace-break", "date-tojson"])
+def test_template_features_render_as_transformers(
+    folders: dict, tmp_path: Path, template: str
+) -> None:
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((folders["chatml"] / "tokenizer.json").read_bytes())
+    config = json.loads((folders["chatml"] / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    conv, hf = conventions(folder), hf_tokenizer(folder)
+    for messages in CONVERSATIONS:
+        for generation in (False, True):
+            assert conv.chat_ids(messages, generation) == hf_ids(hf, messages, generation)
+        ids, mask = conv.chat_targets(messages)
+        assert ids == hf_ids(hf, messages, False)
+        assert sum(mask) == (0 if messages[-1]["role"] == "user" else sum(mask)) and (
+            any(mask) == any(m["role"] == "assistant" for m in messages)
+        )
+
+
+def test_a_template_that_refuses_a_conversation_is_one_error_line(folders: dict) -> None:
+    result = runner.invoke(
+        app, ["chat", "--ckpt", str(folders["mistral"]), "--system", "Be brief.", "--message", "Hi"]
+    )
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: the model's chat template refused the conversation: Conversation roles must "
+        "alternate user/assistant/user/assistant/..."
+    ]
+
+
+def test_named_templates_use_the_default_one(folders: dict, tmp_path: Path) -> None:
+    folder = tmp_path / "named"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((folders["chatml"] / "tokenizer.json").read_bytes())
+    config = json.loads((folders["chatml"] / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "{{ 'tools' }}"},
+        {"name": "default", "template": config["chat_template"]},
+    ]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    conv, hf = conventions(folder), hf_tokenizer(folder)
+    messages = CONVERSATIONS[1]
+    assert conv.chat_ids(messages, True) == hf_ids(hf, messages, True)

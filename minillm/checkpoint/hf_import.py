@@ -192,15 +192,18 @@ def check_hf_tokenizer(tok: Tokenizer, path: Path) -> None:
             )
 
 
-def _sample_config(folder: Path) -> SampleConfig:
+def _sample_config(folder: Path, context: int) -> SampleConfig:
     """The `sample` defaults of a folder: its generation_config.json as transformers' generate
     reads it (greedy unless do_sample; then temperature 1, top_k 50, top_p 1 where unset), or
-    minillm's defaults where it has none. An exported folder so keeps its run's defaults."""
+    minillm's defaults where it has none. An exported folder so keeps its run's defaults.
+    Without a max_new_tokens, minillm's default, at most half the model's `context` (a reply
+    leaves room for its prompt)."""
     path = folder / HF_GENERATION_FILE
+    room = min(SampleConfig().max_new_tokens, max(1, context // 2))
     if not path.is_file():
-        return SampleConfig()
+        return SampleConfig(max_new_tokens=room)
     gen = _read_json_object(path)
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"max_new_tokens": room}
     if gen.get("max_new_tokens") is not None:
         values["max_new_tokens"] = gen["max_new_tokens"]
     if gen.get("do_sample"):
@@ -236,7 +239,7 @@ def read_hf_checkpoint(folder: str | Path) -> tuple[Config, dict[str, torch.Tens
     except UserError as e:
         raise CheckpointError(f"{tok_path}: cannot load the tokenizer ({e})") from None
     check_hf_tokenizer(tokenizer, tok_path)
-    sample = _sample_config(folder)
+    sample = _sample_config(folder, model.max_seq_len)
     try:
         data = DataConfig(
             vocab_size=tokenizer.get_vocab_size(), tokenizer=str(tok_path), out_dir=str(folder)

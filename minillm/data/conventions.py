@@ -28,7 +28,6 @@ conversation (document-aware packing must not cut a conversation at its turns), 
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +47,10 @@ if TYPE_CHECKING:
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 TOKENIZER_COMPANIONS: tuple[str, ...] = (
     jinja_chat.TOKENIZER_CONFIG_FILE,
-    "special_tokens_map.json",
+    SPECIAL_TOKENS_MAP_FILE,
     jinja_chat.CHAT_TEMPLATE_FILE,
     GENERATION_CONFIG_FILE,
 )
@@ -95,10 +95,7 @@ def _eos_ids(folder: Path) -> list[int]:
         path = folder / name
         if not path.is_file():
             continue
-        try:
-            value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            raise CheckpointError(f"{path}: not a readable JSON object") from None
+        value = jinja_chat.read_json_object(path).get("eos_token_id")
         ids = value if isinstance(value, list) else [value]
         ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
         if ids:
@@ -156,7 +153,11 @@ class Conventions:
     def _published(cls, tok: Tokenizer, folder: Path, template: str | None) -> Conventions:
         tok.encode_special_tokens = False  # as transformers: a written "<|im_end|>" is the token
         config = jinja_chat.read_tokenizer_config(folder)
-        special = {k: s for k in SPECIAL_NAMES if (s := _token_string(config.get(k)))}
+        # Older folders name their special tokens in special_tokens_map.json.
+        legacy = jinja_chat.read_json_object(folder / SPECIAL_TOKENS_MAP_FILE)
+        special = {
+            k: s for k in SPECIAL_NAMES if (s := _token_string(config.get(k, legacy.get(k))))
+        }
         eos_ids = _eos_ids(folder)
         if "eos_token" not in special and eos_ids:
             token = tok.id_to_token(eos_ids[0])
