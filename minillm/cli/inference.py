@@ -264,7 +264,7 @@ def chat(
     device: str = DeviceOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
-    (or <|endoftext|>).
+    (or <|endoftext|>; a published model's: its eos and end of turn), in the model's template.
 
     With --message, print the one reply and exit. From a pipe, each input line is the next user
     turn and each reply is printed on one line.
