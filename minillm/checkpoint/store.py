@@ -233,6 +233,9 @@ class LoadedCheckpoint:
     # A LoRA run's adapters as trained (`model` holds them merged into the base): for
     # `minillm export --format peft`. None for any other checkpoint.
     adapters: dict[str, torch.Tensor] | None = None
+    # The tokenizer.json the tokenizer was read from; its companion files lie beside it (an
+    # export of a published model's tokenizer copies them).
+    tokenizer_path: Path | None = None
 
 
 def load_checkpoint(
@@ -264,7 +267,14 @@ def load_checkpoint(
         state = {"config": config_to_dict(cfg)}
         conventions = Conventions.of(tokenizer, Path(path))
         return LoadedCheckpoint(
-            Path(path), cfg, model, tokenizer, state, conventions, hf_folder=True
+            Path(path),
+            cfg,
+            model,
+            tokenizer,
+            state,
+            conventions,
+            hf_folder=True,
+            tokenizer_path=Path(cfg.data.tokenizer),
         )
     ckpt = resolve_checkpoint(path, verify=verify, best=best)
     state = read_state(ckpt)
@@ -287,7 +297,9 @@ def load_checkpoint(
         raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
     _check_vocab(tokenizer, cfg, tok_path)
     conventions = Conventions.of(tokenizer, tok_path.parent)
-    return LoadedCheckpoint(ckpt, cfg, model, tokenizer, state, conventions, adapters=adapters)
+    return LoadedCheckpoint(
+        ckpt, cfg, model, tokenizer, state, conventions, adapters=adapters, tokenizer_path=tok_path
+    )
 
 
 # ------------------------------------------------------------------ LoRA runs
