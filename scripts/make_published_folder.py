@@ -144,8 +144,15 @@ def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     else:
         bos_id = tok.token_to_id(bos)
-        tok.post_processor = processors.TemplateProcessing(
+        template = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+        # Llama 3's tokenizer.json chains ByteLevel (offsets) and the template; Mistral's has
+        # the template alone.
+        tok.post_processor = (
+            processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
+            if name.startswith("llama3")
+            else template
         )
     return tok.to_str()
 

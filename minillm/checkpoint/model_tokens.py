@@ -13,13 +13,11 @@ strings (minillm.data.conventions), and the end-of-turn token its chat template 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from minillm.checkpoint.layout import HF_GENERATION_FILE
-from minillm.errors import CheckpointError
 
 
 @dataclass
@@ -41,16 +39,9 @@ def _int_or_none(value: Any) -> int | None:
 
 def read_generation_config(folder: Path) -> dict[str, Any]:
     """generation_config.json of `folder` ({} where there is none); unreadable is one error."""
-    path = folder / HF_GENERATION_FILE
-    if not path.is_file():
-        return {}
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return obj
+    from minillm.data.jinja_chat import read_json_object
+
+    return read_json_object(folder / HF_GENERATION_FILE)
 
 
 def model_tokens(ckpt: Any) -> ModelTokens:
