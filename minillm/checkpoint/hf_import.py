@@ -35,26 +35,17 @@ from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, DataConfig, ModelConfig, SampleConfig, TrainConfig
 from minillm.errors import CheckpointError, ConfigError, UserError
 from minillm.model.hf_names import from_hf_state_dict, model_config_from_hf
+from minillm.runtime.files import read_json_object
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-
-def _read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return obj
 
 
 def _read_hf_config(folder: Path) -> dict[str, Any]:
     path = folder / HF_CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {HF_CONFIG_FILE}; not a Hugging Face model folder")
-    return _read_json_object(path)  # model_config_from_hf checks that it is a Llama
+    return read_json_object(path)  # model_config_from_hf checks that it is a Llama
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -202,7 +193,7 @@ def _sample_config(folder: Path, context: int) -> SampleConfig:
     room = min(SampleConfig().max_new_tokens, max(1, context // 2))
     if not path.is_file():
         return SampleConfig(max_new_tokens=room)
-    gen = _read_json_object(path)
+    gen = read_json_object(path)
     values: dict[str, Any] = {"max_new_tokens": room}
     if gen.get("max_new_tokens") is not None:
         values["max_new_tokens"] = gen["max_new_tokens"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.checkpoint.layout import HF_GENERATION_FILE
+from minillm.runtime.files import read_json_object
 
 
 @dataclass
@@ -39,8 +40,6 @@ def _int_or_none(value: Any) -> int | None:
 
 def read_generation_config(folder: Path) -> dict[str, Any]:
     """generation_config.json of `folder` ({} where there is none); unreadable is one error."""
-    from minillm.data.jinja_chat import read_json_object
-
     return read_json_object(folder / HF_GENERATION_FILE)
 
 

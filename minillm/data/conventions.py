@@ -41,6 +41,7 @@ from minillm.data.chat_template import (
 )
 from minillm.data.tokenizer import EOT, LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, special_tokens
 from minillm.errors import CheckpointError, UserError
+from minillm.runtime.files import read_json_object
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -95,7 +96,7 @@ def _eos_ids(folder: Path) -> list[int]:
         path = folder / name
         if not path.is_file():
             continue
-        value = jinja_chat.read_json_object(path).get("eos_token_id")
+        value = read_json_object(path).get("eos_token_id")
         ids = value if isinstance(value, list) else [value]
         ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
         if ids:
@@ -154,7 +155,7 @@ class Conventions:
         tok.encode_special_tokens = False  # as transformers: a written "<|im_end|>" is the token
         config = jinja_chat.read_tokenizer_config(folder)
         # Older folders name their special tokens in special_tokens_map.json.
-        legacy = jinja_chat.read_json_object(folder / SPECIAL_TOKENS_MAP_FILE)
+        legacy = read_json_object(folder / SPECIAL_TOKENS_MAP_FILE)
         special = {
             k: s for k in SPECIAL_NAMES if (s := _token_string(config.get(k, legacy.get(k))))
         }

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.errors import CheckpointError, UserError
+from minillm.runtime.files import read_json_object
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -66,19 +67,6 @@ def read_chat_template(folder: Path) -> str | None:
 def read_tokenizer_config(folder: Path) -> dict[str, Any]:
     """`tokenizer_config.json` of a folder ({} where there is none)."""
     return read_json_object(folder / TOKENIZER_CONFIG_FILE)
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON object file ({} where there is none); unreadable is one error naming it."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return value
 
 
 @lru_cache(maxsize=8)
