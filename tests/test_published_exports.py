@@ -412,10 +412,14 @@ def _unk_after(spec: dict[str, Any]) -> None:
     }
 
 
-def _bytes_gone(spec: dict[str, Any]) -> None:
+def _bytes_gone(spec: dict[str, Any], byte: int = 0x5E) -> None:
+    """The byte's token gone from the vocabulary ("^" by default: in no merge of the stand-in)."""
     from minillm.checkpoint.gguf_tokens import _byte_chars
 
-    spec["model"]["vocab"].pop(_byte_chars()[0x01])  # a control character UTF-8 text may have
+    char = _byte_chars()[byte]
+    merges = spec["model"]["merges"]
+    assert not any(char in (m if isinstance(m, str) else " ".join(m)) for m in merges)
+    spec["model"]["vocab"].pop(char)
 
 
 @pytest.mark.parametrize(
@@ -426,7 +430,7 @@ def _bytes_gone(spec: dict[str, Any]) -> None:
         ("mistral", _unk_after,
          "post_processor: adds <unk> after the text, which is not the eos token </s>"),
         ("chatml", _bytes_gone,
-         "model.vocab: lacks 1 of the 256 byte tokens, 1 of them bytes UTF-8 text has (0x01)"),
+         "model.vocab: lacks 1 of the 256 byte tokens, 1 of them bytes UTF-8 text has (0x5E)"),
     ],
 )  # fmt: skip
 def test_a_tokenizer_llama_cpp_cannot_follow_is_one_error_line(
@@ -470,3 +474,13 @@ def test_gguf_warns_when_llama_cpp_would_stop_elsewhere(tmp_path: Path, capsys) 
     export_gguf(load_checkpoint(folder), tmp_path / "m.gguf")
     err = capsys.readouterr().err
     assert "warning: llama.cpp does not stop at <|start_header_id|>" in err
+
+
+def test_a_vocabulary_without_control_bytes_exports_with_a_warning(tmp_path: Path) -> None:
+    folder = _edited_folder(tmp_path, "chatml", lambda spec: _bytes_gone(spec, 0x01))
+    out = tmp_path / "m.gguf"
+    args = ["export", "--ckpt", str(folder), "--format", "gguf", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "lacks the byte tokens of 1 control characters (0x01)" in result.stderr
+    assert out.is_file()

@@ -32,6 +32,10 @@ POST_PROCESSORS = {"ByteLevel", "TemplateProcessing"}
 # Bytes that never occur in UTF-8 text (overlong 2-byte leads and leads past U+10FFFF): a
 # byte-level vocabulary may lack their tokens, llama.cpp never looks for them.
 NOT_UTF8_BYTES = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
+# Control characters text almost never holds (C0 but tab, line feed, carriage return; DEL): a
+# vocabulary trained without them still exports, with a warning that text holding them is
+# tokenized differently by llama.cpp.
+RARE_BYTES = frozenset([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
 
 
 def llama_cpp_pre_tokenizer(tokenizer: dict[str, Any], where: str) -> str:
@@ -121,7 +125,14 @@ def gguf_vocab(tok: Any, vocab_size: int, where: str) -> GgufVocab:
     pre = llama_cpp_pre_tokenizer(spec, where)
     vocab = tok.get_vocab(with_added_tokens=True)
     missing = [b for b, char in enumerate(_byte_chars()) if char not in vocab]
-    used = [b for b in missing if b not in NOT_UTF8_BYTES]
+    rare = [b for b in missing if b in RARE_BYTES]
+    used = [b for b in missing if b not in NOT_UTF8_BYTES | RARE_BYTES]
+    if rare and not used:
+        warn(
+            f"{where}: model.vocab: lacks the byte tokens of {len(rare)} control characters "
+            f"({', '.join(f'0x{b:02X}' for b in rare[:4])}{', ...' if len(rare) > 4 else ''}): "
+            "llama.cpp tokenizes a text that holds one differently (exported all the same)"
+        )
     if used:
         # llama.cpp keeps a character it has no token for as a piece of its own (then drops it),
         # which blocks merges around it that tokenizers makes: text with it would differ.

@@ -115,8 +115,7 @@ class Conventions:
     template: str | None  # the Jinja chat template (minillm's own: its export's)
     special: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... strings
     turn_end: int | None = None  # the token the template writes after a reply
-    text_prefix: tuple[int, ...] = ()  # what `tokenizer(text)` puts before / after the text
-    text_suffix: tuple[int, ...] = ()
+    text_prefix: tuple[int, ...] = ()  # what `tokenizer(text)` puts before the text (a BOS)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A pickled tokenizer (a tokenize worker's copy) loses encode_special_tokens.
@@ -184,7 +183,6 @@ class Conventions:
         bare = tok.encode("x", add_special_tokens=False).ids
         at = _find(with_specials, bare)
         conv.text_prefix = tuple(with_specials[:at])
-        conv.text_suffix = tuple(with_specials[at + len(bare) :])
         return conv
 
     def _probe_template(self) -> tuple[int | None, set[int]]:
