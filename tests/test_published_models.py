@@ -416,3 +416,111 @@ def test_named_templates_use_the_default_one(folders: dict, tmp_path: Path) -> N
     conv, hf = conventions(folder), hf_tokenizer(folder)
     messages = CONVERSATIONS[1]
     assert conv.chat_ids(messages, True) == hf_ids(hf, messages, True)
+
+
+# Templates whose prompt for a reply is not a prefix of the conversation with the reply: Mistral
+# v0.3 puts the system prompt in the last user turn; DeepSeek-R1's generation prompt opens a
+# <think> its finished turns do not have. Each with its {% generation %} twin, for transformers.
+MISTRAL_V3 = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}"
+    "{%- endif %}{{- bos_token }}{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}{%- else %}"
+    "{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' }}@@{{- message['content'] + eos_token }}##"
+    "{%- endif %}{%- endfor %}"
+)
+R1_STYLE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}"
+    "{% elif m.role == 'user' %}{{ '[INST]' + m.content }}"
+    "{% else %}{{ '[/INST]' }}@@{{ m.content + eos_token }}##{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '[/INST]<think>\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [MISTRAL_V3, R1_STYLE], ids=["mistral-v0.3", "r1"])
+def test_masks_where_the_reply_prompt_is_not_a_prefix(
+    folders: dict, tmp_path: Path, template: str
+) -> None:
+    marked = template.replace("@@", "{% generation %}").replace("##", "{% endgeneration %}")
+    plain = template.replace("@@", "").replace("##", "")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "yes"},
+        {"role": "assistant", "content": "no"},
+    ]
+    masks = []
+    for name, text in (("marked", marked), ("plain", plain)):
+        folder = tmp_path / name
+        folder.mkdir()
+        source = folders["mistral"]
+        (folder / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+        config = json.loads((source / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": text}))
+        masks.append(conventions(folder).chat_targets(messages))
+    theirs = hf_tokenizer(tmp_path / "marked").apply_chat_template(
+        messages, return_dict=True, return_assistant_tokens_mask=True
+    )
+    expected = (list(theirs["input_ids"]), [bool(m) for m in theirs["assistant_masks"]])
+    assert masks[0] == expected and masks[1] == expected
+    assert 0 < sum(expected[1]) < len(expected[1]) / 2
+
+
+def test_a_template_that_is_not_jinja_fails_only_the_chat_commands(
+    folders: dict, tmp_path: Path
+) -> None:
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for f in folders["chatml"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{% if add_generation_prompt %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    args = ["--ckpt", str(folder), "--max-new-tokens", "2"]
+    assert runner.invoke(app, ["sample", *args, "--prompt", "Hi"]).exit_code == 0
+    result = runner.invoke(app, ["chat", *args, "--message", "Hi"])
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: the model's chat template is not valid Jinja: ")
+
+
+def test_loss_on_all_needs_no_reply_in_the_template(folders: dict, tmp_path: Path) -> None:
+    """A template that rewrites replies (here: upper case) has no answer-only mask without
+    markers, said in one line; data.loss_on: all trains on every token of it."""
+    folder = tmp_path / "upper"
+    folder.mkdir()
+    for f in folders["chatml"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "message['content']", "(message['content'] | upper)"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [m for m in CONVERSATIONS if m[-1]["role"] == "assistant"] * 4
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    config_path = _config(tmp_path, folder, source, "messages")
+    result = runner.invoke(app, ["tokenize", str(config_path)])
+    assert result.exit_code == 2
+    assert "does not write assistant turn" in result.stderr
+    result = runner.invoke(app, ["tokenize", str(config_path), "--set", "data.loss_on=all"])
+    assert result.exit_code == 0, result.output
+
+
+def test_mistral_chat_data_warns_that_its_eos_ends_turns_and_documents(
+    folders: dict, tmp_path: Path
+) -> None:
+    conv = conventions(folders["mistral"])
+    assert conv.splits_turns and conv.tok.id_to_token(conv.doc_end) == "</s>"
+    assert not conventions(folders["chatml"]).splits_turns
+    rows = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]] * 8
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    result = runner.invoke(
+        app, ["tokenize", str(_config(tmp_path, folders["mistral"], source, "messages"))]
+    )
+    assert result.exit_code == 0, result.output
+    assert "</s> ends each reply in this model's chat template" in result.stderr

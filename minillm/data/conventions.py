@@ -22,8 +22,10 @@ stops at the model's end-of-sequence set: `generation_config.json`'s `eos_token_
 config.json's), `tokenizer_config.json`'s `eos_token`, and the end-of-turn token the template
 writes after a reply. Documents in the shards end with `doc_end`: the first of the eos token,
 `<|endoftext|>`, `<|end_of_text|>`, `</s>` that the template does not write inside a
-conversation (document-aware packing must not cut a conversation at its turns), else the eos
-(then a conversation's turns are separate documents to the packing: Mistral's `</s>`).
+conversation before its end (document-aware packing must not cut a conversation at its turns),
+else the eos (then a conversation's turns are separate documents to the packing, Mistral's
+`</s>`: `tokenize` warns, `splits_turns`). A conversation whose template ends it with that token
+(Phi-3's eos) gets no second one.
 """
 
 from __future__ import annotations
@@ -66,8 +68,14 @@ SPECIAL_NAMES = (
     "mask_token",
 )
 DOC_END_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>")
-# A conversation the template is asked to write once, to find its end-of-turn token.
-_PROBE = ({"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"})
+# A conversation the template is asked to write once, to find its end-of-turn token and the
+# tokens it writes between turns.
+_PROBE = (
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi there"},
+    {"role": "user", "content": "Again"},
+    {"role": "assistant", "content": "Bye"},
+)
 
 
 def copy_companions(src_folder: Path, dst_folder: Path) -> list[str]:
@@ -116,6 +124,9 @@ class Conventions:
     special: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... strings
     turn_end: int | None = None  # the token the template writes after a reply
     text_prefix: tuple[int, ...] = ()  # what `tokenizer(text)` puts before the text (a BOS)
+    # doc_end is also written between the template's turns (Mistral's </s> after each reply):
+    # document-aware packing then cuts a conversation at its turns.
+    splits_turns: bool = False
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A pickled tokenizer (a tokenize worker's copy) loses encode_special_tokens.
@@ -169,7 +180,7 @@ class Conventions:
         conv.turn_end = turn_end
         # No eos anywhere: replies run to their length, as transformers' generate does.
         conv.stop_ids = frozenset(i for i in [*eos_ids, eos, turn_end] if i is not None)
-        names = [special.get("eos_token"), *DOC_END_CANDIDATES, special.get("bos_token")]
+        names = [special.get("eos_token"), *DOC_END_CANDIDATES]
         ids = [i for n in names if n and (i := tok.token_to_id(n)) is not None]
         free = [i for i in ids if i not in in_chat]
         if not ids:
@@ -179,6 +190,7 @@ class Conventions:
                 f"{MODEL_CONFIG_FILE}, and none of {', '.join(DOC_END_CANDIDATES)}"
             )
         conv.doc_end = free[0] if free else ids[0]
+        conv.splits_turns = conv.doc_end in in_chat
         with_specials = tok.encode("x", add_special_tokens=True).ids
         bare = tok.encode("x", add_special_tokens=False).ids
         at = _find(with_specials, bare)
@@ -198,7 +210,7 @@ class Conventions:
         except UserError:
             return None, set()
         enc = self.tok.encode(text, add_special_tokens=False)
-        in_chat = set(enc.ids)
+        in_chat = set(enc.ids[:-1])  # what it writes inside; its last token may end it
         if not spans:
             return None, in_chat
         end = spans[-1][1]

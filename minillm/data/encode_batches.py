@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from minillm.data.corpus import Document
 from minillm.data.encode_pool import EncodePool, encode_chats, encode_text
 from minillm.data.text import split_pieces
+from minillm.errors import warn
 
 if TYPE_CHECKING:
     from minillm.data.conventions import Conventions
@@ -83,6 +84,14 @@ class ChatBatches:
         self, conv: Conventions, split: str, pool: EncodePool, eot: int, dtype: str, masked: bool
     ) -> None:
         conv.check_chat("data.tokenizer")  # a tokenizer without a chat template: one error, now
+        if conv.splits_turns and split == "train":
+            token = conv.tok.id_to_token(eot)
+            warn(
+                f"data.tokenizer: {token} ends each reply in this model's chat template and "
+                "ends each document in the shards too, so with train.doc_mask on (the default "
+                "for chat data) a conversation's later turns do not see its earlier ones; for "
+                "multi-turn data set train.doc_mask: false"
+            )
         self.split, self.pool, self.eot, self.dtype, self.masked = split, pool, eot, dtype, masked
         self.batch: list[list[dict[str, str]]] = []
         self.chars = 0

@@ -112,9 +112,14 @@ def encode_chats(
     target: list[bool] = []
     target_bytes = 0
     for messages in conversations:
-        conv_ids, conv_target = conv.chat_targets(messages)
-        ids += [*conv_ids, eot]
-        target += [*conv_target, False]
+        if masked:
+            conv_ids, conv_target = conv.chat_targets(messages)
+        else:  # every token a target: no need to find the replies
+            conv_ids = conv.chat_ids(messages, add_generation_prompt=False)
+            conv_target = [True] * len(conv_ids)
+        tail = [] if conv_ids[-1:] == [eot] else [eot]  # Phi-3's template ends with its eos
+        ids += [*conv_ids, *tail]
+        target += [*conv_target, *[False] * len(tail)]
         target_bytes += assistant_bytes(messages) if masked else content_bytes(messages)
     mask = np.asarray(target, dtype=np.uint8) if masked else None
     array = np.asarray(ids, dtype=np.dtype(dtype))

@@ -18,6 +18,7 @@ encoded with special tokens recognised and no post-processor (transformers'
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from contextvars import ContextVar
@@ -125,11 +126,11 @@ def render(
     order it refuses) is a UserError with its message."""
     import jinja2
 
-    template = _compile(source)
     blocks: list[str] = []
     spans: list[tuple[int, int]] = []
     token = _TRACKER.set((blocks, spans))
     try:
+        template = _compile(source)
         for block in template.generate(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
@@ -138,8 +139,15 @@ def render(
             **special,
         ):
             blocks.append(block)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise UserError(f"the model's chat template is not valid Jinja: {e}") from None
     except jinja2.exceptions.TemplateError as e:
         raise UserError(f"the model's chat template refused the conversation: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        # A template computing with what it was not given (content None + str, ...).
+        raise UserError(
+            f"the model's chat template failed on the conversation: {type(e).__name__}: {e}"
+        ) from None
     finally:
         _TRACKER.reset(token)
     return "".join(blocks), spans
@@ -172,9 +180,18 @@ def assistant_spans(
         if m["role"] != "assistant":
             continue
         prompt, _ = render(source, messages[:i], True, special)
-        start = len(prompt) if text.startswith(prompt) and len(prompt) >= cursor else cursor
         content = m["content"].strip()
-        at = text.find(content, start) if content else start
+        if text.startswith(prompt) and len(prompt) >= cursor:
+            start = len(prompt)
+            at = text.find(content, start) if content else start
+        else:
+            # The conversation so far renders otherwise once a reply follows (Mistral v0.3
+            # moves the system prompt to the last user turn; R1's generation prompt opens a
+            # <think> its finished turns do not have): the reply is its content, found after
+            # what the two renderings share.
+            shared = len(os.path.commonprefix([prompt, text]))
+            at = text.find(content, max(cursor, shared)) if content else max(cursor, shared)
+            start = at
         if at < 0:
             raise UserError(
                 f"the model's chat template does not write assistant turn {i + 1}'s content "

@@ -39,7 +39,8 @@ class Handler:
         # A chat reply stops where `minillm chat`'s does; a completion where `minillm sample`'s.
         self.stops = {"completion": self.conv.text_stops, "chat": self.conv.stop_ids}
         # A `stop` string that names a special token stops at that token (which has no text).
-        self.special = {t: i for t in special_tokens(self.tok) if (i := self.tok.token_to_id(t))}
+        ids = {t: self.tok.token_to_id(t) for t in special_tokens(self.tok)}
+        self.special = {t: i for t, i in ids.items() if i is not None}
         cfg = ckpt.config
         self.limits = P.Limits(
             model=name,
