@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from minillm.data.chat_template import assistant_bytes, content_bytes
+from minillm.errors import UserError
 
 if TYPE_CHECKING:
     from minillm.data.conventions import Conventions
@@ -112,11 +113,15 @@ def encode_chats(
     target: list[bool] = []
     target_bytes = 0
     for messages in conversations:
-        if masked:
-            conv_ids, conv_target = conv.chat_targets(messages)
-        else:  # every token a target: no need to find the replies
-            conv_ids = conv.chat_ids(messages, add_generation_prompt=False)
-            conv_target = [True] * len(conv_ids)
+        try:
+            if masked:
+                conv_ids, conv_target = conv.chat_targets(messages)
+            else:  # every token a target: no need to find the replies
+                conv_ids = conv.chat_ids(messages, add_generation_prompt=False)
+                conv_target = [True] * len(conv_ids)
+        except UserError as e:  # the template's refusal: say which conversation
+            first = messages[0]["content"][:40]
+            raise UserError(f"data.source: the conversation that opens {first!r}: {e}") from None
         tail = [] if conv_ids[-1:] == [eot] else [eot]  # Phi-3's template ends with its eos
         ids += [*conv_ids, *tail]
         target += [*conv_target, *[False] * len(tail)]
