@@ -13,6 +13,7 @@ from minillm.cli.options import (
     BestOption,
     CkptOption,
     DeviceOption,
+    QuantizeOption,
     TemperatureOption,
     TopKOption,
     TopPOption,
@@ -70,6 +71,7 @@ def eval_(
         help="Windows per forward pass; default: the run's train.batch_size.",
     ),
     device: str = DeviceOption,
+    quantize: str = QuantizeOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     task: list[Path] | None = typer.Option(
         None,
@@ -122,7 +124,7 @@ def eval_(
         print_error(f"--show: must be >= 0, got {show}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    loaded = load_ckpt(ckpt, device, best)
+    loaded = load_ckpt(ckpt, device, best, quantize)
     result = {}
     if data is not None or not tasks:
         result = run(
@@ -205,6 +207,7 @@ def sample(
         False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."
     ),
     device: str = DeviceOption,
+    quantize: str = QuantizeOption,
 ) -> None:
     """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
 
@@ -215,7 +218,7 @@ def sample(
 
     texts = run(read_prompts, prompt, prompt_file)
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best)
+    loaded = load_ckpt(ckpt, device, best, quantize)
     run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
 
 
@@ -245,6 +248,7 @@ def chat(
     top_p: float | None = TopPOption,
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
     device: str = DeviceOption,
+    quantize: str = QuantizeOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
     (or <|endoftext|>).
@@ -256,5 +260,5 @@ def chat(
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best)
+    loaded = load_ckpt(ckpt, device, best, quantize)
     run(chat_checkpoint, loaded, params, system, message)
