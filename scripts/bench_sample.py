@@ -205,6 +205,17 @@ def bench_shape(
             return new
 
         sides.update(int8=run_int8, int8_matvecs=run_int8_matvecs)
+        # A long prompt's prefill (the context's whole length, one forward): a matrix product
+        # of T rows, where fp32's sgemm is compute-bound and int8 gains less or loses.
+        long = torch.randint(1, shape.vocab_size, (1, shape.max_seq_len))
+        for label, model in (("prefill_fp32", ours), ("prefill_int8", quantized)):
+
+            @torch.inference_mode()
+            def run_prefill(model: Transformer = model) -> int:
+                model(long, last_only=True)
+                return new
+
+            sides[label] = run_prefill
         got8 = generate(quantized, [prompt[0].tolist()], SamplingParams.greedy(32))[0]
         extra["int8_agree"] = next(
             (i for i, (a, b) in enumerate(zip(got8, got[0])) if a != b), len(got8)
@@ -238,6 +249,8 @@ def bench_shape(
     for label in ("int8", "int8_matvecs", "llama_cpp"):
         if label in med:
             extra[label] = new / med[label]
+    if int8:
+        extra["prefill_ms"] = (med["prefill_fp32"] * 1e3, med["prefill_int8"] * 1e3)
     return {
         **extra,
         "shape": name,
@@ -379,9 +392,9 @@ def main() -> None:
         print(
             "| shape | minillm fp32 tok/s | minillm int8 tok/s | int8 / fp32 | int8 agrees "
             "| llama.cpp q8_0 tok/s | int8 / llama.cpp | HF generate tok/s | int8 matvecs alone "
-            "tok/s |"
+            "tok/s | prefill of max_seq_len tokens fp32 / int8 ms |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             i8, lc, fp = r.get("int8"), r.get("llama_cpp"), r["minillm"]
             cells = [
@@ -393,6 +406,7 @@ def main() -> None:
                 f"{i8 / lc:.2f}x" if i8 and lc else "-",
                 f"{r['hf']:.0f}",
                 f"{r['int8_matvecs']:.0f}" if i8 else "-",
+                "{:.0f} / {:.0f}".format(*r["prefill_ms"]) if i8 else "-",
             ]
             print(f"| {r['shape']} | " + " | ".join(cells) + " |")
     if batched:
