@@ -114,6 +114,29 @@ def test_int8_decode_equals_the_full_forward(shape: str) -> None:
     assert torch.equal(stepped.argmax(-1), full[3:].argmax(-1))
 
 
+def test_a_batched_int8_step_is_each_row_alone_bit_for_bit() -> None:
+    """Rows of unequal lengths in one decode step get the logits each gets alone, exactly (fp32
+    promises this to float rounding; int8 would round such a difference to a grid step)."""
+    _, int8 = model_pair()
+    g = torch.Generator().manual_seed(1)
+    lengths = (3, 17, 40, 9, 63, 1, 28, 50)  # one batched SDPA over these differs in rounding
+    prompts = [torch.randint(0, 300, (n,), generator=g) for n in lengths]
+    nxt = torch.arange(11, 19)
+
+    def step(rows: list[int]) -> torch.Tensor:
+        cache = KVCache(int8.cfg)
+        cache.add_rows(len(rows))
+        decoder = Decoder(int8, cache)
+        for slot, r in enumerate(rows):
+            decoder.prefill(slot, prompts[r])
+        return decoder.step(nxt[rows])
+
+    with torch.inference_mode():
+        batched = step(list(range(8)))
+        for r in range(8):
+            assert torch.equal(batched[r], step([r])[0])
+
+
 def test_batched_greedy_equals_alone_in_int8() -> None:
     _, int8 = model_pair()
     prompts = [[1, 5, 9], [7], [3, 3, 3, 3, 3, 40]]

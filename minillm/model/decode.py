@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minillm.model.kv_cache import KVCache
+from minillm.model.kv_cache import CacheWrite, KVCache
 from minillm.model.moe import MoE
 from minillm.model.rope import rope_rotation
 from minillm.model.transformer import Transformer, attention, rms_norm, swiglu
@@ -80,6 +80,12 @@ class Decoder:
         # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
         # model's own forward, not this path's one rotation per new token.
         self.dynamic_rope = cfg.rope_scaling.type == "dynamic"
+        # An int8 model (minillm.model.quantize) rounds each token's activations to an 8-bit
+        # grid, so a float rounding difference that moves one across a rounding edge changes its
+        # logits by a grid step, enough to flip a near-tie: rows of unequal lengths then attend
+        # one at a time over their own keys, as each would alone (batched == alone, exactly).
+        self.rowwise_attention = getattr(model, "quantized", None) == "int8"
+        self.window = cfg.sliding_window
         self.embedding = model.tok_emb.weight
         self.head = (
             _projection(model.lm_head)
@@ -145,7 +151,10 @@ class Decoder:
             else:  # RoPE in the tables' precision, as apply_rope does
                 qk = torch.matmul(qk.to(rot.dtype), rot).to(qkv.dtype)
             keys, values = write.update(layer, qk[:, H:, None], qkv[:, H + K :, None])
-            y = attention(qk[:, :H, None], keys, values, key_mask)  # (n, H, 1, D)
+            if key_mask is not None and self.rowwise_attention:
+                y = self._rows_alone(qk[:, :H, None], keys, values, write)
+            else:
+                y = attention(qk[:, :H, None], keys, values, key_mask)  # (n, H, 1, D)
             x = wo_add(x, y.reshape(n, H * D))  # x + wo(y)
             if moe is not None:
                 x = x + moe(rms_norm(x, norm2, eps))
@@ -153,6 +162,23 @@ class Decoder:
             h = swiglu(gate_up(rms_norm(x, norm2, eps)))
             x = down_add(x, h)  # x + w_down(swiglu(...))
         return self.head(rms_norm(x, self.norm, eps))
+
+    def _rows_alone(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, write: CacheWrite
+    ) -> torch.Tensor:
+        """Attention of each row's one new query q (n, H, 1, D) over its own keys (the first
+        start + 1 of keys, values (n, K, S, D)), with the mask it would have alone (a sliding
+        window's, else none): the same call as a one-row step's."""
+        out = []
+        for i, start in enumerate(write.starts):
+            S = start + 1
+            mask = None
+            if self.window is not None and S > self.window:
+                mask = write.key_mask[i : i + 1, ..., :S]
+            out.append(
+                attention(q[i : i + 1], keys[i : i + 1, :, :S], values[i : i + 1, :, :S], mask)
+            )
+        return torch.cat(out)  # (n, H, 1, D)
 
 
 def _projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
