@@ -18,9 +18,14 @@ SETS   = $(if $(STEPS),--set train.max_steps=$(STEPS)) $(ARGS)
 RUN   ?= runs/tiny
 CHAT_RUN ?= runs/tiny-chat
 LORA_RUN ?= runs/tiny-lora
+# A published model's Hugging Face folder (`make published-demo`): a stand-in the demo builds
+# when it is absent; PUBLISHED=path/to/your/folder fine-tunes yours (a ChatML chat model for
+# the demo's data and config).
+PUBLISHED ?= models/standin-chatml
+PUBLISHED_RUN ?= runs/published-lora
 
-.PHONY: setup interop test test-fast demo chat-demo lora-demo rl-demo rl-dpo-demo lint format bench \
-	clean
+.PHONY: setup interop test test-fast demo chat-demo lora-demo published-demo rl-demo rl-dpo-demo \
+	lint format bench clean
 
 setup: $(BIN)/.installed
 
@@ -97,6 +102,22 @@ lora-demo: setup
 	$(BIN)/minillm export --ckpt $(LORA_RUN) --format gguf --out gguf/tiny-lora.gguf --force
 	$(BIN)/minillm export --ckpt $(LORA_RUN) --format peft --out hf/tiny-lora-peft --force
 
+# A published model (README, "Fine-tune a published model"): its held-out exact match on the chat
+# demo's task, LoRA SFT in its own chat template (configs/published-lora.yaml), scored again,
+# a reply, and exports to Hugging Face and GGUF that keep its tokenizer and template.
+PUBLISHED_SETS = --set train.init_from=$(PUBLISHED) --set train.out_dir=$(PUBLISHED_RUN)
+published-demo: setup
+	test -d $(PUBLISHED) || $(BIN)/python scripts/make_published_folder.py $(PUBLISHED)
+	$(BIN)/minillm info --ckpt $(PUBLISHED)
+	$(BIN)/minillm eval --ckpt $(PUBLISHED) --task data/tiny_chat_test.jsonl
+	$(BIN)/minillm tokenize configs/published-lora.yaml $(PUBLISHED_SETS) $(SETS)
+	$(BIN)/minillm train configs/published-lora.yaml $(PUBLISHED_SETS) $(SETS)
+	$(BIN)/minillm eval --ckpt $(PUBLISHED_RUN) --task data/tiny_chat_test.jsonl
+	$(BIN)/minillm chat --ckpt $(PUBLISHED_RUN) --message "Reverse: m a k"
+	$(BIN)/minillm export --ckpt $(PUBLISHED_RUN) --out hf/published-lora --force
+	$(BIN)/minillm export --ckpt $(PUBLISHED_RUN) --format gguf --out gguf/published-lora.gguf \
+		--force
+
 # The RL demo (README, "Preference tuning and RL"): a brief SFT on the shipped sort task
 # (scripts/gen_rl_data.py; STEPS and ARGS go to it), its held-out exact match greedy and sampled
 # (8 replies each at temperature 1: mean and pass@8), then GRPO from it, scored the same way.
@@ -135,4 +156,4 @@ bench: setup
 	$(BIN)/python scripts/bench_tokenize.py
 
 clean:
-	rm -rf $(VENV) runs data/tokens hf gguf .pytest_cache
+	rm -rf $(VENV) runs data/tokens hf gguf models/standin-chatml .pytest_cache

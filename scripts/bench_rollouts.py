@@ -28,7 +28,6 @@ import torch
 import transformers
 
 from minillm.checkpoint.store import load_checkpoint
-from minillm.data.chat_template import chat_ids, chat_prompt_ids
 from minillm.data.tokenizer import eot_id
 from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
@@ -80,9 +79,10 @@ def main() -> None:
     torch.manual_seed(0)
     ckpt = load_checkpoint(args.ckpt, "cpu")
     model, tok = ckpt.model.eval(), ckpt.tokenizer
-    stops = frozenset([chat_ids(tok)["end"], eot_id(tok)])
+    conv = ckpt.conventions
+    stops = conv.stop_ids
     task = read_task(args.task)
-    prompts = [chat_prompt_ids(tok, ex.messages, str(args.task)) for ex in task.examples]
+    prompts = [conv.chat_prompt(ex.messages) for ex in task.examples]
     prompts = prompts[: args.prompts]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "hf"

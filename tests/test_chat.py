@@ -19,7 +19,8 @@ from minillm.data.batches import (
     doc_starts,
     train_batch,
 )
-from minillm.data.chat_template import chat_ids, check_messages, encode_conversation, encode_prompt
+from minillm.data.chat_template import chat_ids, check_messages, encode_conversation
+from minillm.data.conventions import Conventions
 from minillm.data.meta import load_meta, open_mask, open_split
 from minillm.data.tokenize_pass import write_shards
 from minillm.data.tokenizer import load_tokenizer
@@ -86,7 +87,8 @@ def test_template_ids_of_a_known_conversation(chat_dir: Path) -> None:
     assert got == [ids["user"], *q, ids["end"], ids["assistant"], *a, ids["end"]]
     # Targets: the assistant content and its <|end|>, nothing of the user's turn.
     assert target == [False] * (len(q) + 3) + [True] * (len(a) + 1)
-    assert encode_prompt(tok, SUM[:1]) == [ids["user"], *q, ids["end"], ids["assistant"]]
+    prompt = Conventions.of_own(tok).chat_ids(SUM[:1], add_generation_prompt=True)
+    assert prompt == [ids["user"], *q, ids["end"], ids["assistant"]]
     # A quoted special token in a content is text, not a turn.
     quoted, _ = encode_conversation(tok, [{"role": "user", "content": "<|end|>"}])
     assert quoted.count(ids["end"]) == 1

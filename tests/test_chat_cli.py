@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat_template import chat_ids, chat_stop_ids, encode_prompt
+from minillm.data.chat_template import chat_ids
 from minillm.data.tokenizer import eot_id
 from minillm.infer.conversation import chat_checkpoint
 from minillm.infer.engine import SamplingParams, generate
@@ -30,7 +30,7 @@ def greedy_reply(loaded, messages: list[dict[str, str]], max_new: int) -> str:
     """The reply by hand: the template's prompt, greedy generate, stop at <|end|> or
     <|endoftext|>."""
     tok = loaded.tokenizer
-    prompt = encode_prompt(tok, messages, chat_ids(tok))
+    prompt = loaded.conventions.chat_ids(messages, add_generation_prompt=True)
     stops = frozenset([chat_ids(tok)["end"], eot_id(tok)])
     params = SamplingParams.greedy(max_new, stop_ids=stops)
     # vocab_limit: the padded embedding rows are no tokens
@@ -69,10 +69,10 @@ def test_piped_lines_are_turns_of_one_conversation(run) -> None:
 
 def test_a_reply_stops_at_end_of_text_as_at_end_of_turn(run, monkeypatch) -> None:
     """A reply drawn as "Hi there", <|endoftext|>, more text is "Hi there": a chat reply ends
-    at the end of the document as at the end of its turn (chat_stop_ids)."""
+    at the end of the document as at the end of its turn (the conventions' stop_ids)."""
     run_dir, loaded = run
     tok = loaded.tokenizer
-    assert chat_stop_ids(tok) == {chat_ids(tok)["end"], eot_id(tok)}
+    assert loaded.conventions.stop_ids == {chat_ids(tok)["end"], eot_id(tok)}
     words = tok.encode("Hi there", add_special_tokens=False).ids
     more = tok.encode(" and then some more", add_special_tokens=False).ids
     helpers.script_tokens(monkeypatch, [*words, eot_id(tok), *more * 4])

@@ -90,7 +90,7 @@ def invoke(args: list[str]):  # noqa: ANN201
             "number (see `minillm sample --help`)",
         ),
         (["sample"], "error: --ckpt: is required (see `minillm sample --help`)"),
-        (["info"], "error: CONFIG: is required (see `minillm info --help`)"),
+        (["info"], "error: CONFIG or --ckpt PATH: one is required (see `minillm info --help`)"),
         (["trian"], "error: No such command 'trian'. Did you mean 'train'? (see `minillm --help`)"),
         (
             ["train", "x.yaml", "--force"],

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.init_from import load_run_config
 from minillm.cli import app
+from minillm.data.conventions import Conventions
 from minillm.data.tokenizer import load_tokenizer
 from minillm.train.objectives.common import pad_rows, token_logps
 from minillm.train.objectives.dpo import encode_pair, parse_pair
@@ -144,7 +145,8 @@ def test_standard_and_conversational_rows_encode_alike(base: Path) -> None:
         {"prompt": user, "chosen": reply("hi"), "rejected": reply("ih")},
         {"chosen": user + reply("hi"), "rejected": user + reply("ih")},  # implicit prompt
     ]
-    encoded = [encode_pair(tok, parse_pair(r, "x")) for r in rows]
+    conv = Conventions.of(tok, base / "base")
+    encoded = [encode_pair(conv, parse_pair(r, "x")) for r in rows]
     assert encoded[0] == encoded[1] == encoded[2]
     e = encoded[0]
     # Targets: the reply's content and its <|end|>, never the prompt or <|assistant|>.

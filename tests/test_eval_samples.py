@@ -9,7 +9,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from minillm.cli import app
-from minillm.data.chat_template import chat_ids, chat_prompt_ids
+from minillm.data.chat_template import chat_ids
+from minillm.data.conventions import Conventions
 from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.task_scoring import answer_matches
@@ -22,7 +23,7 @@ def test_sampled_replies_give_their_mean_accuracy_and_pass_at_n(tmp_path: Path) 
     run_dir, cfg, net = make_run(tmp_path)
     tok = load_tokenizer(tmp_path / "tokenizer.json")
     questions = [[("user", f"say {w}")] for w in ("a", "bb", "ccc", "dddd")]
-    prompts = [chat_prompt_ids(tok, tuple(q), "x") for q in questions]
+    prompts = [Conventions.of_own(tok).chat_prompt(tuple(q)) for q in questions]
     stops = frozenset([chat_ids(tok)["end"], eot_id(tok)])
     n = 3
     # The replies the core samples for seed 5, drawn here on their own: sample k of example j

@@ -127,8 +127,6 @@ def test_exported_end_of_text_row_still_learns_in_transformers(exported) -> None
 
 def test_chat_template_and_replies_match_hf(exported) -> None:
     """apply_chat_template gives our ids; greedy HF generate gives `chat --message`'s reply."""
-    from minillm.data.chat_template import encode_prompt
-
     loaded, out = exported
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -138,7 +136,7 @@ def test_chat_template_and_replies_match_hf(exported) -> None:
         {"role": "assistant", "content": "4 🙂"},
         {"role": "user", "content": " And 3+3?\n"},
     ]
-    ours = encode_prompt(loaded.tokenizer, messages)
+    ours = loaded.conventions.chat_ids(messages, add_generation_prompt=True)
     theirs = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     theirs = theirs["input_ids"] if hasattr(theirs, "keys") else theirs  # newer: a BatchEncoding
     assert list(theirs) == ours

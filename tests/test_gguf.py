@@ -23,11 +23,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from minillm.checkpoint import gguf_file
-from minillm.checkpoint.gguf_file import export_gguf, llama_cpp_pre_tokenizer, modelfile_path
+from minillm.checkpoint import gguf_file, gguf_tokens
+from minillm.checkpoint.gguf_file import export_gguf, modelfile_path
+from minillm.checkpoint.gguf_tokens import llama_cpp_pre_tokenizer
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat_template import END, encode_prompt
+from minillm.data.chat_template import END
+from minillm.data.conventions import Conventions
 from minillm.data.tokenizer import EOT, eot_id, train_tokenizer
 from minillm.errors import CheckpointError
 from minillm.infer.engine import SamplingParams, generate
@@ -231,9 +233,7 @@ def test_llama_cpp_tokenizer_gives_our_ids_and_bytes(exported) -> None:
     # Parsing specials, the chat tokens are single CONTROL tokens, never text.
     ids = {name: tok.token_to_id(name) for name in ("<|system|>", "<|user|>", "<|end|>")}
     rendered = "<|system|>Be terse.<|end|><|user|>Hi<|end|><|assistant|>"
-    expected = encode_prompt(
-        tok, [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
-    )
+    expected = Conventions.of_own(tok).chat_prompt((("system", "Be terse."), ("user", "Hi")))
     assert llm.tokenize(rendered.encode(), add_bos=False, special=True) == expected
     assert expected[0] == ids["<|system|>"]
     assert llm.detokenize([ids["<|end|>"]]) == b""  # a control token is no text
@@ -264,7 +264,7 @@ def test_llama_cpp_tokenizes_a_megabyte_of_shakespeare_as_we_do(
     theirs = _llama(path, vocab_only=True).tokenize(text.encode(), add_bos=False, special=False)
     assert len(ours) > 250_000 and theirs == ours
 
-    monkeypatch.setattr(gguf_file, "llama_cpp_pre_tokenizer", lambda spec, where: "llama3")
+    monkeypatch.setattr(gguf_tokens, "llama_cpp_pre_tokenizer", lambda spec, where: "llama3")
     wrong = export_gguf(loaded, root / "wrong.gguf")
     llm = _llama(wrong, vocab_only=True)
     short = "First Citizen: Before we proceed any further, hear me speak."

@@ -18,7 +18,7 @@ from minillm.checkpoint.hf_export import export_checkpoint
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.config import ModelConfig
-from minillm.data.tokenizer import EOT, new_tokenizer
+from minillm.data.tokenizer import EOT
 from minillm.model.hf_names import hf_config_dict
 from tests.helpers import (
     SHAKESPEARE,
@@ -194,11 +194,6 @@ def _sentencepiece_style() -> Tokenizer:
     )
 
 
-def _no_end_of_text() -> Tokenizer:
-    base = new_tokenizer()
-    return _trained(["<s>", "</s>"], base.pre_tokenizer, base.decoder, models.BPE())
-
-
 def _edit_config(folder: Path, **changes) -> None:
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
@@ -221,14 +216,12 @@ LONGROPE = dict(rope_type="longrope", factor=8.0, original_max_position_embeddin
          "False)"),
         ("sentencepiece", "tokenizer.json", "pre_tokenizer: Metaspace, not ByteLevel: a BPE that "
          "is not byte-level (sentencepiece style); minillm applies only byte-level BPE tokenizers"),
-        ("no-eot", "tokenizer.json", "no <|endoftext|> token, which minillm puts before every "
-         "document it samples or scores (this tokenizer's special tokens: <s>, </s>)"),
     ],
 )  # fmt: skip
 def test_what_minillm_cannot_compute_is_one_error_line(
     tmp_path: Path, case: str, where: str, message: str
 ) -> None:
-    tokenizer = {"sentencepiece": _sentencepiece_style, "no-eot": _no_end_of_text}.get(case)
+    tokenizer = {"sentencepiece": _sentencepiece_style}.get(case)
     if tokenizer is not None:
         folder, _ = llama_folder(tmp_path, tokenizer=tokenizer())
     else:
@@ -259,7 +252,7 @@ def test_chat_with_a_folder_without_chat_tokens_says_so(tmp_path: Path) -> None:
     folder, _ = llama_folder(tmp_path, tokenizer=legacy)
     line = error_line(runner.invoke(app, ["chat", "--ckpt", str(folder), "--message", "Hi"]))
     assert line == (
-        f"error: {folder / 'tokenizer.json'}: no <|system|>, <|user|>, <|assistant|>, <|end|>: "
-        "`minillm chat` talks in minillm's chat template, which this model's tokenizer does not "
-        "have; `minillm sample` continues text"
+        f"error: {folder / 'tokenizer.json'}: no <|system|>, <|user|>, <|assistant|>, <|end|> "
+        "and no chat template: `minillm chat` has no template to talk in; `minillm sample` "
+        "continues text"
     )

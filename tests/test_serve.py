@@ -444,13 +444,14 @@ def test_every_chat_reply_stops_at_one_set_end_of_turn_and_end_of_text(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Serve's chat completions, `minillm chat` and `eval --task` submit the same stop ids,
-    chat_stop_ids: <|end|> and <|endoftext|>. A reply drawn as "Hi there", <|endoftext|>, more
-    text is "Hi there" with finish_reason "stop" over the API, and in the other two."""
+    the conventions' stop_ids: <|end|> and <|endoftext|>. A reply drawn as "Hi there",
+    <|endoftext|>, more text is "Hi there" with finish_reason "stop" over the API, and in the
+    other two."""
     import asyncio
     import io
 
     from minillm.checkpoint.store import load_checkpoint
-    from minillm.data.chat_template import chat_ids, chat_stop_ids
+    from minillm.data.chat_template import chat_ids
     from minillm.data.tokenizer import eot_id
     from minillm.infer.conversation import chat_checkpoint
     from minillm.infer.engine import Engine, SamplingParams
@@ -463,7 +464,7 @@ def test_every_chat_reply_stops_at_one_set_end_of_turn_and_end_of_text(
     run, _, _ = make_run(tmp_path)
     ckpt = load_checkpoint(run)
     tok = ckpt.tokenizer
-    stops = chat_stop_ids(tok)
+    stops = ckpt.conventions.stop_ids
     assert stops == {chat_ids(tok)["end"], eot_id(tok)}
     submitted = []
     submit = Engine.submit
@@ -499,7 +500,10 @@ def test_every_chat_reply_stops_at_one_set_end_of_turn_and_end_of_text(
     script_tokens(monkeypatch, reply)
     task = tmp_path / "qa.jsonl"
     task.write_text(json.dumps({"messages": body["messages"], "answer": "Hi there"}) + "\n")
-    assert score_exact_match(ckpt.model, tok, read_task(task), 1, 12)["exact_match"] == 1.0
+    assert (
+        score_exact_match(ckpt.model, ckpt.conventions, read_task(task), 1, 12)["exact_match"]
+        == 1.0
+    )
     assert submitted == [stops] * 3
 
 

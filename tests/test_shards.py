@@ -287,7 +287,7 @@ def _die_at_document_18(tok: Any, pieces: list[str], *args: Any) -> Any:
 
     if any(json.loads(GRIMM[18])["text"][:60] in p for p in pieces):
         os._exit(3)
-    return encode_text(tok, pieces, *args)
+    return encode_text(tok, pieces, *args)  # tok: the conventions
 
 
 @pytest.mark.slow
@@ -344,7 +344,8 @@ from tokenizers import Tokenizer
 from minillm.data.encode_pool import EncodePool, encode_text
 from minillm.data.tokenizer import train_tokenizer
 tok = train_tokenizer([open({str(ROOT / "data" / "grimm_stories.jsonl")!r}).read()], 300)
-pool = EncodePool(tok, 2, lambda encoded, tag: None)
+from minillm.data.conventions import Conventions
+pool = EncodePool(Conventions.of_own(tok), 2, lambda encoded, tag: None)
 for _ in range(4):
     pool.submit(encode_text, ["a b"], [True], 0, "<u2", tag=None)
 pool.drain()

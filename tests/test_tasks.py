@@ -12,13 +12,13 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
+from minillm.data.conventions import Conventions
 from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.task_format import ExactMatch, MultipleChoice, Task, read_task
 from minillm.infer.task_scoring import (
     answer_matches,
-    chat_prompt_ids,
     choice_ids,
     encode_multiple_choice,
     extract_number,
@@ -163,7 +163,7 @@ def test_chat_prompt_follows_the_template() -> None:
     eot = eot_id(tok)
     names = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
     t = {name: tok.token_to_id(name) for name in names}
-    ids = chat_prompt_ids(tok, (("system", "Be brief."), ("user", "Speak, speak.")), "t.jsonl")
+    ids = Conventions.of_own(tok).chat_prompt((("system", "Be brief."), ("user", "Speak, speak.")))
     assert eot not in ids  # a conversation starts at position 0, as apply_chat_template's
     assert ids == [
         *[t["<|system|>"], *enc(tok, "Be brief."), t["<|end|>"]],
@@ -179,7 +179,7 @@ def test_exact_match_scores_greedy_replies_to_the_end_token(run) -> None:
     questions = ["Speak, speak.", "Who is there?", "Grüße aus Köln", "hear me", "All:"]
     examples = []
     for i, q in enumerate(questions):
-        prompt = chat_prompt_ids(tok, (("user", q),), "t.jsonl")
+        prompt = Conventions.of_own(tok).chat_prompt((("user", q),))
         params = SamplingParams.greedy(6, stop_ids=frozenset([end]))
         (reply,) = generate(model, [prompt], params, vocab_limit=tok.get_vocab_size())
         stop = [k for k, t in enumerate(reply) if t in (end, eot)]
@@ -188,7 +188,7 @@ def test_exact_match_scores_greedy_replies_to_the_end_token(run) -> None:
         answer = f"  {text}\n" if i % 2 == 0 else text + " no"
         examples.append(ExactMatch((("user", q),), answer, i + 1))
     task = Task("em", Path("em.jsonl"), "exact_match", examples)
-    got = score_exact_match(model, tok, task, batch_size=2, max_new_tokens=6)
+    got = score_exact_match(model, Conventions.of_own(tok), task, batch_size=2, max_new_tokens=6)
     assert got == {"exact_match": 3 / 5, "examples": 5}
 
 
@@ -200,7 +200,7 @@ def test_replies_cut_to_the_context_say_what_and_whether_it_matters_once(run) ->
     _, model = run
     tok = chat_tokenizer()
     long_q = "Speak, speak. " * 3
-    prompt_tokens = len(chat_prompt_ids(tok, (("user", long_q),), "t.jsonl"))
+    prompt_tokens = len(Conventions.of_own(tok).chat_prompt((("user", long_q),)))
     room = model.cfg.max_seq_len - prompt_tokens + 1
     short, too_long = "hear me", "Who is there? " * 10
     n_long = len(tok.encode(too_long).ids) + 1
@@ -209,7 +209,9 @@ def test_replies_cut_to_the_context_say_what_and_whether_it_matters_once(run) ->
     task = Task("em", Path("em.jsonl"), "exact_match", examples)
     err, noted = io.StringIO(), set()
     for _ in range(2):
-        score_exact_match(model, tok, task, 2, 200, err=err, limit_name="x.limit", noted=noted)
+        score_exact_match(
+            model, Conventions.of_own(tok), task, 2, 200, err=err, limit_name="x.limit", noted=noted
+        )
     head = (
         f"note: em: replies limited to {room} tokens, not x.limit=200: the longest prompt "
         f"(line 1, {prompt_tokens} tokens) leaves {room} of the model's "
@@ -224,7 +226,7 @@ def test_replies_cut_to_the_context_say_what_and_whether_it_matters_once(run) ->
         [*examples, ExactMatch((("user", "?"),), too_long, 3)],
     )
     err = io.StringIO()
-    score_exact_match(model, tok, task, 2, 200, err=err, limit_name="x.limit")
+    score_exact_match(model, Conventions.of_own(tok), task, 2, 200, err=err, limit_name="x.limit")
     assert err.getvalue() == (
         f"{head}; 1 of 3 answers need more (up to {n_long} tokens with <|end|>): their replies "
         "are cut and scored wrong\n"
@@ -243,7 +245,7 @@ def test_eval_exact_match_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     tok = load_checkpoint(run_dir).tokenizer
     end, eot = tok.token_to_id("<|end|>"), eot_id(tok)
     messages = (("system", "Be brief."), ("user", "Speak, speak."))
-    prompt = chat_prompt_ids(tok, messages, "t.jsonl")
+    prompt = Conventions.of_own(tok).chat_prompt(messages)
     params = SamplingParams.greedy(cfg.sample.max_new_tokens, stop_ids=frozenset([end]))
     (reply,) = generate(model, [prompt], params, vocab_limit=tok.get_vocab_size())
     stop = [k for k, t in enumerate(reply) if t in (end, eot)]

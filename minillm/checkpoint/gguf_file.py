@@ -1,8 +1,8 @@
 """GGUF files for llama.cpp, Ollama, LM Studio and llama-cpp-python: `export --format gguf`.
 
-Offers `GGUF_DTYPES`, `check_gguf_target`, `modelfile_path`, `llama_cpp_pre_tokenizer`,
-`gguf_vocab`, `gguf_arch`, `gguf_tensors`, `modelfile_text` and `export_gguf` (what the command
-runs).
+Offers `GGUF_DTYPES`, `check_gguf_target`, `modelfile_path`, `gguf_arch`, `gguf_tensors`,
+`modelfile_text` and `export_gguf` (what the command runs); the tokenizer's part of the file is
+minillm.checkpoint.gguf_tokens.
 
 The file is written with gguf-py, the llama.cpp project's own writer, the way its
 `convert_hf_to_gguf.py` writes a `LlamaForCausalLM`, except that the tokenizer is described
@@ -20,30 +20,31 @@ take them as they are. RoPE scaling: linear and yarn as llama.cpp's rope.scaling
 the `rope_freqs` tensor of per-frequency divisors; what llama.cpp cannot compute (dynamic NTK, a
 sliding window shorter than the context, YaRN without truncation) is one error line naming the
 key, and nothing written.
-Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries the chat template in Go form.
+Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries minillm's chat template in Go
+form (a published model's Jinja template Ollama takes from the file) and the stop tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from minillm.checkpoint.gguf_tokens import (
+    GgufSpecials,
+    gguf_specials,
+    gguf_vocab,
+)
 from minillm.checkpoint.hf_export import check_not_over_source
 from minillm.config import ModelConfig, SampleConfig
 from minillm.errors import CheckpointError, UserError
 from minillm.runtime.files import StagedFile, fsync_dir, fsync_file
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
-# llama.cpp's name for GPT-2's pre-tokenizer regex, the one minillm's ByteLevel(use_regex=True)
-# applies (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
-GPT2_PRE_TOKENIZER = "gpt-2"
 Q8_0_BLOCK = 32  # q8_0 quantises rows in blocks of 32 values
 
 
@@ -69,95 +70,6 @@ def check_gguf_target(
             raise UserError(f"{path}: is a folder; choose another --out")
         if path.exists() and not force:
             raise UserError(f"{path}: exists (pass --force to replace it)")
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-
-def llama_cpp_pre_tokenizer(tokenizer: dict[str, Any], where: str) -> str:
-    """The llama.cpp pre-tokenizer name that splits text as `tokenizer` (tokenizer.json, parsed)
-    does, or a CheckpointError `where: key: what` naming the part llama.cpp cannot reproduce.
-
-    llama.cpp's byte-level BPE (`gpt2` model) has no normalizer, no prefix space, no dropout,
-    byte fallback or word prefixes/suffixes, and applies every merge (no `ignore_merges`).
-    """
-
-    def refuse(key: str, what: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {key}: {what}; llama.cpp has no equivalent, not exported")
-
-    model = tokenizer.get("model") or {}
-    if model.get("type") != "BPE":
-        raise refuse("model.type", f"{model.get('type')!r} is not a byte-level BPE")
-    for key in ("dropout", "byte_fallback", "continuing_subword_prefix", "end_of_word_suffix"):
-        if model.get(key):
-            raise refuse(f"model.{key}", f"{model[key]!r}")
-    if model.get("ignore_merges"):
-        raise refuse("model.ignore_merges", "true (llama.cpp's gpt-2 split applies every merge)")
-    if tokenizer.get("normalizer") is not None:
-        kind = tokenizer["normalizer"].get("type")
-        raise refuse("normalizer", f"a {kind} normalizer")
-    pre = tokenizer.get("pre_tokenizer") or {}
-    if pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
-        raise refuse("pre_tokenizer", f"{json.dumps(pre, sort_keys=True)} is not GPT-2's split")
-    if pre.get("add_prefix_space"):
-        raise refuse("pre_tokenizer.add_prefix_space", "true")
-    if (tokenizer.get("decoder") or {}).get("type") != "ByteLevel":
-        raise refuse("decoder", f"{json.dumps(tokenizer.get('decoder'))} is not ByteLevel")
-    post = tokenizer.get("post_processor")
-    if post is not None and post.get("type") != "ByteLevel":  # e.g. a template adding tokens
-        raise refuse("post_processor", f"a {post.get('type')} post-processor")
-    return GPT2_PRE_TOKENIZER
-
-
-@dataclass
-class GgufVocab:
-    """The tokenizer as GGUF stores it: one token and type per embedding row, and the merges."""
-
-    tokens: list[str]
-    types: list[int]  # gguf.TokenType values
-    merges: list[str]  # "left right", in priority order
-    pre: str  # tokenizer.ggml.pre
-
-
-def gguf_vocab(tok: Any, vocab_size: int, where: str) -> GgufVocab:
-    """Tokens, types and merges of a `tokenizers.Tokenizer` for `vocab_size` embedding rows.
-
-    Special tokens are CONTROL (llama.cpp never produces them from text unless asked to parse
-    specials, as ours never does), other added tokens USER_DEFINED, and the rows past the
-    tokenizer (a padded embedding table) unused `[PAD<i>]` tokens, as convert_hf_to_gguf.py does.
-    """
-    from gguf import TokenType
-    from tokenizers import pre_tokenizers
-
-    spec = json.loads(tok.to_str())
-    pre = llama_cpp_pre_tokenizer(spec, where)
-    vocab = tok.get_vocab(with_added_tokens=True)
-    missing = sorted(set(pre_tokenizers.ByteLevel.alphabet()) - vocab.keys())
-    if missing:  # llama.cpp looks every byte up as a token and stops on an unknown one
-        raise CheckpointError(
-            f"{where}: model.vocab: lacks {len(missing)} of the 256 byte tokens "
-            f"(e.g. {missing[0]!r}); llama.cpp's byte-level BPE needs all of them, not exported"
-        )
-    added = {t["id"]: t for t in spec.get("added_tokens", [])}
-    by_id = {i: s for s, i in vocab.items()}
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in by_id:
-            tokens.append(f"[PAD{i}]")
-            types.append(TokenType.UNUSED)
-            continue
-        tokens.append(by_id[i])
-        if i in added:
-            types.append(TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED)
-        else:
-            types.append(TokenType.NORMAL)
-    merges = []
-    for m in spec["model"].get("merges", []):
-        pair = m.split(" ") if isinstance(m, str) else list(m)  # tokenizers < 0.20: "a b"
-        if len(pair) != 2 or any(" " in p or not p for p in pair):
-            raise CheckpointError(f"{where}: model.merges: {m!r} cannot be written as 'a b'")
-        merges.append(" ".join(pair))
-    return GgufVocab(tokens, [int(t) for t in types], merges, pre)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -289,16 +201,23 @@ OLLAMA_CHAT_TEMPLATE = (
 
 
 def modelfile_text(
-    gguf_name: str, stops: list[str], sample: SampleConfig, context: int, chat: bool
+    gguf_name: str, ids: GgufSpecials, sample: SampleConfig, context: int, own: bool
 ) -> str:
     """An Ollama Modelfile for the .gguf beside it: the template, stop tokens, context and the
-    run's sampling defaults (`ollama create NAME -f FILE.Modelfile`)."""
-    template = OLLAMA_CHAT_TEMPLATE if chat else "{{ .Prompt }}"
+    run's sampling defaults (`ollama create NAME -f FILE.Modelfile`).
+
+    minillm's own chat template is written in Go (OLLAMA_CHAT_TEMPLATE). A published model's
+    Jinja template is not translated: the Modelfile names none, and `ollama create` takes the
+    file's tokenizer.chat_template, which it matches to its own template of that family."""
+    if own:
+        template: str | None = OLLAMA_CHAT_TEMPLATE if ids.template else "{{ .Prompt }}"
+    else:
+        template = None if ids.template else "{{ .Prompt }}"
     lines = [
         "# Ollama: ollama create NAME -f THIS_FILE, then ollama run NAME (written by minillm)",
         f"FROM ./{gguf_name}",
-        f'TEMPLATE """{template}"""',
-        *(f'PARAMETER stop "{s}"' for s in stops),
+        *([f'TEMPLATE """{template}"""'] if template is not None else []),
+        *(f'PARAMETER stop "{s}"' for s in ids.stops),
         # Past the trained context RoPE positions are unseen; Ollama's default may be longer.
         f"PARAMETER num_ctx {context}",
         f"PARAMETER temperature {sample.temperature:g}",
@@ -347,15 +266,13 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
     import gguf
 
     from minillm import __version__
-    from minillm.data.chat_template import END, HF_CHAT_TEMPLATE
-    from minillm.data.tokenizer import EOT, eot_id
 
     out = Path(out)
     check_gguf_target(out, force, ckpt.path, dtype)
     cfg, m = ckpt.config, ckpt.config.model
     where = str(ckpt.path / "tokenizer.json")
     vocab = gguf_vocab(ckpt.tokenizer, m.vocab_size, where)  # before anything is written
-    eot, end = eot_id(ckpt.tokenizer), ckpt.tokenizer.token_to_id(END)
+    ids = gguf_specials(ckpt, where)
     state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
     arch = gguf_arch(m)  # before anything is written: an option llama.cpp lacks is refused
     tensors = gguf_tensors(state, m, dtype)
@@ -393,17 +310,20 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_token_list(vocab.tokens)
         w.add_token_types(vocab.types)
         w.add_token_merges(vocab.merges)
-        # End-of-text separates documents: it is what a fresh document follows (bos), what ends
-        # one (eos) and the padding, as in the HF export. Nothing is added to a prompt itself:
-        # `minillm chat` adds nothing, `minillm sample` puts end-of-text first by id.
-        w.add_bos_token_id(eot)
-        w.add_eos_token_id(eot)
-        w.add_pad_token_id(eot)
-        w.add_add_bos_token(False)
-        w.add_add_eos_token(False)
-        if end is not None:  # the chat tokens: a reply ends at <|end|>
-            w.add_eot_token_id(end)
-            w.add_chat_template(HF_CHAT_TEMPLATE)
+        # The model's special ids (gguf_tokens.gguf_specials): minillm's own end-of-text as bos,
+        # eos and pad, or a published model's own, and its BOS added where its tokenizer adds it.
+        for add, value in (
+            (w.add_bos_token_id, ids.bos),
+            (w.add_eos_token_id, ids.eos),
+            (w.add_pad_token_id, ids.pad),
+            (w.add_eot_token_id, ids.eot),
+        ):
+            if value is not None:
+                add(value)
+        w.add_add_bos_token(ids.add_bos)
+        w.add_add_eos_token(ids.add_eos)
+        if ids.template is not None:
+            w.add_chat_template(ids.template)
         # The run's sampling defaults, which recent llama.cpp builds take when the user sets none.
         w.add_sampling_temp(cfg.sample.temperature)
         w.add_sampling_top_k(cfg.sample.top_k)
@@ -415,8 +335,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.write_tensors_to_file()
         w.close()
         fsync_file(staged.tmp)
-        stops = [END, EOT] if end is not None else [EOT]
-        text = modelfile_text(out.name, stops, cfg.sample, m.max_seq_len, chat=end is not None)
+        text = modelfile_text(out.name, ids, cfg.sample, m.max_seq_len, own=ckpt.conventions.own)
         modelfile = StagedFile.text(modelfile_path(out), text)
         check_gguf_target(out, force, ckpt.path, dtype)  # again: someone may have written since
         staged.commit()

@@ -10,7 +10,12 @@ An exported folder holds config.json, model.safetensors (HF names), tokenizer.js
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. With the chat tokens,
 tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids)
-and generation stops at `<|end|>` as well as at end-of-text. The class is the family that
+and generation stops at `<|end|>` as well as at end-of-text. A published model's tokenizer (a
+fine-tune of its folder, or the folder itself; minillm.data.conventions) is exported as the model
+has it: its tokenizer.json and companion files (chat template, special tokens) copied as they
+are, its bos, eos (a list where it has one) and pad in config.json and generation_config.json
+(minillm.checkpoint.model_tokens), so that the folder's `apply_chat_template` and `generate`
+are the original's. The class is the family that
 computes the model (minillm.model.hf_names.hf_model_type): LlamaForCausalLM, Qwen3ForCausalLM
 (qk_norm), Qwen2ForCausalLM (attention_bias), MistralForCausalLM (sliding_window) or, with
 `model.n_experts`, MixtralForCausalLM.
@@ -30,7 +35,9 @@ from minillm.checkpoint.layout import (
     HF_WEIGHTS_FILE,
     TOKENIZER_FILE,
 )
+from minillm.checkpoint.model_tokens import ModelTokens, model_tokens
 from minillm.config import SampleConfig
+from minillm.data.jinja_chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from minillm.errors import UserError
 from minillm.model.hf_names import hf_config_dict, to_hf_state_dict
 from minillm.runtime.files import commit_dir, save_safetensors
@@ -80,23 +87,46 @@ def generation_config(
     sample: SampleConfig, eot_id: int, end_id: int | None = None
 ) -> dict[str, Any]:
     """generation_config.json: the run's `sample` defaults, stopping at end-of-text (and at
-    `<|end|>`, the end of a chat turn, when the tokenizer has it).
+    `<|end|>`, the end of a chat turn, when the tokenizer has it)."""
+    return {
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id if end_id is None else [eot_id, end_id],
+        "pad_token_id": eot_id,
+        **sampling_config(sample),
+    }
+
+
+def sampling_config(sample: SampleConfig) -> dict[str, Any]:
+    """generation_config.json's sampling keys for a run's `sample` section.
 
     It sets max_new_tokens, not max_length: transformers warns when a caller's max_new_tokens
     meets a max_length from the folder.
     """
-    out: dict[str, Any] = {
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id if end_id is None else [eot_id, end_id],
-        "pad_token_id": eot_id,
-        "max_new_tokens": sample.max_new_tokens,
-    }
+    out: dict[str, Any] = {"max_new_tokens": sample.max_new_tokens}
     if sample.temperature > 0:
         out.update(do_sample=True, temperature=sample.temperature, top_p=sample.top_p)
         out["top_k"] = sample.top_k  # 0 = off, in HF as here
     else:
         out["do_sample"] = False
     return out
+
+
+def published_generation_config(
+    tokens: ModelTokens, sample: SampleConfig, from_run: bool
+) -> dict[str, Any]:
+    """generation_config.json of a published model's export: its own (eos list, bos, pad and
+    every other key kept), with a run's `sample` section as the sampling defaults (a folder
+    exported as it is keeps its own, which are what minillm read as its `sample`)."""
+    gen = {k: v for k, v in tokens.generation.items() if k != "_from_model_config"}
+    ids = {"bos_token_id": tokens.bos, "pad_token_id": tokens.pad}
+    gen.update({k: v for k, v in ids.items() if v is not None})
+    if tokens.eos:
+        gen["eos_token_id"] = tokens.eos[0] if len(tokens.eos) == 1 else tokens.eos
+    if from_run:
+        for key in ("do_sample", "temperature", "top_p", "top_k", "max_length", "max_new_tokens"):
+            gen.pop(key, None)
+        gen.update(sampling_config(sample))
+    return gen
 
 
 def check_export_target(out: str | Path, force: bool, source: str | Path | None = None) -> None:
@@ -141,16 +171,11 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
 
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
     """
-
-    from minillm.data.chat_template import END
-    from minillm.data.tokenizer import EOT, eot_id, special_tokens
-
     out = Path(out)
     check_export_target(out, force, ckpt.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = ckpt.config
-    eot = eot_id(ckpt.tokenizer)
-    specials = {name: ckpt.tokenizer.token_to_id(name) for name in special_tokens(ckpt.tokenizer)}
+    tokens = model_tokens(ckpt)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -158,20 +183,69 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
         tensors = to_hf_state_dict(state, cfg.model)
         save_safetensors(tensors, tmp / HF_WEIGHTS_FILE, metadata={"format": "pt"})
-        files: dict[str, Any] = {
-            HF_CONFIG_FILE: hf_config_dict(
-                cfg.model, bos_id=eot, eos_id=eot, router_aux_loss_coef=cfg.train.moe_aux_loss
-            ),
-            "tokenizer_config.json": hf_tokenizer_config(EOT, eot, cfg.model.max_seq_len, specials),
-            "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
-            HF_GENERATION_FILE: generation_config(cfg.sample, eot, specials.get(END)),
-        }
+        if ckpt.conventions.own:
+            files = _own_tokenizer_files(ckpt, tmp)
+            eos: int | list[int] | None = tokens.bos  # end-of-text, as ever
+        else:
+            files = _published_tokenizer_files(ckpt, tmp, tokens)
+            eos = tokens.eos[0] if len(tokens.eos) == 1 else (tokens.eos or None)
+        files[HF_CONFIG_FILE] = hf_config_dict(
+            cfg.model, bos_id=tokens.bos, eos_id=eos, router_aux_loss_coef=cfg.train.moe_aux_loss
+        )
         for name, obj in files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-        ckpt.tokenizer.save(str(tmp / TOKENIZER_FILE))
         check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
         commit_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _own_tokenizer_files(ckpt: Any, tmp: Path) -> dict[str, Any]:
+    """minillm's own tokenizer: tokenizer.json written into `tmp`; returns the JSON files that
+    give transformers its conventions (end-of-text as bos, eos and pad; the chat template)."""
+    from minillm.data.chat_template import END
+    from minillm.data.tokenizer import EOT, eot_id, special_tokens
+
+    tok = ckpt.tokenizer
+    eot = eot_id(tok)
+    specials = {name: tok.token_to_id(name) for name in special_tokens(tok)}
+    tok.save(str(tmp / TOKENIZER_FILE))
+    return {
+        "tokenizer_config.json": hf_tokenizer_config(
+            EOT, eot, ckpt.config.model.max_seq_len, specials
+        ),
+        "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
+        HF_GENERATION_FILE: generation_config(ckpt.config.sample, eot, specials.get(END)),
+    }
+
+
+def _published_tokenizer_files(ckpt: Any, tmp: Path, tokens: ModelTokens) -> dict[str, Any]:
+    """A published model's tokenizer: its own tokenizer.json and companion files (the chat
+    template, the special tokens, tokenizer_config.json) copied into `tmp` as they are, so
+    that AutoTokenizer loads the same tokenizer; returns the JSON files written here (its
+    generation_config.json, and a tokenizer_config.json where it had none)."""
+    from minillm.data.conventions import TOKENIZER_COMPANIONS
+
+    src = ckpt.tokenizer_path
+    if src is not None and src.is_file():
+        shutil.copyfile(src, tmp / TOKENIZER_FILE)
+        for name in TOKENIZER_COMPANIONS:
+            if name != HF_GENERATION_FILE and (src.parent / name).is_file():
+                shutil.copyfile(src.parent / name, tmp / name)
+    else:
+        ckpt.tokenizer.save(str(tmp / TOKENIZER_FILE))
+    files: dict[str, Any] = {
+        HF_GENERATION_FILE: published_generation_config(
+            tokens, ckpt.config.sample, from_run=not ckpt.hf_folder
+        )
+    }
+    if not (tmp / TOKENIZER_CONFIG_FILE).is_file():  # what the conventions used, written down
+        conv = ckpt.conventions
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **conv.special}
+        config["model_max_length"] = ckpt.config.model.max_seq_len
+        if conv.template is not None and not (tmp / CHAT_TEMPLATE_FILE).is_file():
+            config["chat_template"] = conv.template
+        files[TOKENIZER_CONFIG_FILE] = config
+    return files

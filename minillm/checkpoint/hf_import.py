@@ -10,8 +10,9 @@ minillm/model/hf_names.py.
 
 A folder is read only where minillm computes what transformers would: one of those families
 with the options our model has (hf_names says which key is not: another rope_type, sliding
-windows in some layers, an MLP or output bias), and a byte-level BPE tokenizer with
-`<|endoftext|>`; anything else is one CheckpointError or ConfigError naming the file and the key.
+windows in some layers, an MLP or output bias), and a byte-level BPE tokenizer (its special
+tokens, chat template and eos are the model's: minillm.data.conventions); anything else is
+one CheckpointError or ConfigError naming the file and the key.
 """
 
 from __future__ import annotations
@@ -34,26 +35,17 @@ from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, DataConfig, ModelConfig, SampleConfig, TrainConfig
 from minillm.errors import CheckpointError, ConfigError, UserError
 from minillm.model.hf_names import from_hf_state_dict, model_config_from_hf
+from minillm.runtime.files import read_json_object
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
-
-
-def _read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
-    return obj
 
 
 def _read_hf_config(folder: Path) -> dict[str, Any]:
     path = folder / HF_CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {HF_CONFIG_FILE}; not a Hugging Face model folder")
-    return _read_json_object(path)  # model_config_from_hf checks that it is a Llama
+    return read_json_object(path)  # model_config_from_hf checks that it is a Llama
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -174,9 +166,8 @@ def _kinds(node: Any, children: str) -> list[str]:
 def check_hf_tokenizer(tok: Tokenizer, path: Path) -> None:
     """CheckpointError unless minillm applies `tok` as transformers does: a byte-level BPE (what
     minillm trains; `serve` and the GGUF export read a token's bytes through GPT-2's byte
-    alphabet) that has `<|endoftext|>`, which starts every document minillm samples or scores."""
-    from minillm.data.tokenizer import EOT, special_tokens
-
+    alphabet). Its special tokens, template and eos are the model's own
+    (minillm.data.conventions)."""
     spec = json.loads(tok.to_str())
     model = (spec.get("model") or {}).get("type")
     if model != "BPE":
@@ -190,24 +181,20 @@ def check_hf_tokenizer(tok: Tokenizer, path: Path) -> None:
                 f"{path}: {key}: {' + '.join(kinds) or 'none'}, not ByteLevel: a BPE that is not "
                 "byte-level (sentencepiece style); minillm applies only byte-level BPE tokenizers"
             )
-    if tok.token_to_id(EOT) is None:
-        specials = special_tokens(tok)
-        shown = ", ".join(specials[:6]) + (" ..." if len(specials) > 6 else "")
-        raise CheckpointError(
-            f"{path}: no {EOT} token, which minillm puts before every document it samples or "
-            f"scores (this tokenizer's special tokens: {shown or 'none'})"
-        )
 
 
-def _sample_config(folder: Path) -> SampleConfig:
+def _sample_config(folder: Path, context: int) -> SampleConfig:
     """The `sample` defaults of a folder: its generation_config.json as transformers' generate
     reads it (greedy unless do_sample; then temperature 1, top_k 50, top_p 1 where unset), or
-    minillm's defaults where it has none. An exported folder so keeps its run's defaults."""
+    minillm's defaults where it has none. An exported folder so keeps its run's defaults.
+    Without a max_new_tokens, minillm's default, at most half the model's `context` (a reply
+    leaves room for its prompt)."""
     path = folder / HF_GENERATION_FILE
+    room = min(SampleConfig().max_new_tokens, max(1, context // 2))
     if not path.is_file():
-        return SampleConfig()
-    gen = _read_json_object(path)
-    values: dict[str, Any] = {}
+        return SampleConfig(max_new_tokens=room)
+    gen = read_json_object(path)
+    values: dict[str, Any] = {"max_new_tokens": room}
     if gen.get("max_new_tokens") is not None:
         values["max_new_tokens"] = gen["max_new_tokens"]
     if gen.get("do_sample"):
@@ -243,7 +230,7 @@ def read_hf_checkpoint(folder: str | Path) -> tuple[Config, dict[str, torch.Tens
     except UserError as e:
         raise CheckpointError(f"{tok_path}: cannot load the tokenizer ({e})") from None
     check_hf_tokenizer(tokenizer, tok_path)
-    sample = _sample_config(folder)
+    sample = _sample_config(folder, model.max_seq_len)
     try:
         data = DataConfig(
             vocab_size=tokenizer.get_vocab_size(), tokenizer=str(tok_path), out_dir=str(folder)

@@ -4,7 +4,9 @@ Offers `export_peft(ckpt, out, force)`. The folder holds adapter_config.json and
 adapter_model.safetensors under peft's names (`base_model.model.model.layers.N.self_attn.q_proj.
 lora_A.weight`, ... `mlp.down_proj.lora_B.weight`), so that
 `peft.PeftModel.from_pretrained(base, DIR)` puts them on the Hugging Face export of the run's base
-(`minillm export --ckpt BASE --out DIR`) and computes the run's function: the fused wqkv and
+(`minillm export --ckpt BASE --out DIR`), or on the published model's folder itself when the run
+started from one (adapter_config.json names it by its absolute path), and computes the run's
+function: the fused wqkv and
 w_gate_up adapters become peft's per-projection ones exactly (minillm.model.lora).
 """
 
@@ -48,6 +50,17 @@ def adapter_config(lora: Any, base: str, token_ids: list[int] | None = None) -> 
     }
 
 
+def _base_name(lora_base: dict[str, str]) -> str:
+    """adapter_config.json's base_model_name_or_path: train.init_from as given, or, when that is
+    a Hugging Face folder (a published model's), its absolute path, which transformers loads from
+    any folder (AutoPeftModelForCausalLM.from_pretrained(DIR) reads it). A minillm run or
+    checkpoint is named as given: transformers loads its `minillm export`, not the run."""
+    from minillm.checkpoint.layout import is_hf_folder
+
+    abspath = lora_base.get("abspath", "")
+    return abspath if abspath and is_hf_folder(abspath) else lora_base["path"]
+
+
 def export_peft(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     """Write a LoadedCheckpoint's adapters as a peft folder at `out` (temp + rename); a run that
     is not LoRA is a UserError, a non-empty `out` needs force."""
@@ -60,7 +73,7 @@ def export_peft(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     check_export_target(out, force, ckpt.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = ckpt.config
-    base = ckpt.state["lora_base"]["path"]
+    base = _base_name(ckpt.state["lora_base"])
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

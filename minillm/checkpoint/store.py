@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from minillm.config import Config
+    from minillm.data.conventions import Conventions
 
 
 def save_checkpoint(
@@ -92,6 +93,10 @@ def save_checkpoint(
         torch.save(trainer_state, tmp / TRAINER_FILE)
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+            from minillm.data.conventions import copy_companions
+
+            # A published model's chat template, special tokens and eos ids travel with it.
+            copy_companions(Path(tokenizer_file).parent, tmp)
         files = sorted(p.name for p in tmp.iterdir())
         full_state = dict(state, step=step, version=FORMAT_VERSION, saved_at=time.time())
         full_state["files"] = {f: sha256_file(tmp / f) for f in files}
@@ -221,10 +226,16 @@ class LoadedCheckpoint:
     model: torch.nn.Module
     tokenizer: Tokenizer
     state: dict[str, Any]
+    # How the tokenizer is used: minillm's own conventions or the published model's
+    # (minillm.data.conventions): prompts, the chat template, stop tokens.
+    conventions: Conventions
     hf_folder: bool = False  # a Hugging Face folder: no run, no validation shards, no state.json
     # A LoRA run's adapters as trained (`model` holds them merged into the base): for
     # `minillm export --format peft`. None for any other checkpoint.
     adapters: dict[str, torch.Tensor] | None = None
+    # The tokenizer.json the tokenizer was read from; its companion files lie beside it (an
+    # export of a published model's tokenizer copies them).
+    tokenizer_path: Path | None = None
 
 
 def load_checkpoint(
@@ -240,6 +251,7 @@ def load_checkpoint(
     compute as transformers does (another architecture, RoPE scaling, another tokenizer kind).
     """
     from minillm.config import config_from_dict, config_to_dict
+    from minillm.data.conventions import Conventions
     from minillm.data.tokenizer import load_tokenizer
     from minillm.errors import ConfigError
 
@@ -253,7 +265,17 @@ def load_checkpoint(
         cfg, weights, tokenizer = read_hf_checkpoint(path)
         model = _model_from(cfg, weights, str(path), device)
         state = {"config": config_to_dict(cfg)}
-        return LoadedCheckpoint(Path(path), cfg, model, tokenizer, state, hf_folder=True)
+        conventions = Conventions.of(tokenizer, Path(path))
+        return LoadedCheckpoint(
+            Path(path),
+            cfg,
+            model,
+            tokenizer,
+            state,
+            conventions,
+            hf_folder=True,
+            tokenizer_path=Path(cfg.data.tokenizer),
+        )
     ckpt = resolve_checkpoint(path, verify=verify, best=best)
     state = read_state(ckpt)
     check_model_config(ckpt, state)
@@ -274,7 +296,10 @@ def load_checkpoint(
     except UserError as e:
         raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
     _check_vocab(tokenizer, cfg, tok_path)
-    return LoadedCheckpoint(ckpt, cfg, model, tokenizer, state, adapters=adapters)
+    conventions = Conventions.of(tokenizer, tok_path.parent)
+    return LoadedCheckpoint(
+        ckpt, cfg, model, tokenizer, state, conventions, adapters=adapters, tokenizer_path=tok_path
+    )
 
 
 # ------------------------------------------------------------------ LoRA runs

@@ -1,5 +1,5 @@
 """The commands that make a run: `minillm tokenize` (the tokenizer and token shards), `minillm
-train` (the model) and `minillm info` (what a config's model costs, before training it)."""
+train` (the model) and `minillm info` (what a config's model, or a checkpoint's, costs)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from pathlib import Path
 import typer
 
 from minillm.cli.command import Command, print_error, run
-from minillm.cli.options import ConfigArgument, SetOption, load_config
+from minillm.cli.options import (
+    BestOption,
+    ConfigArgument,
+    SetOption,
+    load_ckpt_config,
+    load_config,
+)
 from minillm.cli.root import app
 
 
@@ -65,16 +71,38 @@ def train(
 
 @app.command(cls=Command, short_help="Parameters, FLOPs per token and a memory estimate.")
 def info(
-    config: Path = ConfigArgument,
+    config: Path | None = typer.Argument(
+        None, metavar="[CONFIG]", help="The YAML config (or --ckpt).", show_default=False
+    ),
     set_: list[str] | None = SetOption,
+    ckpt: Path | None = typer.Option(
+        None,
+        "--ckpt",
+        metavar="PATH",
+        help="Instead of CONFIG: a run (its newest checkpoint's config), a checkpoint or a "
+        "Hugging Face folder (its config.json; the rest as a run with train.init_from PATH).",
+    ),
+    best: bool = BestOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Parameters, FLOPs per token and a training-memory estimate (nothing is allocated)."""
+    """Parameters, FLOPs per token and a training-memory estimate (nothing is allocated) of
+    CONFIG's model, or of --ckpt's (a run, a checkpoint or a Hugging Face folder; no weights
+    are read)."""
     from minillm.info import model_info, print_info
 
-    cfg = load_config(config, set_)
+    if (config is None) == (ckpt is None):
+        given = "not both" if ckpt is not None else "one is required"
+        print_error(f"CONFIG or --ckpt PATH: {given} (see `minillm info --help`)")
+        raise typer.Exit(2)
+    if best and ckpt is None:
+        print_error("--best: only with --ckpt (a run directory)")
+        raise typer.Exit(2)
+    if ckpt is not None:
+        cfg, title = load_ckpt_config(ckpt, best, set_)
+    else:
+        cfg, title = load_config(config, set_), str(config)
     result = run(model_info, cfg)
     if as_json:
         print(json.dumps(result))
     else:
-        print_info(result, title=str(config))
+        print_info(result, title=title)

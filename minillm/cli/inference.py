@@ -28,10 +28,12 @@ EVAL_HELP = (
     "A .txt file is one document (no special tokens added); a .jsonl, .json, .parquet or .csv "
     "file is read as `minillm tokenize` reads it (--text-field, default the run's "
     "data.text_field; chat rows through the chat template), documents joined by end-of-text.\n\n"
-    "Every token after the first is predicted exactly once: windows of T = train.seq_len tokens "
-    "start at 0, T, 2T, ...; a window's inputs are tokens i .. i+T-1 and its targets tokens "
-    "i+1 .. i+T, and the last window is shorter. Bits per byte = total NLL / ln 2 / UTF-8 bytes "
-    "of the text; with --max-tokens, the bytes are scaled by the share of tokens "
+    "Every token after the first is predicted exactly once: windows of T tokens start at 0, "
+    "T, 2T, ...; a window's inputs are tokens i .. i+T-1 and its targets tokens i+1 .. i+T, and "
+    "the last window is shorter, read at its own length (no padding). T is --seq-len, default "
+    "the run's train.seq_len (a Hugging Face folder's: its context, max_position_embeddings); "
+    "a text shorter than T is one window of its own length. Bits per byte = total NLL / ln 2 / "
+    "UTF-8 bytes of the text; with --max-tokens, the bytes are scaled by the share of tokens "
     "evaluated."
 )
 
@@ -64,11 +66,19 @@ def eval_(
         metavar="N",
         help="Predict at most N tokens (the first N+1 of the data).",
     ),
+    seq_len: int | None = typer.Option(
+        None,
+        "--seq-len",
+        metavar="N",
+        help="Window length in tokens, at most the model's context (default: the run's "
+        "train.seq_len; a Hugging Face folder's context).",
+    ),
     batch_size: int | None = typer.Option(
         None,
         "--batch-size",
         metavar="B",
-        help="Windows per forward pass; default: the run's train.batch_size.",
+        help="Windows per forward pass; default: the run's train.batch_size (with --seq-len: "
+        "as many windows as hold its tokens).",
     ),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
@@ -123,6 +133,12 @@ def eval_(
     if show < 0:
         print_error(f"--show: must be >= 0, got {show}")
         raise typer.Exit(2)
+    if seq_len is not None and task and data is None:
+        print_error("--seq-len: the loss's windows; with --task and no --data no loss is scored")
+        raise typer.Exit(2)
+    if seq_len is not None and seq_len < 1:  # before the slow load; the model's bound after it
+        print_error(f"--seq-len: must be >= 1, got {seq_len}")
+        raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
     loaded = load_ckpt(ckpt, device, best, quantize)
     result = {}
@@ -135,6 +151,7 @@ def eval_(
             max_tokens=max_tokens,
             batch_size=batch_size,
             progress=True,
+            seq_len=seq_len,
         )
     if tasks:
         result["tasks"] = run(
@@ -251,7 +268,7 @@ def chat(
     quantize: str = QuantizeOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
-    (or <|endoftext|>).
+    (or <|endoftext|>; a published model's: its eos and end of turn), in the model's template.
 
     With --message, print the one reply and exit. From a pipe, each input line is the next user
     turn and each reply is printed on one line.

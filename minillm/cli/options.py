@@ -2,8 +2,8 @@
 
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
 `load_config`); `CkptOption`, `BestOption`, `DeviceOption` and `QuantizeOption` (a checkpoint or
-a Hugging Face folder on a device, in fp32 or int8, read by `load_ckpt`); `TemperatureOption`,
-`TopKOption` and `TopPOption` (`sample` and `chat`).
+a Hugging Face folder on a device, in fp32 or int8, read by `load_ckpt`; its config alone, by
+`load_ckpt_config`); `TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ CkptOption = typer.Option(
     "--ckpt",
     metavar="PATH",
     help="A run directory (its newest intact checkpoint), one checkpoint folder, a run's "
-    "checkpoints/LATEST or checkpoints/BEST, or a Hugging Face LlamaForCausalLM folder "
-    "(config.json, safetensors, tokenizer.json).",
+    "checkpoints/LATEST or checkpoints/BEST, or a Hugging Face folder of Llama, Qwen2, "
+    "Qwen3, Mistral or Mixtral (config.json, safetensors, tokenizer.json; its chat template "
+    "and eos are used).",
     callback=_remember_command,
 )
 BestOption = typer.Option(
@@ -84,6 +85,59 @@ def load_config(path: Path, overrides: list[str] | None, require_model: bool = T
     return run(load_run_config, path, overrides or [], require_model=require_model)
 
 
+def load_ckpt_config(ckpt: Path, best: bool, overrides: list[str] | None) -> tuple[Any, str]:
+    """--ckpt's config without its weights, and what it is (`info --ckpt`; a user error: exit
+    2): a run's (its newest intact checkpoint, with --best the one BEST names) or a
+    checkpoint's resolved config, state.json's; a Hugging Face folder's model, config.json's,
+    with the other sections a run with `train.init_from: FOLDER` would take by default
+    (train.seq_len capped at the model's context). --set overrides train, data and sample."""
+    return run(_ckpt_config, ckpt, best, overrides or [])
+
+
+def _ckpt_config(ckpt: Path, best: bool, overrides: list[str]) -> tuple[Any, str]:
+    import dataclasses
+
+    from minillm.checkpoint.hf_import import hf_model_config
+    from minillm.checkpoint.layout import STATE_FILE, is_hf_folder, read_state, resolve_checkpoint
+    from minillm.checkpoint.store import check_model_config
+    from minillm.config import (
+        ConfigError,
+        TrainConfig,
+        apply_override,
+        config_from_dict,
+        override_keys,
+    )
+    from minillm.errors import CheckpointError
+
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if key.split(".", 1)[0] == "model":
+            raise ConfigError(key, "the model is the checkpoint's (--ckpt)", "--set")
+    if is_hf_folder(ckpt):
+        if best:
+            raise CheckpointError(
+                f"{ckpt}: --best takes a run directory, not a Hugging Face folder"
+            )
+        model = hf_model_config(ckpt)  # config.json alone
+        raw: dict[str, Any] = {
+            "model": dataclasses.asdict(model),
+            "data": {"vocab_size": model.vocab_size},
+            "train": {
+                "seq_len": min(TrainConfig.seq_len, model.max_seq_len),
+                "init_from": str(ckpt),
+            },
+        }
+        where, title = str(ckpt / "config.json"), str(ckpt)
+    else:
+        found = resolve_checkpoint(ckpt, verify=False, best=best)  # the config, not the weights
+        state = read_state(found)
+        check_model_config(found, state)  # state.json's model is the weights' own
+        raw, where, title = state["config"], str(found / STATE_FILE), str(found)
+    for override in overrides:
+        apply_override(raw, override)
+    return config_from_dict(raw, file=where, overridden=override_keys(overrides)), title
+
+
 def load_ckpt(ckpt: Path, device: str, best: bool = False, quantize: str = "none") -> Any:
     """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
     Hugging Face Llama folder, which the command it is given to is first checked to suit; with
@@ -110,7 +164,7 @@ def load_ckpt(ckpt: Path, device: str, best: bool = False, quantize: str = "none
 def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:
     """What the running command needs that a Hugging Face folder lacks, said before the (slow)
     load: `eval` without --data or --task would read the run's validation shards, and a folder
-    has none; `chat` needs minillm's chat tokens, which a folder from elsewhere lacks."""
+    has none; `chat` needs a chat template (the folder's, or minillm's own chat tokens)."""
     from minillm.errors import UserError
 
     if ctx is None:
@@ -122,18 +176,18 @@ def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:
             "pass --data FILE (text or a dataset file) or --task FILE"
         )
     if command == "chat":
-        from tokenizers import Tokenizer
-
-        from minillm.data.tokenizer import CHAT_TOKENS
+        from minillm.data.conventions import Conventions
+        from minillm.data.tokenizer import load_tokenizer
 
         try:
-            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception:  # missing or unreadable: the load says so, naming the file
+            tok = load_tokenizer(folder / "tokenizer.json")
+        except UserError:  # missing or unreadable: the load says so, naming the file
             return
-        missing = [t for t in CHAT_TOKENS if tok.token_to_id(t) is None]
-        if missing:
+        conv = Conventions.of(tok, folder)
+        if conv.own and not conv.has_chat:  # not minillm's run: retraining is no advice
             raise UserError(
-                f"{folder / 'tokenizer.json'}: no {', '.join(missing)}: `minillm chat` talks in "
-                "minillm's chat template, which this model's tokenizer does not have; "
+                f"{folder / 'tokenizer.json'}: no <|system|>, <|user|>, <|assistant|>, <|end|> "
+                "and no chat template: `minillm chat` has no template to talk in; "
                 "`minillm sample` continues text"
             )
+        conv.check_chat(str(folder))

@@ -206,12 +206,14 @@ class DataConfig(Section):
     text_field: str = setting(
         "text",
         help="Column holding the text. A column of [{role, content}, ...] messages (roles "
-        "system, user, assistant) is chat: each message becomes <|role|> + content + <|end|>.",
+        "system, user, assistant) is chat: each message becomes <|role|> + content + <|end|> "
+        "(a published model's tokenizer: its own chat template).",
     )
     loss_on: Literal["auto", "all", "assistant"] = setting(
         "auto",
         help="Which tokens are training targets: all, or (chat data) the assistant turns' tokens "
-        "and their <|end|>. auto = assistant for chat data, all otherwise.",
+        "and their <|end|> (a published template's end of turn). auto = assistant for chat data, "
+        "all otherwise.",
     )
     val_fraction: float = setting(
         0.1, help="Share of documents held out for validation (the tail of a single document)."

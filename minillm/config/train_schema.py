@@ -112,7 +112,9 @@ class GRPOConfig(Section):
         "group's (mean, std). At least 2.",
     )
     max_new_tokens: int = setting(
-        64, help="Longest reply sampled (it stops earlier at <|end|> or <|endoftext|>)."
+        64,
+        help="Longest reply sampled (it stops earlier at the model's stop tokens: <|end|> or "
+        "<|endoftext|>, a published model's eos and end of turn).",
     )
     temperature: float = setting(1.0, help="Sampling temperature of the replies; > 0.")
     clip: float = setting(

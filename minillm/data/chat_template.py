@@ -1,13 +1,12 @@
-"""The chat template, defined once: messages -> token ids and the mask of training targets.
+"""minillm's own chat template: messages -> token ids and the mask of training targets.
 
 Offers `ROLES`, `check_messages` (a bad row is one error line naming file, row and field),
 `chat_ids` (the special-token ids, or a UserError for a tokenizer without them),
-`encode_conversation` (ids + target mask), `encode_prompt` (ids ending in the generation prompt),
-`chat_prompt_ids` (the same from (role, content) pairs, as task files hold them),
-`chat_stop_ids` (the ids a reply stops at: the one set `chat`, `serve`, `eval --task` and GRPO use),
-`HF_CHAT_TEMPLATE` (the same template in Jinja, for an exported tokenizer_config.json),
-`assistant_bytes`, `content_bytes` and `resolve_loss_on` (`data.loss_on`, auto resolved against
-the data).
+`encode_conversation` (ids + target mask), `HF_CHAT_TEMPLATE` (the same template in Jinja, for an
+exported tokenizer_config.json), `assistant_bytes`, `content_bytes` and `resolve_loss_on`
+(`data.loss_on`, auto resolved against the data). Commands reach it through
+minillm.data.conventions, which applies a published model's own template instead where the
+tokenizer is a published model's.
 
 A conversation is, per message, `<|role|>` + content + `<|end|>`; a generation prompt is
 `<|assistant|>`. No newline or space is added: the role and end tokens are special tokens inserted
@@ -16,7 +15,7 @@ Hugging Face's `apply_chat_template` (which splits the rendered text at special 
 same ids. With the loss on the assistant, the targets are each assistant content's tokens and its
 `<|end|>`: the model learns what to answer and when to stop, never what a user says. A reply
 ends at its `<|end|>`, or at `<|endoftext|>` (the end of the document, which a model may emit
-instead).
+instead): the conventions' `stop_ids`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from minillm.data.tokenizer import eot_id
 from minillm.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -94,13 +92,6 @@ def chat_ids(tok: Tokenizer, where: str = "") -> dict[str, int]:
     return ids
 
 
-def chat_stop_ids(tok: Tokenizer, where: str = "") -> frozenset[int]:
-    """{end of turn, end of text}: where a chat reply stops, the end of its turn or of the
-    document. Every chat reply (chat, serve, eval --task, GRPO) stops at this one set; a
-    UserError for a tokenizer without the chat tokens, as chat_ids."""
-    return frozenset([chat_ids(tok, where)["end"], eot_id(tok)])
-
-
 def _content_ids(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     # Quoted special tokens in a content are text (the caller's tokenizer has
     # encode_special_tokens set; minillm.data.tokenizer.load_tokenizer does that).
@@ -119,23 +110,6 @@ def encode_conversation(
         out += [ids[m["role"]], *content, ids["end"]]
         target += [False] + [is_answer] * (len(content) + 1)
     return out, target
-
-
-def encode_prompt(
-    tok: Tokenizer, messages: list[dict[str, str]], ids: dict[str, int] | None = None
-) -> list[int]:
-    """A conversation's ids followed by the generation prompt `<|assistant|>`."""
-    ids = ids or chat_ids(tok)
-    return encode_conversation(tok, messages, ids)[0] + [ids["assistant"]]
-
-
-def chat_prompt_ids(
-    tokenizer: Tokenizer, messages: tuple[tuple[str, str], ...], where: str
-) -> list[int]:
-    """The prompt of (role, content) pairs (an exact-match example, a GRPO prompt): the template
-    `minillm chat` and the export use, ending in the generation prompt <|assistant|>."""
-    ids = chat_ids(tokenizer, where)
-    return encode_prompt(tokenizer, [{"role": r, "content": c} for r, c in messages], ids)
 
 
 def assistant_bytes(messages: list[dict[str, str]]) -> int:

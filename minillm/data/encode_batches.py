@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minillm.data.chat_template import chat_ids
 from minillm.data.corpus import Document
 from minillm.data.encode_pool import EncodePool, encode_chats, encode_text
 from minillm.data.text import split_pieces
+from minillm.errors import warn
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from minillm.data.conventions import Conventions
 
 BATCH_CHARS = 1 << 20  # text per encode batch: enough pieces for every core, ~30 MB of ids
 
@@ -27,12 +27,15 @@ class TextBatches:
 
     A batch's tag for the pool's writer is (split, progress units, bytes): bytes when the bar
     counts bytes (pieces counted in characters, settled at each document's exact bytes), else
-    documents.
+    documents. With `whole` (a published model's tokenizer, whose pre-tokenizer's safe cuts
+    minillm does not know) every document is one piece.
     """
 
-    def __init__(self, split: str, pool: EncodePool, eot: int, dtype: str, by_bytes: bool):
+    def __init__(
+        self, split: str, pool: EncodePool, eot: int, dtype: str, by_bytes: bool, whole: bool
+    ) -> None:
         self.split, self.pool, self.eot, self.dtype = split, pool, eot, dtype
-        self.by_bytes = by_bytes
+        self.by_bytes, self.whole = by_bytes, whole
         self.pieces: list[str] = []
         self.ends: list[bool] = []  # whether a piece is the last of its document
         self.chars = 0
@@ -41,7 +44,8 @@ class TextBatches:
     def add_document(self, doc: Document) -> int:
         """Queue the document's pieces; returns its UTF-8 bytes."""
         nbytes, chars, prev = doc.nbytes, 0, None
-        for piece in split_pieces(doc.blocks()):  # one piece behind, to know which is last
+        pieces = ["".join(doc.blocks())] if self.whole else split_pieces(doc.blocks())
+        for piece in pieces:  # one piece behind, to know which is last
             if prev is not None:
                 self._add(prev, False)
             chars += len(piece)
@@ -77,9 +81,17 @@ class ChatBatches:
     """
 
     def __init__(
-        self, tok: Tokenizer, split: str, pool: EncodePool, eot: int, dtype: str, masked: bool
+        self, conv: Conventions, split: str, pool: EncodePool, eot: int, dtype: str, masked: bool
     ) -> None:
-        chat_ids(tok, "data.tokenizer")  # a tokenizer without the chat tokens: one error, now
+        conv.check_chat("data.tokenizer")  # a tokenizer without a chat template: one error, now
+        if conv.splits_turns and split == "train":
+            token = conv.tok.id_to_token(eot)
+            warn(
+                f"data.tokenizer: {token} ends each reply in this model's chat template and "
+                "ends each document in the shards too, so with train.doc_mask on (the default "
+                "for chat data) a conversation's later turns do not see its earlier ones; for "
+                "multi-turn data set train.doc_mask: false"
+            )
         self.split, self.pool, self.eot, self.dtype, self.masked = split, pool, eot, dtype, masked
         self.batch: list[list[dict[str, str]]] = []
         self.chars = 0

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minillm.data.chat_template import assistant_bytes, chat_ids, content_bytes, encode_conversation
+from minillm.data.chat_template import assistant_bytes, content_bytes
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from minillm.data.conventions import Conventions
 
 
 def default_num_proc(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -82,33 +82,44 @@ class Encoded:
 
 
 def encode_text(
-    tok: Tokenizer, pieces: list[str], ends: list[bool], eot: int, dtype: str
+    conv: Conventions, pieces: list[str], ends: list[bool], eot: int, dtype: str
 ) -> Encoded:
-    """The ids of `pieces`, with the EOT id after each piece that ends a document."""
+    """The ids of `pieces`, with the EOT id after each piece that ends a document. A published
+    model's documents come whole (one piece each) and encode as `tokenizer(text)`, its BOS
+    included; the EOT (its doc_end) follows unless its post-processor wrote it already."""
     start = time.perf_counter()
-    encodings = tok.encode_batch_fast(pieces, add_special_tokens=False)
+    encodings = conv.tok.encode_batch_fast(pieces, add_special_tokens=not conv.own)
     tail = (eot,)
     ids = itertools.chain.from_iterable(
-        itertools.chain(enc.ids, tail) if end else enc.ids for enc, end in zip(encodings, ends)
+        itertools.chain(enc.ids, tail) if end and enc.ids[-1:] != [eot] else enc.ids
+        for enc, end in zip(encodings, ends)
     )
     array = np.fromiter(ids, dtype=np.dtype(dtype))  # no list of all ids
     return Encoded(array, seconds=time.perf_counter() - start)
 
 
 def encode_chats(
-    tok: Tokenizer, conversations: list[list[dict[str, str]]], eot: int, dtype: str, masked: bool
+    conv: Conventions,
+    conversations: list[list[dict[str, str]]],
+    eot: int,
+    dtype: str,
+    masked: bool,
 ) -> Encoded:
     """Conversations through the chat template, each followed by EOT (never a target). With
     `masked` (loss on the assistant) the mask marks the targets; without, there is none."""
     start = time.perf_counter()
-    special = chat_ids(tok, "data.tokenizer")
     ids: list[int] = []
     target: list[bool] = []
     target_bytes = 0
     for messages in conversations:
-        conv_ids, conv_target = encode_conversation(tok, messages, special)
-        ids += [*conv_ids, eot]
-        target += [*conv_target, False]
+        if masked:
+            conv_ids, conv_target = conv.chat_targets(messages)
+        else:  # every token a target: no need to find the replies
+            conv_ids = conv.chat_ids(messages, add_generation_prompt=False)
+            conv_target = [True] * len(conv_ids)
+        tail = [] if conv_ids[-1:] == [eot] else [eot]  # Phi-3's template ends with its eos
+        ids += [*conv_ids, *tail]
+        target += [*conv_target, *[False] * len(tail)]
         target_bytes += assistant_bytes(messages) if masked else content_bytes(messages)
     mask = np.asarray(target, dtype=np.uint8) if masked else None
     array = np.asarray(ids, dtype=np.dtype(dtype))
@@ -117,7 +128,7 @@ def encode_chats(
 
 # ----------------------------------------------------------------------------- workers
 
-_TOKENIZER: Tokenizer | None = None  # a worker's own copy
+_CONVENTIONS: Conventions | None = None  # a worker's own copy
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -128,17 +139,14 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _start_worker(tokenizer_json: str, parent: int) -> None:
+def _start_worker(conv: Conventions, parent: int) -> None:
     # Ctrl-C reaches the whole process group: the main process handles it and stops the pool;
     # a worker that raised KeyboardInterrupt too would only print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core a worker: N workers, N cores
-    from tokenizers import Tokenizer
-
-    global _TOKENIZER
-    _TOKENIZER = Tokenizer.from_str(tokenizer_json)
-    _TOKENIZER.encode_special_tokens = True  # as in the main process
+    global _CONVENTIONS
+    _CONVENTIONS = conv  # unpickled with the tokenizer's settings as in the main process
 
 
 def _quiet_resource_tracker() -> None:
@@ -165,13 +173,14 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 def _in_worker(fn: Callable[..., Encoded], *args: Any) -> Encoded:
-    assert _TOKENIZER is not None
-    return fn(_TOKENIZER, *args)
+    assert _CONVENTIONS is not None
+    return fn(_CONVENTIONS, *args)
 
 
 class EncodePool:
-    """Runs batch functions (`fn(tok, *args) -> Encoded`) on a thread, or in `num_proc` workers,
-    and hands their results to `write(encoded, tag)` in the order they were submitted.
+    """Runs batch functions (`fn(conv, *args) -> Encoded`, conv the tokenizer's conventions)
+    on a thread, or in `num_proc` workers, and hands their results to `write(encoded, tag)`
+    in the order they were submitted.
 
     At most one batch waits on the thread (it encodes while the caller reads the next), or two
     per worker; `submit` writes the oldest results beyond that, `drain` all of them.
@@ -180,8 +189,10 @@ class EncodePool:
     batches still queued are cancelled.
     """
 
-    def __init__(self, tok: Tokenizer, num_proc: int, write: Callable[[Encoded, Any], None]):
-        self.tok, self.num_proc, self.write = tok, num_proc, write
+    def __init__(
+        self, conv: Conventions, num_proc: int, write: Callable[[Encoded, Any], None]
+    ) -> None:
+        self.conv, self.num_proc, self.write = conv, num_proc, write
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="encode")
         self.workers: Executor | None = None
         self.pending: deque[tuple[Future[Encoded], Any]] = deque()
@@ -196,12 +207,12 @@ class EncodePool:
                     self.num_proc,
                     mp_context=multiprocessing.get_context("spawn"),
                     initializer=_start_worker,
-                    initargs=(self.tok.to_str(), os.getpid()),
+                    initargs=(self.conv, os.getpid()),
                 )
             with _main_module_hidden():  # a submit may start a worker
                 future = self.workers.submit(_in_worker, fn, *args)
         else:
-            future = self.thread.submit(fn, self.tok, *args)
+            future = self.thread.submit(fn, self.conv, *args)
         self.pending.append((future, tag))
         limit = 2 * self.num_proc if self.workers is not None else 1
         while len(self.pending) > limit:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from minillm.config import Config
 from minillm.data import shard_staging as staging_mod
 from minillm.data.chat_template import resolve_loss_on
+from minillm.data.conventions import Conventions
 from minillm.data.corpus import Corpus, prefix_keys
 from minillm.data.encode_batches import ChatBatches, TextBatches
 from minillm.data.encode_pool import Encoded, EncodePool, default_num_proc
@@ -48,7 +49,6 @@ from minillm.data.tokenizer import (
     check_not_a_models_tokenizer,
     check_tokenizer,
     check_vocab_size,
-    eot_id,
     load_tokenizer,
     tokenizer_sha256,
 )
@@ -211,7 +211,9 @@ class _Pass:
         start = time.perf_counter()
         num_proc = _num_proc(self.data.num_proc)
         args = (self.writers, self.masks, num_proc, console, resume, self.checkpoint)
-        stats = _encode(self.corpus, self.tok, *args)
+        conv = Conventions.of(self.tok, self._tokenizer_file().parent)
+        self.doc_end = conv.doc_end
+        stats = _encode(self.corpus, conv, *args)
         for w in self._every().values():
             w.finish()
         seconds = time.perf_counter() - start
@@ -221,7 +223,7 @@ class _Pass:
     def commit(self, stats: dict[str, dict[str, Any]]) -> None:
         """meta.json made, and the shards (and a new tokenizer) moved into place."""
         assert self.tok is not None
-        ids = (self.vocab, eot_id(self.tok), self.dtype)
+        ids = (self.vocab, self.doc_end, self.dtype)
         meta = make_meta(self.data, self.corpus.fingerprint, ids, stats, self.writers, self.masks)
         meta.update(chat=self.chat, loss_on=self.loss_on, tokenizer_sha256=self.tok_sha)
         commit(self.staging, self.out_dir, self.tok_path if self.trained else None, meta)
@@ -298,7 +300,7 @@ def _num_proc(configured: int) -> int:
 
 def _encode(
     corpus: Corpus,
-    tok: Tokenizer,
+    conv: Conventions,
     writers: dict[str, ShardWriter],
     masks: dict[str, ShardWriter] | None,
     num_proc: int,
@@ -310,8 +312,7 @@ def _encode(
     seconds, and (chat data) target tokens and the bytes they spell. `masks`: loss on the
     assistant. `resume`: a checkpoint's state, whose documents are skipped; `checkpoint` is
     called every CHECKPOINT_BYTES of text, with every batch before it written."""
-    tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a text is text, not a boundary
-    eot, dtype = eot_id(tok), writers["train"].dtype.str
+    eot, dtype = conv.doc_end, writers["train"].dtype.str
     stats = {s: {"documents": 0, "bytes": 0, "seconds": 0.0} for s in SPLITS}
     skip = start = 0
     if resume is not None:
@@ -341,12 +342,12 @@ def _encode(
             st["target_bytes"] += encoded.target_bytes
         progress.update(progress.done + units, progress.nbytes + nbytes)
 
-    pool = EncodePool(tok, num_proc, write)
+    pool = EncodePool(conv, num_proc, write)
     try:
         batches: dict[str, TextBatches | ChatBatches] = {
-            s: ChatBatches(tok, s, pool, eot, dtype, masks is not None)
+            s: ChatBatches(conv, s, pool, eot, dtype, masks is not None)
             if chat
-            else TextBatches(s, pool, eot, dtype, corpus.unit == "bytes")
+            else TextBatches(s, pool, eot, dtype, corpus.unit == "bytes", not conv.own)
             for s in SPLITS
         }
         since = 0  # text since the last checkpoint

@@ -133,7 +133,8 @@ def special_tokens(tok: Tokenizer) -> list[str]:
 
 def check_tokenizer(tok: Tokenizer, vocab_size: int, path: str | Path) -> None:
     """A reused tokenizer must have the configured size and exactly our special tokens (or only
-    `<|endoftext|>`: a tokenizer from before the chat tokens, fine for plain text)."""
+    `<|endoftext|>`: a tokenizer from before the chat tokens, fine for plain text), unless it is
+    a published model's (`is_published`): then its own special tokens are its conventions."""
     got = tok.get_vocab_size()
     if got != vocab_size:
         owner = _owner(Path(path))
@@ -151,7 +152,9 @@ def check_tokenizer(tok: Tokenizer, vocab_size: int, path: str | Path) -> None:
             str(path),
         )
     specials = special_tokens(tok)
-    if specials not in (list(SPECIAL_TOKENS), list(LEGACY_SPECIAL_TOKENS)):
+    if specials not in (list(SPECIAL_TOKENS), list(LEGACY_SPECIAL_TOKENS)) and not is_published(
+        Path(path)
+    ):
         raise ConfigError(
             "data.tokenizer",
             f"the existing tokenizer's special tokens are {specials}, expected "
@@ -179,6 +182,16 @@ def _owner(tok_path: Path) -> str:
     if (folder / "checkpoints").is_dir() or (folder / "train.lock").exists():
         return "the run"
     return ""
+
+
+def is_published(tok_path: Path) -> bool:
+    """Whether `tok_path` is a published model's tokenizer: a Hugging Face model's (weights
+    beside it) or one with its tokenizer_config.json (a chat template, bos and eos of its own),
+    used as transformers uses it (minillm.data.conventions)."""
+    folder = tok_path.parent
+    return (folder / "tokenizer_config.json").is_file() or _owner(tok_path) == (
+        "the Hugging Face model"
+    )
 
 
 def check_not_a_models_tokenizer(tok_path: Path) -> None:

@@ -1,16 +1,17 @@
-"""`minillm chat`: a conversation with a chat-tuned checkpoint, in the one chat template
-(minillm.data.chat_template).
+"""`minillm chat`: a conversation with a chat-tuned checkpoint, in its chat template (minillm's
+own, or a published model's: minillm.data.conventions).
 
 Offers `Conversation` (the history and one reply at a time), `warn_if_text_model` and
 `chat_checkpoint`, what the command runs: one reply to `--message`, an interactive conversation
 on a terminal, or from a pipe one conversation whose user turns are the input lines, one reply
 each (on one line: its line breaks become spaces, so a reader can pair lines).
 
-A prompt is the conversation so far, rendered by `encode_prompt` and ending in `<|assistant|>`;
-the reply comes from the decoding core (`minillm.infer.engine`) and stops at `<|end|>` or
-`<|endoftext|>` (`chat_stop_ids`, as `minillm serve` and `eval --task`). When the history no
-longer fits the context with room for the reply, the oldest turns are dropped (the system
-message stays). Turn t of a conversation seeded s is a request seeded s + t, so the first
+A prompt is the conversation so far with the template's generation prompt (minillm's own:
+`<|assistant|>`); the reply comes from the decoding core (`minillm.infer.engine`) and stops at
+the model's stop set (minillm's own: `<|end|>` or `<|endoftext|>`; a published model's eos ids
+and end-of-turn token), as `minillm serve` and `eval --task`. When the history no longer fits
+the context with room for the reply, the oldest exchanges are dropped (the system message
+stays). Turn t of a conversation seeded s is a request seeded s + t, so the first
 reply is the one `minillm serve` gives a chat request with the same seed.
 """
 
@@ -22,7 +23,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from minillm.data.chat_template import chat_ids, chat_stop_ids, encode_prompt
 from minillm.errors import UserError, warn
 from minillm.infer.engine import Engine, Event, SamplingParams
 from minillm.infer.sampling import fresh_seed
@@ -59,10 +59,8 @@ class Conversation:
     def __init__(
         self, ckpt: LoadedCheckpoint, params: SamplingParams, system: str | None, err: TextIO
     ) -> None:
-        self.tok = ckpt.tokenizer
-        self.tok.encode_special_tokens = True  # a typed "<|end|>" is text, not a turn
-        where = f"{ckpt.path}: --ckpt"
-        self.ids = chat_ids(self.tok, where)
+        self.tok, self.conv = ckpt.tokenizer, ckpt.conventions
+        self.conv.check_chat(f"{ckpt.path}: --ckpt")
         params = params.resolve(ckpt.config.sample)
         self.context = ckpt.model.cfg.max_seq_len
         if params.max_new_tokens >= self.context:
@@ -73,7 +71,7 @@ class Conversation:
         if params.seed is None and params.temperature > 0:
             params = dataclasses.replace(params, seed=fresh_seed())
             print(f"seed {params.seed} (pass --seed to repeat these replies)", file=err)
-        self.params = dataclasses.replace(params, stop_ids=chat_stop_ids(self.tok, where))
+        self.params = dataclasses.replace(params, stop_ids=self.conv.stop_ids)
         self.engine = Engine(ckpt.model, self.tok)
         self.system = system
         self.turns = 0
@@ -88,13 +86,15 @@ class Conversation:
         """The prompt ids, dropping the oldest turns (not the system message) until they fit."""
         room = self.context - self.params.max_new_tokens + 1  # the last token needs no slot
         while True:
-            ids = encode_prompt(self.tok, self.messages, self.ids)
+            ids = self.conv.chat_ids(self.messages, add_generation_prompt=True)
             if len(ids) <= room:
                 return ids
             first = 1 if self.messages[0]["role"] == "system" else 0
             if len(self.messages) - first <= 1:  # only the new message is left: cut its head
                 return ids[-room:]
             del self.messages[first]
+            while len(self.messages) - first > 1 and self.messages[first]["role"] == "assistant":
+                del self.messages[first]  # a conversation starts with a user turn
 
     def reply(self, text: str, out: TextIO | None = None) -> str:
         """Add the user's `text`, generate the answer (streamed to `out`), keep it; return it."""

@@ -7,9 +7,13 @@ Offers `evaluate_tokens(model, ids, seq_len, batch_size, device) -> (total_nll, 
 Every token after the first is predicted exactly once: windows of T tokens start at 0, T, 2T, ...
 (inputs ids[i:i+T], targets ids[i+1:i+T+1], the last window shorter), the window logic of
 `minillm.data.eval_batches`. T is the run's train.seq_len, the context the model was trained on
-and the one the trainer's val/loss uses, so `minillm eval` reproduces it. Bits per byte divide
-the total negative log-likelihood by ln 2 and by the UTF-8 bytes of the text: unlike loss per
-token, that compares models with different tokenizers.
+and the one the trainer's val/loss uses, so `minillm eval` reproduces it; a Hugging Face folder's
+is its whole context (max_position_embeddings), and `--seq-len` chooses another, up to the
+model's context. The last, shorter window is forwarded at its own length, never padded to T: a
+text shorter than the context is one forward of its own length, what transformers' `model(ids,
+labels=ids)` computes, and costs no more. Bits per byte divide the total negative
+log-likelihood by ln 2 and by the UTF-8 bytes of the text: unlike loss per token, that compares
+models with different tokenizers.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from minillm.runtime.files import read_user_text
 from minillm.runtime.progress import Progress
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
     from minillm.checkpoint.store import LoadedCheckpoint
+    from minillm.config import ModelConfig
+    from minillm.data.conventions import Conventions
 
 LN2 = math.log(2.0)
 JSON_KEYS = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
@@ -63,6 +67,7 @@ def evaluate_tokens(
     """
     if isinstance(ids, torch.Tensor):
         ids = ids.cpu().numpy()
+    windows = batches is None
     if batches is not None:
         n_batches = len(batches)
     else:
@@ -84,14 +89,29 @@ def evaluate_tokens(
     try:
         for x, y in batches:
             count += int((y != -100).sum())  # counted on the host: no device sync per batch
-            with autocast or contextlib.nullcontext():
-                _, loss_sum = model(x.to(device), y.to(device), reduction="sum")
-            total += loss_sum.double()
+            for xs, ys in _unpadded(x, y) if windows else [(x, y)]:
+                with autocast or contextlib.nullcontext():
+                    _, loss_sum = model(xs.to(device), ys.to(device), reduction="sum")
+                total += loss_sum.double()
             bar.advance()
     finally:
         bar.close()
         model.train(was_training)
     return float(total), count
+
+
+def _unpadded(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A batch of eval windows (B, T) as forwards without padding: eval_batches pads only the
+    last window of the text, which is then forwarded alone at its length n (its inputs and
+    targets are the first n columns). The padded batch's sums to float rounding (the model is
+    causal: the padding comes after every target), without the padding's cost: the 2,047
+    targets of a 2,048-token text in an 8,192-token context were an 8,192-token forward. A
+    batch whose last row predicts nothing is a distributed rank's placeholder, kept whole."""
+    n = int((y[-1] != -100).sum())
+    if n in (0, y.shape[1]):
+        return [(x, y)]
+    pieces = [(x[:-1], y[:-1])] if len(x) > 1 else []
+    return [*pieces, (x[-1:, :n], y[-1:, :n])]
 
 
 def metrics(total_nll: float, n_predicted: int, n_bytes: float) -> dict[str, Any]:
@@ -132,7 +152,7 @@ def _data_tokens(
     if fmt == "text":
         if text_field is not None:
             raise UserError(f"--text-field: {path} is plain text (one document), not a table")
-        return _file_tokens(path, ckpt.tokenizer, max_tokens)
+        return _file_tokens(path, ckpt.conventions, max_tokens)
     return _table_tokens(path, ckpt, text_field, max_tokens)
 
 
@@ -146,7 +166,6 @@ def _table_tokens(
 
     from minillm.data.sources import open_corpus
     from minillm.data.table import TableCorpus
-    from minillm.data.tokenizer import eot_id
     from minillm.errors import ConfigError
 
     if not path.is_file():
@@ -167,37 +186,34 @@ def _table_tokens(
         flag = {"data.text_field": "--text-field"}.get(e.key, "--data")
         raise UserError(f"{e.file or path}: {flag}: {e.message}") from None
     assert isinstance(corpus, TableCorpus)
-    tok = ckpt.tokenizer
-    tok.encode_special_tokens = True  # as in the shards: a literal "<|endoftext|>" is text
-    eot = eot_id(tok)
+    conv = ckpt.conventions  # as in the shards (minillm.data.conventions)
+    eot = conv.doc_end
     ids: list[int] = []
     n_bytes = 0
     for text in corpus.texts():
         if not text:  # like tokenize: an empty row is no document
             continue
-        ids.extend(tok.encode(text, add_special_tokens=False).ids)
-        ids.append(eot)
+        ids.extend(conv.text_ids(text))
+        if ids[-1] != eot:
+            ids.append(eot)
         n_bytes += len(text.encode("utf-8"))
         if max_tokens is not None and len(ids) > max_tokens + 1:
             break  # enough rows read; the bytes below are scaled to the tokens kept
     return _cap(ids, n_bytes, max_tokens)
 
 
-def _file_tokens(
-    path: Path, tokenizer: Tokenizer, max_tokens: int | None
-) -> tuple[np.ndarray, float]:
-    """Token ids of a text file (one document, no special tokens added) and its UTF-8 bytes."""
+def _file_tokens(path: Path, conv: Conventions, max_tokens: int | None) -> tuple[np.ndarray, float]:
+    """Token ids of a text file (one document, as the shards hold it: minillm's own tokenizer
+    adds no special token, a published model's its BOS) and its UTF-8 bytes."""
     text = read_user_text(path, "file")
-    # The file is one document: a literal "<|endoftext|>" in it is text, as in the shards.
-    tokenizer.encode_special_tokens = True
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    ids = conv.text_ids(text)
     return _cap(ids, len(text.encode("utf-8")), max_tokens)
 
 
 def _val_tokens(ckpt: LoadedCheckpoint, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
     """The run's validation shard, its bytes (scaled to the share used) and a note saying so."""
     from minillm.data.meta import load_meta, open_split
-    from minillm.data.tokenizer import eot_id, tokenizer_sha256
+    from minillm.data.tokenizer import tokenizer_sha256
 
     out_dir = Path(ckpt.config.data.out_dir)
     if not (out_dir / "meta.json").is_file():
@@ -207,7 +223,7 @@ def _val_tokens(ckpt: LoadedCheckpoint, max_tokens: int | None) -> tuple[np.ndar
         )
     meta = load_meta(out_dir)
     tok = ckpt.tokenizer
-    same = meta["eot_id"] == eot_id(tok) and meta["vocab_size"] == tok.get_vocab_size()
+    same = meta["eot_id"] == ckpt.conventions.doc_end and meta["vocab_size"] == tok.get_vocab_size()
     tok_file = Path(ckpt.path) / "tokenizer.json"
     if same and meta.get("tokenizer_sha256") and tok_file.is_file():
         same = tokenizer_sha256(tok_file) == meta["tokenizer_sha256"]
@@ -235,20 +251,27 @@ def evaluate_checkpoint(
     device: torch.device | str | None = None,
     progress: bool = False,
     text_field: str | None = None,
+    seq_len: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a LoadedCheckpoint over its validation shard, or over a file `data` (plain
     text, or a dataset file read through its `text_field`, default the run's data.text_field).
 
-    max_tokens caps the predicted tokens. batch_size defaults to the run's train.batch_size.
-    Returns the `eval --json` object (docs/design.md, "CLI") plus `source`, `seq_len` and
-    `seconds`.
+    max_tokens caps the predicted tokens. seq_len (`--seq-len`): the window length, at most the
+    model's context; default the run's train.seq_len (a Hugging Face folder's: its context).
+    batch_size defaults to the run's train.batch_size, or with seq_len to as many windows as
+    hold the tokens of that batch. Returns the `eval --json` object (docs/design.md, "CLI") plus
+    `source`, `seq_len` (the longest window forwarded) and `seconds`.
     """
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     cfg = ckpt.config
-    seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    if seq_len is None:
+        seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    else:
+        check_seq_len(seq_len, cfg.model)
+        batch_size = batch_size or max(1, cfg.train.batch_size * cfg.train.seq_len // seq_len)
     batch_size = batch_size or cfg.train.batch_size
     # Chat data (a chat run's shard, a jsonl of messages): every conversation on its own.
     chat = chat_eval_data(ckpt, data, seq_len, batch_size, max_tokens, text_field)
@@ -274,8 +297,25 @@ def evaluate_checkpoint(
         ckpt.model, ids, seq_len, batch_size, device, progress=progress, batches=batches
     )
     result = metrics(total, n, n_bytes)
+    if chat is None:  # a text shorter than the window is read in one window of its length
+        seq_len = min(seq_len, n)
     result.update(source=source, seq_len=seq_len, seconds=time.perf_counter() - start)
     return result
+
+
+def check_seq_len(seq_len: int, model: ModelConfig) -> None:
+    """UserError unless `--seq-len` is a window the model reads: 1 .. model.max_seq_len, the
+    context its RoPE tables cover (with rope_scaling, the scaled context: max_position_embeddings,
+    or under dynamic NTK the original length times the factor)."""
+    if seq_len < 1:
+        raise UserError(f"--seq-len must be >= 1, got {seq_len}")
+    if seq_len > model.max_seq_len:
+        scaling = model.rope_scaling.type
+        how = f", with its {scaling} RoPE scaling" if scaling != "none" else ""
+        raise UserError(
+            f"--seq-len: {seq_len} exceeds the model's context of {model.max_seq_len} tokens "
+            f"(model.max_seq_len{how}); pass at most {model.max_seq_len}"
+        )
 
 
 def format_result(result: dict[str, Any]) -> str:

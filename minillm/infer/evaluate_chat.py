@@ -17,12 +17,7 @@ import numpy as np
 import torch
 
 from minillm.data.batches import conversation_batches
-from minillm.data.chat_template import (
-    assistant_bytes,
-    chat_ids,
-    check_messages,
-    encode_conversation,
-)
+from minillm.data.chat_template import assistant_bytes, check_messages
 from minillm.errors import UserError
 
 if TYPE_CHECKING:
@@ -90,7 +85,6 @@ def chat_eval_data(
     the column of messages (--text-field; default the run's data.text_field, else "messages")."""
     from minillm.data.meta import load_meta, open_mask, open_split
 
-    tok = ckpt.tokenizer
     if data is not None:
         path = Path(data)
         field = text_field
@@ -101,11 +95,12 @@ def chat_eval_data(
             rows = _read_rows(path, None)  # a chat run's --data file with a messages column
         if rows is None:
             return None
-        ids = chat_ids(tok, f"{ckpt.path}: --ckpt")
+        conventions = ckpt.conventions
+        conventions.check_chat(f"{ckpt.path}: --ckpt")
         tokens: list[int] = []
         mask: list[bool] = []
         sizes = []
-        eot = tok.token_to_id("<|endoftext|>")
+        eot = conventions.doc_end
         unit = "line" if path.suffix.lower() == ".jsonl" else "row"
         for n, (name, value) in rows:
             try:
@@ -113,7 +108,7 @@ def chat_eval_data(
             except UserError as e:  # the flag the user typed, not the run's config key
                 flagged = str(e).replace(": data.text_field: ", ": --text-field: ", 1)
                 raise UserError(flagged) from None
-            conv, target = encode_conversation(tok, messages, ids)
+            conv, target = conventions.chat_targets(messages)
             tokens += [*conv, eot]
             mask += [*target, False]
             sizes.append(assistant_bytes(messages))

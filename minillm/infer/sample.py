@@ -1,8 +1,8 @@
 """`minillm sample`: continue prompts from a checkpoint on the decoding core.
 
-Offers `read_prompts` (the --prompt and --prompt-file texts), `encode_prompts` (each a fresh
-document, after end-of-text) and `sample_checkpoint`, what the command runs: one row streams its
-text as it comes; several rows run as one batch and are printed in turn.
+Offers `read_prompts` (the --prompt and --prompt-file texts), `encode_prompts` (each the start
+of a document, as the model's conventions write it) and `sample_checkpoint`, what the command
+runs: one row streams its text as it comes; several rows run as one batch and are printed in turn.
 """
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
 from minillm.infer.engine import Engine, Event, Row, SamplingParams
 from minillm.infer.sampling import fresh_seed
+
+if TYPE_CHECKING:
+    from minillm.data.conventions import Conventions
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[str]:
@@ -37,19 +39,21 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[st
     return texts
 
 
-def encode_prompts(tokenizer: Any, texts: list[str], eot: int, context: int) -> list[list[int]]:
-    """Token ids of each prompt after an end-of-text token: every sample is a fresh document.
+def encode_prompts(conv: Conventions, texts: list[str], context: int) -> list[list[int]]:
+    """Token ids of each prompt as the start of a document (minillm's own: after end-of-text;
+    a published model's: `tokenizer(text)`, its BOS included: minillm.data.conventions).
 
-    No texts means one prompt of just end-of-text. A prompt that fills the context is refused.
+    No texts means one prompt of just the document's start. A prompt that fills the context is
+    refused.
     """
     if not texts:
-        return [[eot]]
+        return [conv.empty_prompt()]
     encoded = []
     for i, text in enumerate(texts):
-        ids = [eot, *tokenizer.encode(text, add_special_tokens=False).ids]
+        ids = conv.prompt_ids(text)
         if len(ids) > context:
             raise UserError(
-                f"prompt {i + 1} is {len(ids)} tokens (with the leading end-of-text); the model's "
+                f"prompt {i + 1} is {len(ids)} tokens (with the document's start); the model's "
                 f"context is {context} tokens (model.max_seq_len)"
             )
         encoded.append(ids)
@@ -68,24 +72,21 @@ def sample_checkpoint(
     """Generate from a LoadedCheckpoint (module docstring); unset settings from its `sample`
     section. Returns the texts without their prompts, row j * num_samples + k being sample k
     of prompt j, each the text its prompt gives alone with the same seed. Every row stops at
-    end-of-text (unless ignore_eos) or after max_new_tokens; past the context it slides, with
-    one note on `err`."""
+    the end of the document (a published model's eos set) unless ignore_eos, or after
+    max_new_tokens; past the context it slides, with one note on `err`."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     if num_samples < 1:
         raise UserError(f"--num-samples must be >= 1, got {num_samples}")
-    tok, model = ckpt.tokenizer, ckpt.model
-    # A prompt quoting "<|endoftext|>" means the text, not a document boundary (as in the shards).
-    tok.encode_special_tokens = True
-    eot = eot_id(tok)
+    tok, model, conv = ckpt.tokenizer, ckpt.model, ckpt.conventions
     params = params.resolve(ckpt.config.sample)
     context = model.cfg.max_seq_len
-    prompts = encode_prompts(tok, texts, eot, context)
+    prompts = encode_prompts(conv, texts, context)
     if params.seed is None and params.temperature > 0:
         params = dataclasses.replace(params, seed=fresh_seed())
         print(f"seed {params.seed} (pass --seed to repeat this text)", file=err)
     if not ignore_eos:
-        params = dataclasses.replace(params, stop_ids=frozenset([eot]))
+        params = dataclasses.replace(params, stop_ids=conv.text_stops)
     texts = texts or [""]
     slid: list[Row] = []
 

@@ -4,7 +4,7 @@ Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
 `multiple_choice_metrics`, `score_multiple_choice`; `extract_number`, `answer_matches`,
 `score_exact_match`; `evaluate_tasks` (what `minillm eval --task` runs), `eval_report`,
 `format_tasks` and `format_details`. Task files are read by `minillm.infer.task_format`, an
-exact-match prompt is built by `minillm.data.chat_template.chat_prompt_ids`.
+exact-match prompt is the model's chat template (minillm.data.conventions).
 
 The multiple-choice contract (docs/design.md, "Task files"), so that other tools reproduce the
 numbers: a choice's ids are encode(context) + encode(ending), each encoded alone without special
@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from minillm.data.chat_template import chat_prompt_ids, chat_stop_ids
 from minillm.errors import UserError
 from minillm.infer.conversation import warn_if_text_model
 from minillm.infer.task_format import MultipleChoice, Task
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from minillm.checkpoint.store import LoadedCheckpoint
+    from minillm.data.conventions import Conventions
 
 # A choice: its token ids and how many of the last ones are the ending's (the scored tokens).
 Choice = tuple[list[int], int]
@@ -62,8 +62,9 @@ def choice_ids(tokenizer: Tokenizer, context: str, ending: str, max_len: int) ->
 
 
 def encode_multiple_choice(tokenizer: Tokenizer, task: Task, max_len: int) -> list[list[Choice]]:
-    """Every example's choices, encoded once (the trainer reuses them at each evaluation)."""
-    tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a task's text is text
+    """Every example's choices, encoded once (the trainer reuses them at each evaluation).
+    Special tokens written in a task's text are text for minillm's own tokenizers and tokens
+    for a published model's (as its conventions set `tokenizer`: minillm.data.conventions)."""
     encoded = []
     for ex in task.examples:
         choices = []
@@ -236,7 +237,7 @@ def reply_room_note(
 
 def score_exact_match(
     model: torch.nn.Module,
-    tokenizer: Tokenizer,
+    conv: Conventions,
     task: Task,
     batch_size: int,
     max_new_tokens: int,
@@ -250,8 +251,9 @@ def score_exact_match(
     limit_name: str = "sample.max_new_tokens",
     noted: set[str] | None = None,
 ) -> dict[str, Any]:
-    """exact_match and examples of an exact-match task: greedy replies, stopped at <|end|> or
-    <|endoftext|> (chat_stop_ids).
+    """exact_match and examples of an exact-match task: greedy replies to the prompts the
+    model's chat template writes, stopped at its stop set (conv.stop_ids: minillm's own
+    <|end|> or <|endoftext|>).
 
     With a temperature > 0, `samples` replies per example, sampled on the decoding core
     (sample k of example j seeded from (seed, k), as `minillm sample`): exact_match is then
@@ -266,9 +268,10 @@ def score_exact_match(
     """
     from minillm.infer.engine import Engine, SamplingParams
 
-    where = str(task.path)
-    prompts = [chat_prompt_ids(tokenizer, ex.messages, where) for ex in task.examples]
-    stops = chat_stop_ids(tokenizer, where)
+    tokenizer = conv.tok
+    conv.check_chat(str(task.path))
+    prompts = [conv.chat_prompt(ex.messages) for ex in task.examples]
+    stops = conv.stop_ids
     context = model.cfg.max_seq_len
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     room = context - len(prompts[longest]) + 1
@@ -279,7 +282,9 @@ def score_exact_match(
             f"{context}"
         )
     if max_new_tokens > room:
-        answers = [len(tokenizer.encode(ex.answer).ids) + 1 for ex in task.examples]  # + <|end|>
+        # + the end-of-turn token
+        answers = [len(tokenizer.encode(ex.answer, add_special_tokens=False).ids) + 1
+                   for ex in task.examples]  # fmt: skip
         note = reply_room_note(task, longest, len(prompts[longest]), context, room,
                                f"{limit_name}={max_new_tokens}", answers)  # fmt: skip
         if noted is None or note not in noted:
@@ -364,8 +369,9 @@ def evaluate_tasks(
             )
         else:
             result = score_exact_match(
-                model, tok, task, batch_size, cfg.sample.max_new_tokens, extract_number,
-                progress, details=records, temperature=temperature, samples=samples, seed=seed,
+                model, ckpt.conventions, task, batch_size, cfg.sample.max_new_tokens,
+                extract_number, progress, details=records, temperature=temperature,
+                samples=samples, seed=seed,
             )  # fmt: skip
         if records is not None:
             result["details"] = [{"task": task.name, **r} for r in records]

@@ -280,3 +280,19 @@ def user_jsonl(path: str | Path, what: str = "file") -> Iterator[tuple[int, str,
         except json.JSONDecodeError as e:
             raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
         yield n, where, value
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file ({} where there is none: a folder's optional config files);
+    unreadable, or not an object, is one CheckpointError naming it."""
+    from minillm.errors import CheckpointError
+
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return value

@@ -18,8 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minillm.data.chat_template import chat_ids, chat_stop_ids, encode_prompt
-from minillm.data.tokenizer import eot_id
+from minillm.data.tokenizer import special_tokens
 from minillm.errors import UserError
 from minillm.infer.engine import Event
 from minillm.serve import protocol as P
@@ -36,16 +35,12 @@ class Handler:
     ) -> None:
         self.name, self.engine, self.max_body = name, engine, max_body
         self.api_key = api_key.encode() if api_key else None
-        self.tok = ckpt.tokenizer
-        self.tok.encode_special_tokens = True  # "<|end|>" typed in a message is text
-        self.eot = eot_id(self.tok)
-        # A chat reply stops where `minillm chat`'s does; a completion at end-of-text.
-        self.stops = {"completion": frozenset([self.eot])}
-        try:
-            self.chat_ids: dict[str, int] | None = chat_ids(self.tok)
-            self.stops["chat"] = chat_stop_ids(self.tok)
-        except UserError:
-            self.chat_ids = None  # a tokenizer from before the chat tokens: completions only
+        self.tok, self.conv = ckpt.tokenizer, ckpt.conventions
+        # A chat reply stops where `minillm chat`'s does; a completion where `minillm sample`'s.
+        self.stops = {"completion": self.conv.text_stops, "chat": self.conv.stop_ids}
+        # A `stop` string that names a special token stops at that token (which has no text).
+        ids = {t: self.tok.token_to_id(t) for t in special_tokens(self.tok)}
+        self.special = {t: i for t, i in ids.items() if i is not None}
         cfg = ckpt.config
         self.limits = P.Limits(
             model=name,
@@ -53,6 +48,7 @@ class Handler:
             vocab_size=self.tok.get_vocab_size(),
             max_n=engine.max_batch,
             defaults=cfg.sample,
+            lead=len(self.conv.prompt_ids("")),
         )
         self.text = TokenText(self.tok)
         self.created = R.now()
@@ -82,19 +78,21 @@ class Handler:
         return P.parse_json(b"".join(chunks))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.chat_ids is None:
+        if not self.conv.has_chat:
             raise P.APIError(
                 400,
-                f"`{self.name}` has no chat template (its tokenizer lacks the chat tokens): "
-                "use /v1/completions",
+                f"`{self.name}` has no chat template: use /v1/completions",
                 param="messages",
                 code="no_chat_template",
             )
-        return encode_prompt(self.tok, messages, self.chat_ids)
+        try:
+            return self.conv.chat_ids(messages, add_generation_prompt=True)
+        except UserError as e:  # the template refused the conversation (a role order)
+            raise P.APIError(400, str(e), param="messages", code="invalid_messages") from None
 
     def encode_text(self, text: str) -> list[int]:
-        """A string prompt is a fresh document, after end-of-text, as in `minillm sample`."""
-        return [self.eot, *self.tok.encode(text, add_special_tokens=False).ids]
+        """A string prompt is a fresh document, as in `minillm sample`."""
+        return self.conv.prompt_ids(text)
 
     def _deliver(self, queue: asyncio.Queue, event: Event) -> None:
         """On the engine thread: hand the event to the loop. Events of one step (one per row)
@@ -119,7 +117,12 @@ class Handler:
         def sink(event: Event) -> None:  # on the engine thread
             self._deliver(queue, event)
 
-        params = dataclasses.replace(job.sampling, stop_ids=self.stops[job.kind])
+        named = {self.special[s] for s in job.sampling.stop if s in self.special}
+        params = dataclasses.replace(
+            job.sampling,
+            stop_ids=self.stops[job.kind] | named,
+            stop=tuple(s for s in job.sampling.stop if s not in self.special),
+        )
         try:
             ticket = self.engine.submit(job.prompts, params, job.n, sink)
         except QueueFull as e:

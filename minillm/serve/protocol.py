@@ -70,6 +70,7 @@ class Limits:
     vocab_size: int
     max_n: int
     defaults: SampleConfig = field(default_factory=SampleConfig)
+    lead: int = 1  # leading ids a string prompt is given (end-of-text, or a model's BOS)
 
 
 @dataclass
@@ -327,8 +328,9 @@ def completion_prompts(
 ) -> tuple[list[list[int]], list[str], list[int]]:
     """`prompt` (a string, strings, token ids or lists of them) -> ids and texts.
 
-    A string starts a fresh document, after end-of-text, as in `minillm sample`; token ids are
-    taken as they are (a client that tokenizes, such as lm-evaluation-harness, decides).
+    A string starts a fresh document as in `minillm sample` (minillm's own: after end-of-text;
+    a published model's: `tokenizer(text)`, its BOS included); token ids are taken as they
+    are (a client that tokenizes, such as lm-evaluation-harness, decides).
     Returns the ids, the texts to echo and, per prompt, how many leading ids are not echoed.
     """
     prompt = body.get("prompt")
@@ -345,7 +347,7 @@ def completion_prompts(
         if isinstance(p, str):
             ids.append(encode(p))
             texts.append(p)
-            hidden.append(1)
+            hidden.append(limits.lead)
         elif isinstance(p, list) and p and all(_is_id(t) for t in p):
             bad = [t for t in p if not 0 <= t < limits.vocab_size]
             if bad:

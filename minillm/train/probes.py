@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from minillm.config import Config
-from minillm.data.chat_template import chat_ids
-from minillm.data.tokenizer import eot_id, load_tokenizer
+from minillm.data.conventions import Conventions
+from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.sample import encode_prompts
@@ -35,9 +34,6 @@ from minillm.infer.task_scoring import (
 )
 from minillm.train.monitor import Monitor
 
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
 
 class TrainingProbes:
     """Task scores and samples of the model being trained, logged to TensorBoard and printed."""
@@ -45,12 +41,14 @@ class TrainingProbes:
     def __init__(
         self,
         cfg: Config,
-        tokenizer: Tokenizer,
+        conv: Conventions,
         device: torch.device,
         autocast: contextlib.AbstractContextManager | None = None,
     ) -> None:
         tc = cfg.train
-        self.cfg, self.tokenizer, self.device, self.autocast = cfg, tokenizer, device, autocast
+        tokenizer = conv.tok
+        self.cfg, self.conv, self.tokenizer = cfg, conv, tokenizer
+        self.device, self.autocast = device, autocast
         self.tasks: list[Task] = read_tasks(tc.eval_tasks, key="train.eval_tasks")
         self.noted: set[str] = set()  # the notes of exact-match scoring, each said once a run
         context = cfg.model.max_seq_len
@@ -61,10 +59,10 @@ class TrainingProbes:
         }
         for task in self.tasks:
             if task.kind == "exact_match":
-                chat_ids(tokenizer, f"train.eval_tasks: {task.path}")  # a chat model?
+                conv.check_chat(f"train.eval_tasks: {task.path}")  # a chat model?
         self.prompts: list[list[int]] = []
         if tc.sample_every:
-            self.prompts = encode_prompts(tokenizer, tc.sample_prompts, eot_id(tokenizer), context)
+            self.prompts = encode_prompts(conv, tc.sample_prompts, context)
             longest = max(len(p) for p in self.prompts)
             if longest + tc.sample_max_new_tokens - 1 > context:
                 raise UserError(
@@ -89,7 +87,9 @@ class TrainingProbes:
         tc = cfg.train
         if not tc.eval_tasks and not tc.sample_every:
             return None
-        probes = cls(cfg, load_tokenizer(tokenizer_file), device, autocast)  # checks the files
+        tok = load_tokenizer(tokenizer_file)
+        conv = Conventions.of(tok, Path(tokenizer_file).parent)
+        probes = cls(cfg, conv, device, autocast)  # checks the files
         if sharded and main:
             warn(
                 "train.eval_tasks and train.sample_every are skipped under FSDP (rank 0 "
@@ -114,7 +114,7 @@ class TrainingProbes:
                 model.eval()  # generation refuses live dropout
                 try:
                     result = score_exact_match(
-                        model, self.tokenizer, task, tc.batch_size, tc.sample_max_new_tokens,
+                        model, self.conv, task, tc.batch_size, tc.sample_max_new_tokens,
                         limit_name="train.sample_max_new_tokens", noted=self.noted,
                     )  # fmt: skip
                 finally:
@@ -142,7 +142,6 @@ class TrainingProbes:
         samples/sampled, and printed."""
         tc, sc = self.cfg.train, self.cfg.sample
         start = time.perf_counter()
-        eot = eot_id(self.tokenizer)
         vocab = self.tokenizer.get_vocab_size()
         texts: dict[str, list[str]] = {}
         was_training = model.training
@@ -157,7 +156,7 @@ class TrainingProbes:
                     sc.top_k,
                     sc.top_p,
                     seed=tc.seed,
-                    stop_ids=frozenset([eot]),
+                    stop_ids=self.conv.text_stops,
                 )
                 new = generate(model, self.prompts, params, vocab_limit=vocab)
                 texts[kind] = [self.tokenizer.decode(ids) for ids in new]

@@ -29,6 +29,7 @@ import torch
 
 from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
+from minillm.data.conventions import TOKENIZER_COMPANIONS
 from minillm.errors import UserError, warn
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
@@ -118,9 +119,9 @@ class Trainer:
         )
 
     def _write_run_files(self) -> None:
-        """config.yaml and tokenizer.json, once the loggers are open: a run that cannot open one
-        (wandb without a login) leaves nothing behind; files already as they would be written
-        are left alone (running a finished run again touches none of its files)."""
+        """config.yaml and tokenizer.json (with its companion files), once the loggers are open:
+        a run that cannot open one (wandb without a login) leaves nothing behind; files already
+        as they would be written are left alone (running a finished run again touches none)."""
         if not self.is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +131,12 @@ class Trainer:
             atomic_write_text(config, text)
         if not tok.is_file() or tok.read_bytes() != self.run.tokenizer_file.read_bytes():
             atomic_copy(self.run.tokenizer_file, tok)
+        # A published model's tokenizer_config.json, chat template and generation config.
+        source = self.run.tokenizer_file.parent
+        for name in TOKENIZER_COMPANIONS:
+            src, dst = source / name, self.run_dir / name
+            if src.is_file() and (not dst.is_file() or dst.read_bytes() != src.read_bytes()):
+                atomic_copy(src, dst)
 
     # ------------------------------------------------------------------ one step
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from minillm.config import Config
+from minillm.data.conventions import Conventions
 from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from minillm.errors import UserError
 from minillm.model import Transformer
@@ -72,6 +73,11 @@ class Setup:
     def tokenizer(self) -> Tokenizer:
         """The run's tokenizer, read once (the objectives, LoRA's token rows)."""
         return load_tokenizer(self.tokenizer_file)
+
+    @functools.cached_property
+    def conventions(self) -> Conventions:
+        """How the tokenizer is used: minillm's own chat template or a published model's."""
+        return Conventions.of(self.tokenizer, self.tokenizer_file.parent)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from minillm.data.chat_template import ROLES, chat_ids, encode_conversation
+from minillm.data.chat_template import ROLES
 from minillm.data.corpus import val_mask
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
@@ -47,7 +47,7 @@ from minillm.train.objectives.common import (
 )
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from minillm.data.conventions import Conventions
 
 Messages = list[dict[str, str]]
 
@@ -143,15 +143,13 @@ def read_pairs(path: str | Path) -> list[Pair]:
     return pairs
 
 
-def encode_pair(tok: Tokenizer, pair: Pair, ids: dict[str, int] | None = None) -> EncodedPair:
-    """Each side as prompt + reply through the chat template; targets: the reply's assistant
-    contents and their <|end|>."""
-    ids = ids or chat_ids(tok)
-    prompt = encode_conversation(tok, pair.prompt, ids)[0]
+def encode_pair(conv: Conventions, pair: Pair) -> EncodedPair:
+    """Each side as prompt + reply through the model's chat template; targets: the reply's
+    assistant turns and the end-of-turn token after each (minillm.data.conventions)."""
     sides = []
     for reply in (pair.chosen, pair.rejected):
-        reply_ids, mask = encode_conversation(tok, reply, ids)
-        sides += [prompt + reply_ids, [False] * len(prompt) + mask]
+        ids, mask = conv.reply_targets(pair.prompt, reply)
+        sides += [ids, mask]
     return EncodedPair(*sides)
 
 
@@ -185,13 +183,13 @@ class DPO:
     def __init__(self, setup: Setup) -> None:
         cfg = setup.cfg
         self.cfg, self.dist, self.device = cfg, setup.dist, setup.device
-        tok = setup.tokenizer
-        ids = chat_ids(tok, str(setup.tokenizer_file))
+        conv = setup.conventions
+        conv.check_chat(str(setup.tokenizer_file))
         pairs = read_pairs(cfg.data.source)
         limit = cfg.train.seq_len + 1  # inputs are all tokens but the last
         encoded = []
         for p in pairs:
-            e = encode_pair(tok, p, ids)
+            e = encode_pair(conv, p)
             longest = max(len(e.chosen), len(e.rejected))
             if longest > limit:
                 raise ConfigError(

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from minillm.data.chat_template import chat_prompt_ids, chat_stop_ids
 from minillm.errors import ConfigError
 from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
@@ -136,10 +135,11 @@ class GRPO:
         first = self.task.examples[0]
         score(self.reward, [{"role": r, "content": c} for r, c in first.messages], first.answer,
               first.answer, f"{cfg.data.source}: line {first.line}")  # fmt: skip
-        self.tok = setup.tokenizer
+        self.tok, conv = setup.tokenizer, setup.conventions
         where = str(cfg.data.source)
-        self.stops = chat_stop_ids(self.tok, where)
-        self.prompts = [chat_prompt_ids(self.tok, ex.messages, where) for ex in self.task.examples]
+        conv.check_chat(where)
+        self.stops = conv.stop_ids
+        self.prompts = [conv.chat_prompt(ex.messages) for ex in self.task.examples]
         context = cfg.model.max_seq_len
         for ex, p in zip(self.task.examples, self.prompts, strict=True):
             if len(p) + gc.max_new_tokens > context + 1:

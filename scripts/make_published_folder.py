@@ -1,0 +1,221 @@
+"""Write a stand-in for a published model's Hugging Face folder: what a user would download, built
+here (nothing can be downloaded in tests, CI or the demos).
+
+    python scripts/make_published_folder.py models/standin-chatml --family chatml
+
+A transformers model with random weights (Qwen2ForCausalLM for the ChatML families, else
+LlamaForCausalLM), saved by transformers, and a byte-level BPE tokenizer trained with `tokenizers`
+on the shipped text that carries the family's real special tokens, its post-processor (Llama 3
+and Mistral add their BOS), its chat template (written from the families' documented formats),
+tokenizer_config.json and generation_config.json (Llama 3: two eos ids). Families: `chatml`
+(Qwen2's ChatML), `chatml-marked` (the same with `{% generation %}` markers, for transformers'
+assistant mask), `qwen2.5` (ChatML whose system prompt is a default), `llama3` (headers and
+`<|eot_id|>`), `llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`).
+
+The tests build their folders with `build` (tests/published.py); `make published-demo`
+(README, "Fine-tune a published model") fine-tunes one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = (ROOT / "data" / "tinyshakespeare.txt", ROOT / "data" / "tiny_chat.jsonl")
+EXTRA = "Grüße aus Köln — naïve café, 日本語のテキスト, emoji 🙂🚀, Ελληνικά.\n"
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHATML_MARKED = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QWEN25 = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+LLAMA3_MARKED = (
+    "{% for message in messages %}"
+    "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+    "{% endif %}{% endfor %}"
+)
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                   "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+
+# name -> special tokens, tokenizer_config values, BOS the post-processor adds, template,
+#         generation_config eos names
+FAMILIES: dict[str, dict[str, Any]] = {
+    "chatml": dict(specials=QWEN_SPECIALS, bos=None, template=CHATML,
+                   config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                   eos=["<|im_end|>", "<|endoftext|>"]),
+    "chatml-marked": dict(specials=QWEN_SPECIALS, bos=None, template=CHATML_MARKED,
+                          config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                          eos=["<|im_end|>", "<|endoftext|>"]),
+    "qwen2.5": dict(specials=QWEN_SPECIALS, bos=None, template=QWEN25,
+                    config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                    eos=["<|im_end|>", "<|endoftext|>"]),
+    "llama3": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>", template=LLAMA3,
+                   config=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"),
+                   eos=["<|end_of_text|>", "<|eot_id|>"]),
+    "llama3-marked": dict(specials=LLAMA3_SPECIALS, bos="<|begin_of_text|>",
+                          template=LLAMA3_MARKED,
+                          config=dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"),
+                          eos=["<|end_of_text|>", "<|eot_id|>"]),
+    "mistral": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL,
+                    config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
+                    eos=["</s>"]),
+}  # fmt: skip
+# Model shapes: `tiny` for the tests, `small` (about 2M parameters) for the demo.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+}  # fmt: skip
+
+
+def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
+    """The family's byte-level BPE, trained on the first `text_chars` of the shipped texts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    family = FAMILIES[name]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=family["specials"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = "".join(p.read_text(encoding="utf-8")[:text_chars] for p in TEXTS) + EXTRA * 3
+    tok.train_from_iterator([text], trainer=trainer)
+    bos = family["bos"]
+    if bos is None:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        bos_id = tok.token_to_id(bos)
+        template = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+        # Llama 3's tokenizer.json chains ByteLevel (offsets) and the template; Mistral's has
+        # the template alone.
+        tok.post_processor = (
+            processors.Sequence([processors.ByteLevel(trim_offsets=False), template])
+            if name.startswith("llama3")
+            else template
+        )
+    return tok.to_str()
+
+
+def build(
+    folder: Path,
+    name: str,
+    tokenizer: str,
+    model_class: str | None = None,
+    shape: str = "tiny",
+    seed: int = 3,
+    **config: Any,
+) -> Path:
+    """Write family `name`'s folder: `tokenizer` (tokenizer.json text), a random-weight
+    transformers `model_class` (default: Qwen2 for ChatML, else Llama) of `shape`, the family's
+    tokenizer_config.json (template, bos/eos/pad) and generation_config.json (eos ids, greedy)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    family = FAMILIES[name]
+    model_class = model_class or (
+        "Qwen2ForCausalLM" if name.startswith(("chatml", "qwen")) else "LlamaForCausalLM"
+    )
+    tok = Tokenizer.from_str(tokenizer)
+    eos_ids = [tok.token_to_id(t) for t in family["eos"]]
+    bos = family["bos"] or family["specials"][0]
+    config_class = getattr(transformers, model_class.replace("ForCausalLM", "Config"))
+    values = dict(vocab_size=tok.get_vocab_size() + 16, tie_word_embeddings=False,
+                  **SHAPES[shape])  # fmt: skip
+    hf_cfg = config_class(
+        **{**values, **config}, bos_token_id=tok.token_to_id(bos), eos_token_id=eos_ids
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(hf_cfg).eval()
+    model.generation_config.eos_token_id = eos_ids
+    model.generation_config.do_sample = False
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": family["template"],
+        "model_max_length": hf_cfg.max_position_embeddings,
+        **family["config"],
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the folder to write (must not exist)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="chatml")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    args = parser.parse_args()
+    if args.out.exists():
+        parser.error(f"{args.out}: exists; a published model's folder is never overwritten")
+    tokenizer = tokenizer_json(args.family, args.vocab_size, 200_000)
+    build(args.out, args.family, tokenizer, shape=args.shape)
+    print(f"wrote {args.out} ({args.family}, {args.shape})")
+
+
+if __name__ == "__main__":
+    main()
