@@ -137,6 +137,7 @@ def test_a_batched_int8_step_is_each_row_alone_bit_for_bit() -> None:
             assert torch.equal(batched[r], step([r])[0])
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_alone_in_int8() -> None:
     _, int8 = model_pair()
     prompts = [[1, 5, 9], [7], [3, 3, 3, 3, 3, 40]]
@@ -176,6 +177,7 @@ def engine_greedy(run: Path, prompts: list[str], new: int) -> list[str]:
     return [tok.decode(row) for row in out]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["untied", "tied", "moe"])
 def test_sample_greedy_equals_the_engine_api_and_serve_batched_equals_alone(
     runs: dict[str, Path], shape: str
@@ -201,6 +203,7 @@ def test_sample_greedy_equals_the_engine_api_and_serve_batched_equals_alone(
             assert reply["choices"][0]["text"] == expected
 
 
+@pytest.mark.slow
 def test_eval_and_chat_take_quantize(runs: dict[str, Path]) -> None:
     data = runs["untied"].parent / "held_out.txt"
     data.write_text(SHAKESPEARE.read_text(encoding="utf-8")[-3000:], encoding="utf-8")
