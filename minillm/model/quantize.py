@@ -8,8 +8,9 @@ The kernel is fbgemm's (qnnpack's on ARM) dynamic-quantized linear, `torch.ops.q
 linear_dynamic` on weights packed by `quantized.linear_prepack`: int8 weights, each output row
 with its own scale, times activations quantized to 8 bits per call, int32 accumulation. Measured
 on this project's CPU (README, "int8 inference") it is the one int8 path torch 2.13 offers that is
-faster than fp32 on a CPU: `aten._weight_int8pack_mm` and torchao 0.18's int8 configs in eager
-mode (which run `_int_mm` or that op) were 3-15x slower than `F.linear`. Its status: the op is
+faster than fp32 on a CPU: `aten._weight_int8pack_mm` was 3-20x slower than `F.linear`, and
+torchao 0.18's int8 configs in eager mode 1.2-6x slower (its wheel has no CPU kernels). Its
+status: the op is
 kept, but the eager `torch.ao.quantization` API around it is deprecated (torchao is its
 successor, GPU-first) and so is creating the quantized tensor that packing takes; if a release
 drops them, `int8_kernel_problem` says so and the model runs in fp32 with one warning.
@@ -18,7 +19,9 @@ fbgemm quantizes a call's activations with one scale for the whole tensor, so a 
 would depend on the other rows of the batch (serve's requests, `sample`'s prompts). Here each
 row (token) is first divided by its own max |x| and two columns +1 and -1, multiplied by zero
 weights, pin every row's range to [-1, 1]: the quantization is per token, the same whatever else
-is in the batch (batched == alone, bit for bit), and finer than per tensor.
+is in the batch, and finer than per tensor. (Batched == alone bit for bit also needs the float
+parts before each rounding to be batch-exact: the decoder attends rows of unequal lengths one at
+a time in an int8 model, minillm.model.decode.)
 
 What is quantized: every linear layer of the blocks (attention's wqkv and wo, the SwiGLU's, each
 expert of a mixture of experts) and the output head. The router of an MoE stays fp32 (E rows:
