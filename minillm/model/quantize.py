@@ -10,10 +10,10 @@ with its own scale, times activations quantized to 8 bits per call, int32 accumu
 on this project's CPU (README, "int8 inference") it is the one int8 path torch 2.13 offers that is
 faster than fp32 on a CPU: `aten._weight_int8pack_mm` was 3-20x slower than `F.linear`, and
 torchao 0.18's int8 configs in eager mode 1.2-6x slower (its wheel has no CPU kernels). Its
-status: the op is
-kept, but the eager `torch.ao.quantization` API around it is deprecated (torchao is its
-successor, GPU-first) and so is creating the quantized tensor that packing takes; if a release
-drops them, `int8_kernel_problem` says so and the model runs in fp32 with one warning.
+status: the op is kept, but the eager `torch.ao.quantization` API around it is deprecated
+(torchao is its successor, GPU-first) and so is creating the quantized tensor that packing takes;
+if a release drops them, `int8_kernel_problem` says so and the model runs in fp32 with one
+warning.
 
 fbgemm quantizes a call's activations with one scale for the whole tensor, so a row's result
 would depend on the other rows of the batch (serve's requests, `sample`'s prompts). Here each
