@@ -13,6 +13,16 @@ ceiling on the ratio.
     python scripts/bench_sample.py --threads 1          # steadier on a shared machine
     python scripts/bench_sample.py --shapes medium --threads 1 --rows 8   # + 8 rows at once
 
+--int8 adds minillm with `--quantize int8` (minillm.model.quantize: the same weights, int8 copies
+of the linear layers) and the int8 matrix-vector products alone (its ceiling, as the fp32 one);
+--llama-cpp adds llama.cpp through llama-cpp-python on `minillm export --format gguf --dtype
+q8_0` of the same weights (its own greedy sampler, the same prompt ids and --threads threads, an
+f32 KV cache), the weights saved with a 2,048-token BPE of the shipped Shakespeare (ids past it
+are padding tokens of the GGUF: the random prompt is ids, not text). --rows with --int8 times
+int8's N rows against one too.
+
+    python scripts/bench_sample.py --shapes medium,published --threads 1 --int8 --llama-cpp
+
 --rows N also times minillm's decoding core stepping N rows (N different prompts, one batched
 forward a step) against one row, in the same process: what continuous batching can give
 `minillm serve` at most, before HTTP and prompt prefills between steps.
@@ -25,10 +35,16 @@ ours) suffers less from other processes than the wall-clock one. Compare rows wi
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import transformers
@@ -44,6 +60,17 @@ SHAPES = {
     ),
     "medium": ModelConfig(
         vocab_size=16384, d_model=512, n_layer=8, n_head=8, n_kv_head=4, max_seq_len=512
+    ),
+    # A published model's shape (SmolLM-135M's: 49k vocabulary, tied head, 30 narrow layers).
+    "published": ModelConfig(
+        vocab_size=49152,
+        d_model=576,
+        n_layer=30,
+        n_head=9,
+        n_kv_head=3,
+        ffn_hidden=1536,
+        max_seq_len=512,
+        tie_embeddings=True,
     ),
 }
 
@@ -69,7 +96,49 @@ def time_call(fn: Callable[[], int]) -> tuple[float, float, int]:
     return time.perf_counter() - start, time.process_time() - cpu, n
 
 
-def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeats: int) -> dict:
+def int8_copy(model: Transformer) -> Transformer:
+    """`--quantize int8` of a copy of model (minillm.model.quantize)."""
+    from minillm.model.quantize import quantize_int8
+
+    int8 = copy.deepcopy(model)
+    problem = quantize_int8(int8)
+    if problem is not None:
+        raise SystemExit(f"error: --int8: {problem}")
+    return int8
+
+
+def llama_cpp_q8(model: Transformer, folder: Path, threads: int, n_ctx: int) -> Any:
+    """llama-cpp-python's Llama on `minillm export --format gguf --dtype q8_0` of model."""
+    from llama_cpp import Llama
+
+    from minillm.checkpoint.gguf_file import export_gguf
+    from minillm.config import Config
+    from minillm.data.tokenizer import train_tokenizer
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:300_000]
+    loaded = SimpleNamespace(
+        path=folder,
+        config=Config(model=model.cfg),
+        model=model,
+        tokenizer=train_tokenizer([text], 2048),
+    )
+    gguf = export_gguf(loaded, folder / "model-q8_0.gguf", "q8_0", force=True)
+    return Llama(
+        model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+        type_k=0, type_v=0, verbose=False,
+    )  # fmt: skip
+
+
+def bench_shape(
+    name: str,
+    shape: ModelConfig,
+    prompt_len: int,
+    new: int,
+    repeats: int,
+    int8: bool = False,
+    llama_cpp: bool = False,
+) -> dict:
     ours, hf = build_pair(shape)
     prompt = torch.randint(
         1, shape.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1)
@@ -117,6 +186,50 @@ def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeat
         return new
 
     sides = {"minillm": run_ours, "hf": run_hf, "matvecs": run_matvecs}
+    extra: dict[str, object] = {}
+    if int8:
+        quantized = int8_copy(ours)
+        layers = [
+            m for m in quantized.modules() if type(m).__name__ == "Int8Linear"
+        ]  # every linear layer and the head
+        inputs8 = {m.in_features: torch.randn(1, m.in_features) for m in layers}
+
+        def run_int8() -> int:
+            return len(generate(quantized, [prompt[0].tolist()], SamplingParams.greedy(new))[0])
+
+        @torch.inference_mode()
+        def run_int8_matvecs() -> int:
+            for _ in range(new):
+                for m in layers:
+                    m(inputs8[m.in_features])
+            return new
+
+        sides.update(int8=run_int8, int8_matvecs=run_int8_matvecs)
+        # A long prompt's prefill (the context's whole length, one forward): a matrix product
+        # of T rows, where fp32's sgemm is compute-bound and int8 gains less or loses.
+        long = torch.randint(1, shape.vocab_size, (1, shape.max_seq_len))
+        for label, model in (("prefill_fp32", ours), ("prefill_int8", quantized)):
+
+            @torch.inference_mode()
+            def run_prefill(model: Transformer = model) -> int:
+                model(long, last_only=True)
+                return new
+
+            sides[label] = run_prefill
+        got8 = generate(quantized, [prompt[0].tolist()], SamplingParams.greedy(32))[0]
+        extra["int8_agree"] = next(
+            (i for i, (a, b) in enumerate(zip(got8, got[0])) if a != b), len(got8)
+        )
+    if llama_cpp:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-sample-")
+        llm = llama_cpp_q8(ours, Path(tmp.name), torch.get_num_threads(), prompt_len + new + 8)
+        ids = prompt[0].tolist()
+
+        def run_llama() -> int:
+            llm.reset()
+            return len(list(itertools.islice(llm.generate(ids, temp=0.0), new)))
+
+        sides["llama_cpp"] = run_llama
     for fn in sides.values():
         fn()  # warm-up
     wall: dict[str, list[float]] = {label: [] for label in sides}
@@ -130,7 +243,16 @@ def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeat
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     params = sum(p.numel() for p in ours.parameters())
+    if llama_cpp:
+        llm.close()
+        tmp.cleanup()
+    for label in ("int8", "int8_matvecs", "llama_cpp"):
+        if label in med:
+            extra[label] = new / med[label]
+    if int8:
+        extra["prefill_ms"] = (med["prefill_fp32"] * 1e3, med["prefill_int8"] * 1e3)
     return {
+        **extra,
         "shape": name,
         "params": params,
         "minillm": new / med["minillm"],
@@ -142,9 +264,14 @@ def bench_shape(name: str, shape: ModelConfig, prompt_len: int, new: int, repeat
     }
 
 
-def bench_rows(shape: ModelConfig, prompt_len: int, new: int, repeats: int, rows: int) -> dict:
-    """minillm's decoding core on `rows` prompts at once against the first of them alone."""
+def bench_rows(
+    shape: ModelConfig, prompt_len: int, new: int, repeats: int, rows: int, int8: bool = False
+) -> dict:
+    """minillm's decoding core on `rows` prompts at once against the first of them alone (int8:
+    the model's `--quantize int8` copy)."""
     ours, _ = build_pair(shape)
+    if int8:
+        ours = int8_copy(ours)
     gen = torch.Generator().manual_seed(2)
     prompts = [
         torch.randint(1, shape.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -190,6 +317,10 @@ def main() -> None:
     parser.add_argument(
         "--rows", type=int, default=0, help="also minillm with this many rows at once against one"
     )
+    parser.add_argument("--int8", action="store_true", help="also minillm --quantize int8")
+    parser.add_argument(
+        "--llama-cpp", action="store_true", help="also llama-cpp-python on the q8_0 GGUF"
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -212,12 +343,24 @@ def main() -> None:
     rows = []
     batched = {}
     for name in args.shapes.split(","):
-        row = bench_shape(name, SHAPES[name], args.prompt_len, args.new_tokens, args.repeats)
+        row = bench_shape(
+            name,
+            SHAPES[name],
+            args.prompt_len,
+            args.new_tokens,
+            args.repeats,
+            args.int8,
+            args.llama_cpp,
+        )
         rows.append(row)
         if args.rows > 1:
             batched[name] = bench_rows(
                 SHAPES[name], args.prompt_len, args.new_tokens, args.repeats, args.rows
             )
+            if args.int8:
+                batched[f"{name} int8"] = bench_rows(
+                    SHAPES[name], args.prompt_len, args.new_tokens, args.repeats, args.rows, True
+                )
         if args.profile:
             profile_ours(SHAPES[name], args.prompt_len, args.new_tokens)
     after = loadavg()
@@ -241,6 +384,31 @@ def main() -> None:
         "and the head, back to back), no attention, norms or framework: a practical ceiling for "
         "any decoder of these weights here, and its ratio to HF one for the speed-up."
     )
+    if args.int8 or args.llama_cpp:
+        print(
+            "\nint8 and llama.cpp, batch 1, same prompt ids and threads (int8 agrees: the "
+            "greedy tokens of 32 equal to fp32's before the first difference):\n"
+        )
+        print(
+            "| shape | minillm fp32 tok/s | minillm int8 tok/s | int8 / fp32 | int8 agrees "
+            "| llama.cpp q8_0 tok/s | int8 / llama.cpp | HF generate tok/s | int8 matvecs alone "
+            "tok/s | prefill of max_seq_len tokens fp32 / int8 ms |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            i8, lc, fp = r.get("int8"), r.get("llama_cpp"), r["minillm"]
+            cells = [
+                f"{fp:.0f}",
+                f"{i8:.0f}" if i8 else "-",
+                f"{i8 / fp:.2f}x" if i8 else "-",
+                f"{r['int8_agree']} of 32" if i8 else "-",
+                f"{lc:.0f}" if lc else "-",
+                f"{i8 / lc:.2f}x" if i8 and lc else "-",
+                f"{r['hf']:.0f}",
+                f"{r['int8_matvecs']:.0f}" if i8 else "-",
+                "{:.0f} / {:.0f}".format(*r["prefill_ms"]) if i8 else "-",
+            ]
+            print(f"| {r['shape']} | " + " | ".join(cells) + " |")
     if batched:
         print(
             f"\nminillm's decoding core, {args.rows} different prompts at once against the first "

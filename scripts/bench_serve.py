@@ -13,6 +13,17 @@ at a time, and whether every stream's text equals its one-at-a-time text (greedy
     python scripts/bench_serve.py --ckpt runs/tiny      # serves a checkpoint of yours
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --api-key KEY   # a running server
     python scripts/bench_serve.py --no-llama-cpp        # minillm's rows only
+    python scripts/bench_serve.py --shape medium --quantize none,int8 --gguf-dtype q8_0
+    python scripts/bench_serve.py --shape medium --quantize int8 --gguf-dtype q8_0 \
+        --llama-server PATH/llama-server                # llama.cpp's C++ server, 8 slots
+
+--quantize none,int8 serves the checkpoint twice, `minillm serve` without and with `--quantize
+int8`, one server after the other in the same rounds (each server's texts compared with its own
+one-at-a-time texts; llama.cpp's with the first's). --gguf-dtype q8_0 gives llama.cpp 8-bit
+weights too (default f32). --llama-server PATH runs llama.cpp's own C++ server instead of
+llama-cpp-python's (`-np` parallel slots = the most clients, continuous batching, the same
+threads, an f32 KV cache; built from the llama.cpp sources inside llama-cpp-python's sdist:
+`cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server`).
 
 Without --url it starts `minillm serve --max-batch 16` on a free port itself and stops it at the
 end; without --ckpt the model has configs/tiny.yaml's shape with random weights (drawn with a
@@ -87,6 +98,18 @@ SHAPES = {
         "model.vocab_size=16384",
         "train.seq_len=512",
     ],
+    # bench_sample.py's published shape (SmolLM-135M's): 49k vocabulary, tied, 30 layers.
+    "published": [
+        "model.d_model=576",
+        "model.n_layer=30",
+        "model.n_head=9",
+        "model.n_kv_head=3",
+        "model.ffn_hidden=1536",
+        "model.max_seq_len=512",
+        "model.vocab_size=49152",
+        "model.tie_embeddings=true",
+        "train.seq_len=512",
+    ],
 }
 
 
@@ -137,9 +160,12 @@ def make_checkpoint(root: Path, shape: str = "tiny") -> Path:
     return run
 
 
-def start_server(ckpt: Path, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(
+    ckpt: Path, max_batch: int, threads: int, quantize: str = "none"
+) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "minillm", "serve", "--ckpt", str(ckpt), "--port", "0"]
     cmd += ["--max-batch", str(max_batch), "--max-queue", "256", "--device", "cpu"]
+    cmd += ["--quantize", quantize]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
@@ -182,10 +208,10 @@ def llama_cpp_missing() -> str | None:
     return None
 
 
-def export_gguf(ckpt: Path, out: Path) -> int:
-    """`minillm export --format gguf --dtype f32` of `ckpt` to `out`; the model's context."""
+def export_gguf(ckpt: Path, out: Path, dtype: str = "f32") -> int:
+    """`minillm export --format gguf --dtype DTYPE` of `ckpt` to `out`; the model's context."""
     cmd = [sys.executable, "-m", "minillm", "export", "--ckpt", str(ckpt), "--format", "gguf"]
-    cmd += ["--dtype", "f32", "--out", str(out)]
+    cmd += ["--dtype", dtype, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -221,6 +247,34 @@ def start_llama_cpp(
             time.sleep(0.1)
     proc.kill()
     sys.exit("error: llama_cpp.server did not answer /v1/models")
+
+
+def start_llama_server(
+    binary: Path, gguf: Path, n_ctx: int, threads: int, slots: int, log: Path
+) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's own C++ server on `gguf` with `slots` parallel slots (continuous batching),
+    each slot the model's whole context, an f32 KV cache; on a free port, output to `log`."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads)]
+    cmd += ["-ctk", "f32", "-ctv", "f32", "--no-warmup"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+            sys.exit(f"error: llama-server exited ({proc.returncode}): " + " | ".join(tail))
+        try:
+            if request(url, "GET", "/health", None, None).get("status") == "ok":
+                return proc, url
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    sys.exit("error: llama-server did not answer /health")
 
 
 def request(url: str, method: str, path: str, body: dict | None, key: str | None) -> dict:
@@ -342,6 +396,18 @@ def main() -> None:
         "[server] extra import; with --url it needs --ckpt, the served checkpoint)",
     )
     ap.add_argument(
+        "--quantize",
+        default="none",
+        help="minillm serve --quantize values to run, comma-separated (none,int8: both)",
+    )
+    ap.add_argument("--gguf-dtype", default="f32", choices=["f32", "f16", "q8_0"])
+    ap.add_argument(
+        "--llama-server",
+        type=Path,
+        help="llama.cpp's C++ llama-server binary: run it (slots = the most clients) instead of "
+        "llama-cpp-python's server",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2,
@@ -349,7 +415,7 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    missing = llama_cpp_missing()
+    missing = None if args.llama_server else llama_cpp_missing()
     if args.llama_cpp and missing:
         sys.exit(f"error: --llama-cpp: {missing}")
     if args.llama_cpp and args.url and args.ckpt is None:
@@ -366,9 +432,15 @@ def main() -> None:
         ckpt = args.ckpt
         if ckpt is None and (url is None or args.llama_cpp):
             ckpt = make_checkpoint(Path(tmp.name), args.shape)
+        quantize = args.quantize.split(",")
+        urls = {}
         if url is None:
-            proc, url = start_server(ckpt, max_batch=16, threads=args.threads)
-            procs.append(proc)
+            for q in quantize:
+                proc, urls[q] = start_server(ckpt, max_batch=16, threads=args.threads, quantize=q)
+                procs.append(proc)
+            url = urls[quantize[0]]
+        else:
+            urls = {quantize[0]: url}
         model = request(url, "GET", "/v1/models", None, args.api_key)["data"][0]["id"]
         prompts = [LINES[(37 * i) % len(LINES)] for i in range(args.requests)]
         bodies = [
@@ -384,15 +456,24 @@ def main() -> None:
         ]
         # (label, url, key, bodies, token counts when the stream has none)
         servers: list[tuple[str, str, str | None, list[dict], list[int] | None]] = [
-            ("minillm", url, args.api_key, bodies, None)
-        ]
+            (f"minillm {q}" if len(urls) > 1 or q != "none" else "minillm", u, args.api_key,
+             bodies, None)
+            for q, u in urls.items()
+        ]  # fmt: skip
         print(f"{url}: model {model}, {args.requests} prompts x {args.max_tokens} tokens, greedy")
         if args.llama_cpp:
             from minillm.data.tokenizer import EOT
 
-            gguf = Path(tmp.name) / "model-f32.gguf"
-            n_ctx = export_gguf(ckpt, gguf)
-            proc, llama_url = start_llama_cpp(gguf, n_ctx, args.threads, Path(tmp.name) / "log")
+            gguf = Path(tmp.name) / f"model-{args.gguf_dtype}.gguf"
+            n_ctx = export_gguf(ckpt, gguf, args.gguf_dtype)
+            log = Path(tmp.name) / "log"
+            slots = max(int(c) for c in args.clients.split(","))
+            if args.llama_server:
+                proc, llama_url = start_llama_server(
+                    args.llama_server, gguf, n_ctx, args.threads, slots, log
+                )
+            else:
+                proc, llama_url = start_llama_cpp(gguf, n_ctx, args.threads, log)
             procs.append(proc)
             llama_bodies = [
                 {
@@ -411,11 +492,18 @@ def main() -> None:
                 ]["completion_tokens"]
                 for b in llama_bodies
             ]
-            servers.append(("llama.cpp", llama_url, None, llama_bodies, counts))
-            print(
-                f"{llama_url}: llama-cpp-python's server on {gguf.name} (f32 weights and KV "
-                f"cache, n_ctx {n_ctx}); one request at a time, the rest queue"
-            )
+            if args.llama_server:
+                servers.append(("llama-server", llama_url, None, llama_bodies, counts))
+                print(
+                    f"{llama_url}: llama.cpp's llama-server on {gguf.name} ({args.gguf_dtype} "
+                    f"weights, f32 KV cache, {slots} slots of n_ctx {n_ctx}, continuous batching)"
+                )
+            else:
+                servers.append(("llama-cpp-python", llama_url, None, llama_bodies, counts))
+                print(
+                    f"{llama_url}: llama-cpp-python's server on {gguf.name} ({args.gguf_dtype} "
+                    f"weights, f32 KV cache, n_ctx {n_ctx}); one request at a time, the rest queue"
+                )
         print(f"each server: {args.threads} CPU threads")
         print(f"load average before: {loadavg()} ({os.cpu_count()} CPUs)")
         for _, u, key, bs, counts in servers:
@@ -427,15 +515,17 @@ def main() -> None:
         best: dict[tuple[str, int], dict] = {}
         # (prompts whose text differs, llama.cpp's that ran on), the most over the rounds
         same: dict[tuple[str, int], tuple[int, int]] = {}
-        reference: list[str] | None = None
+        # Each minillm server's one-at-a-time texts are its reference; llama.cpp's is the first's.
+        references: dict[str, list[str]] = {}
         for _ in range(args.rounds):
             for label, u, key, bs, counts in servers:
                 for n in [0, *clients]:
                     got = run_clients(u, key, bs, max(n, 1), counts)
                     texts = [r["text"] for r in got["results"]]
-                    if reference is None:
-                        reference = texts
-                    llama = label != "minillm"
+                    llama = not label.startswith("minillm")
+                    if not llama:
+                        references.setdefault(label, texts)
+                    reference = references[label if not llama else servers[0][0]]
                     verdicts = [same_text(o, t, llama) for o, t in zip(reference, texts)]
                     nos, longer = same.get((label, n), (0, 0))
                     same[(label, n)] = (
@@ -453,9 +543,10 @@ def main() -> None:
                         best[setting]["tokens"] / best[setting]["wall"]
                     ):
                         best[setting] = got
-        base = best[("minillm", 0)]["tokens"] / best[("minillm", 0)]["wall"]
+        first = servers[0][0]
+        base = best[(first, 0)]["tokens"] / best[(first, 0)]["wall"]
         print(
-            "\n| server | clients | tokens/s | vs minillm one at a time | vs its own one at a "
+            f"\n| server | clients | tokens/s | vs {first} one at a time | vs its own one at a "
             "time | TTFT median / p95 (ms) | per-token median / p95 (ms) | texts equal |"
             "\n|---|---|---|---|---|---|---|---|"
         )
@@ -476,7 +567,7 @@ def main() -> None:
                     f"{statistics.median(per):.2f} / {quantile(per, 0.95):.2f} | {verdict} |"
                 )
         print(f"\nload average after: {loadavg()}")
-        if any(same[("minillm", n)][0] for n in [0, *clients]):
+        if any(same[(label, n)][0] for label, *_ in servers[: len(urls)] for n in [0, *clients]):
             sys.exit("error: a minillm stream's text differs from its one-at-a-time text")
     finally:
         for proc in procs:

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from minillm.cli.command import Command, print_error, run
-from minillm.cli.options import BestOption, CkptOption, DeviceOption, load_ckpt
+from minillm.cli.options import BestOption, CkptOption, DeviceOption, QuantizeOption, load_ckpt
 from minillm.cli.root import app
 
 
@@ -37,6 +37,7 @@ def serve(
         64, "--max-queue", metavar="N", help="Most rows waiting for a slot; past it: 429."
     ),
     device: str = DeviceOption,
+    quantize: str = QuantizeOption,
 ) -> None:
     """Serve a checkpoint over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models)
     with continuous batching, and a chat page at /. The model's name is the run's name.
@@ -47,7 +48,7 @@ def serve(
         print_error(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
         raise typer.Exit(2) from None
 
-    loaded = load_ckpt(ckpt, device, best)
+    loaded = load_ckpt(ckpt, device, best, quantize)
     name = loaded.path.parent.parent.name if loaded.path.parent.name == "checkpoints" else None
     run(
         run_server,

@@ -13,6 +13,7 @@ from minillm.cli.options import (
     BestOption,
     CkptOption,
     DeviceOption,
+    QuantizeOption,
     TemperatureOption,
     TopKOption,
     TopPOption,
@@ -80,6 +81,7 @@ def eval_(
         "as many windows as hold its tokens).",
     ),
     device: str = DeviceOption,
+    quantize: str = QuantizeOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     task: list[Path] | None = typer.Option(
         None,
@@ -138,7 +140,7 @@ def eval_(
         print_error(f"--seq-len: must be >= 1, got {seq_len}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    loaded = load_ckpt(ckpt, device, best)
+    loaded = load_ckpt(ckpt, device, best, quantize)
     result = {}
     if data is not None or not tasks:
         result = run(
@@ -222,6 +224,7 @@ def sample(
         False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."
     ),
     device: str = DeviceOption,
+    quantize: str = QuantizeOption,
 ) -> None:
     """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
 
@@ -232,7 +235,7 @@ def sample(
 
     texts = run(read_prompts, prompt, prompt_file)
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best)
+    loaded = load_ckpt(ckpt, device, best, quantize)
     run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
 
 
@@ -262,6 +265,7 @@ def chat(
     top_p: float | None = TopPOption,
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
     device: str = DeviceOption,
+    quantize: str = QuantizeOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
     (or <|endoftext|>; a published model's: its eos and end of turn), in the model's template.
@@ -273,5 +277,5 @@ def chat(
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best)
+    loaded = load_ckpt(ckpt, device, best, quantize)
     run(chat_checkpoint, loaded, params, system, message)

@@ -16,10 +16,14 @@ hold, so keep the active rows at 0..n-1 (move the last one into a freed slot).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from minillm.model.kv_cache import KVCache
+from minillm.model.kv_cache import CacheWrite, KVCache
 from minillm.model.moe import MoE
 from minillm.model.rope import rope_rotation
 from minillm.model.transformer import Transformer, attention, rms_norm, swiglu
@@ -48,20 +52,21 @@ class Decoder:
         self.model, self.cache = model, kv_cache
         cfg = model.cfg
         self.heads = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
-        # The FFN as (w_gate_up, w_down^T, None), or a mixture of experts as (None, None, the
-        # MoE module).
+        # Each projection as a function: x -> x W^T (+ b), and the output projections with the
+        # residual add, (x, y) -> x + y W^T. An int8 model's layers are their own
+        # (minillm.model.quantize). The FFN as (gate_up, down, None), or a mixture of experts as
+        # (None, None, the MoE module).
         ffns = [
             (None, None, block.ffn)
             if isinstance(block.ffn, MoE)
-            else (block.ffn.w_gate_up.weight, block.ffn.w_down.weight.t(), None)
+            else (_projection(block.ffn.w_gate_up), _residual(block.ffn.w_down), None)
             for block in model.blocks
         ]
         self.layers = [
             (
                 block.attn_norm.weight,
-                block.attn.wqkv.weight,
-                block.attn.wqkv.bias,  # model.attention_bias, else None
-                block.attn.wo.weight.t(),
+                _projection(block.attn.wqkv),  # with model.attention_bias's bias
+                _residual(block.attn.wo),
                 block.ffn_norm.weight,
                 *ffn,
             )
@@ -75,7 +80,18 @@ class Decoder:
         # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
         # model's own forward, not this path's one rotation per new token.
         self.dynamic_rope = cfg.rope_scaling.type == "dynamic"
-        self.embedding, self.head = model.tok_emb.weight, model.head_weight
+        # An int8 model (minillm.model.quantize) rounds each token's activations to an 8-bit
+        # grid, so a float rounding difference that moves one across a rounding edge changes its
+        # logits by a grid step, enough to flip a near-tie: rows of unequal lengths then attend
+        # one at a time over their own keys, as each would alone (batched == alone, exactly).
+        self.rowwise_attention = getattr(model, "quantized", None) == "int8"
+        self.window = cfg.sliding_window
+        self.embedding = model.tok_emb.weight
+        self.head = (
+            _projection(model.lm_head)
+            if model.lm_head is not None
+            else partial(F.linear, weight=model.tok_emb.weight)
+        )
         self.norm, self.eps = model.norm.weight, cfg.norm_eps
         self.rope = (model.rope_cos, model.rope_sin, model.rope_rotate_half)
 
@@ -120,10 +136,10 @@ class Decoder:
         cos, sin, rotate_half = self.rope
         rot = rope_rotation(cos[positions], sin[positions], rotate_half)  # (n | 1, D, D)
         x = F.embedding(tokens, self.embedding)  # (n, C)
-        for layer, (norm1, w_qkv, b_qkv, wo_t, norm2, w_gate_up, w_down_t, moe) in enumerate(
+        for layer, (norm1, qkv_proj, wo_add, norm2, gate_up, down_add, moe) in enumerate(
             self.layers
         ):
-            qkv = F.linear(rms_norm(x, norm1, eps), w_qkv, b_qkv).view(n, H + 2 * K, D)
+            qkv = qkv_proj(rms_norm(x, norm1, eps)).view(n, H + 2 * K, D)
             qk = qkv[:, : H + K]
             if self.qk_norms[layer] is not None:
                 q_gain, k_gain = self.qk_norms[layer]
@@ -135,11 +151,47 @@ class Decoder:
             else:  # RoPE in the tables' precision, as apply_rope does
                 qk = torch.matmul(qk.to(rot.dtype), rot).to(qkv.dtype)
             keys, values = write.update(layer, qk[:, H:, None], qkv[:, H + K :, None])
-            y = attention(qk[:, :H, None], keys, values, key_mask)  # (n, H, 1, D)
-            x = torch.addmm(x, y.reshape(n, H * D), wo_t)  # x + wo(y)
+            if key_mask is not None and self.rowwise_attention:
+                y = self._rows_alone(qk[:, :H, None], keys, values, write)
+            else:
+                y = attention(qk[:, :H, None], keys, values, key_mask)  # (n, H, 1, D)
+            x = wo_add(x, y.reshape(n, H * D))  # x + wo(y)
             if moe is not None:
                 x = x + moe(rms_norm(x, norm2, eps))
                 continue
-            h = swiglu(F.linear(rms_norm(x, norm2, eps), w_gate_up))
-            x = torch.addmm(x, h, w_down_t)  # x + w_down(swiglu(...))
-        return F.linear(rms_norm(x, self.norm, eps), self.head)
+            h = swiglu(gate_up(rms_norm(x, norm2, eps)))
+            x = down_add(x, h)  # x + w_down(swiglu(...))
+        return self.head(rms_norm(x, self.norm, eps))
+
+    def _rows_alone(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, write: CacheWrite
+    ) -> torch.Tensor:
+        """Attention of each row's one new query q (n, H, 1, D) over its own keys (the first
+        start + 1 of keys, values (n, K, S, D)), with the mask it would have alone (a sliding
+        window's, else none): the same call as a one-row step's."""
+        out = []
+        for i, start in enumerate(write.starts):
+            S = start + 1
+            mask = None
+            if self.window is not None and S > self.window:
+                mask = write.key_mask[i : i + 1, ..., :S]
+            out.append(
+                attention(q[i : i + 1], keys[i : i + 1, :, :S], values[i : i + 1, :, :S], mask)
+            )
+        return torch.cat(out)  # (n, H, 1, D)
+
+
+def _projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> linear(x): a layer with float weights (nn.Linear, LoRA's merged `weight`) as F.linear
+    of them (a module call costs more on a CPU's decode step), an int8 one as itself."""
+    if isinstance(getattr(linear, "weight", None), torch.Tensor):
+        return partial(F.linear, weight=linear.weight, bias=linear.bias)
+    return linear
+
+
+def _residual(linear: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(x, y) -> x + linear(y) in one op: float weights (no bias) as addmm, an int8 layer's
+    own `add_to`."""
+    if isinstance(getattr(linear, "weight", None), torch.Tensor):
+        return partial(torch.addmm, mat2=linear.weight.t())
+    return linear.add_to

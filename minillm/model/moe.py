@@ -1,9 +1,10 @@
 """The mixture-of-experts FFN (`model.n_experts` > 0): SwiGLU experts routed per token, as Mixtral.
 
-Offers `swiglu`, `MoE`, `route`, `moe_reference`, `moe_dispatch`, `RouterStats`,
-`router_stats(model)` and `load_balancing_loss(stats, n_experts)`. `swiglu` is also the dense
-FFN's activation: it is defined once, here, because `minillm.model.transformer` imports this
-module (not the other way round).
+Offers `swiglu`, `MoE`, `route`, `moe_reference`, `moe_dispatch` (`expert_ffns` and
+`dispatch_experts`, which an int8 MoE shares), `RouterStats`, `router_stats(model)` and
+`load_balancing_loss(stats, n_experts)`. `swiglu` is also the dense FFN's activation: it is
+defined once, here, because `minillm.model.transformer` imports this module (not the other way
+round).
 
 A linear router scores the E experts of each token; softmax over experts, the top k kept, their
 weights renormalised to sum to 1 (Mixtral; HF's `MixtralSparseMoeBlock`); the output is the
@@ -73,8 +74,32 @@ def moe_dispatch(
 ) -> torch.Tensor:
     """`moe_reference`'s function, computing each token's k experts only: the N*k (token,
     expert) pairs sorted by expert, one pair of matmuls per expert on its contiguous rows."""
+    return dispatch_experts(x, weights, experts, expert_ffns(w_gate_up, w_down, activation))
+
+
+def expert_ffns(
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """The E experts' SwiGLUs (n_e, C) -> (n_e, C) of the stacked weights."""
+    # unbind, not w[e]: the backward of E indexings would fill and add E full-size gradients.
+    return [
+        lambda xe, w1=w1, w2=w2: F.linear(activation(F.linear(xe, w1)), w2)
+        for w1, w2 in zip(w_gate_up.unbind(0), w_down.unbind(0))
+    ]
+
+
+def dispatch_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    ffns: list[Callable[[torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
+    """The weighted sum of each token's k experts, ffns[e] the function of expert e (fp32's
+    `expert_ffns`, or int8's: minillm.model.quantize), each run once on its tokens' rows."""
     N, k = experts.shape
-    E = w_gate_up.shape[0]
+    E = len(ffns)
     flat = experts.flatten()  # (N*k,) the expert of each (token, slot)
     order = flat.argsort(stable=True)  # the pairs grouped by expert
     token = order // k  # (N*k,) the token of each sorted pair
@@ -83,11 +108,7 @@ def moe_dispatch(
     # needs (a parameter without a gradient would stall its all-reduce).
     counts = torch.bincount(flat, minlength=E).tolist()
     rows = x.index_select(0, token).split(counts)  # E tensors (n_e, C)
-    # unbind, not w[e]: the backward of E indexings would fill and add E full-size gradients.
-    outs = [
-        F.linear(activation(F.linear(xe, w1)), w2)
-        for xe, w1, w2 in zip(rows, w_gate_up.unbind(0), w_down.unbind(0))
-    ]
+    outs = [ffn(xe) for xe, ffn in zip(rows, ffns)]
     ys = torch.cat(outs) * weights.flatten()[order, None]  # (N*k, C), weighted in float32
     return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))  # each token's k summed
 
@@ -127,8 +148,12 @@ class MoE(nn.Module):
         probs, weights, experts = route(flat, self.router.weight, self.k)
         counts = torch.bincount(experts.flatten(), minlength=probs.shape[1]).float()
         self.stats = RouterStats(probs.sum(dim=0), counts, flat.shape[0])
-        y = moe_dispatch(flat, weights, experts, self.w_gate_up, self.w_down, self.activation)
+        y = dispatch_experts(flat, weights, experts, self.expert_ffns())
         return self.drop(y.view(x.shape))
+
+    def expert_ffns(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """The E experts' functions (minillm.model.quantize's int8 MoE has its own)."""
+        return expert_ffns(self.w_gate_up, self.w_down, self.activation)
 
 
 def router_stats(model: nn.Module) -> list[RouterStats]:

@@ -310,7 +310,9 @@ class Transformer(nn.Module):
             else:
                 x = block(x, rope, mask, write, i)
         x = self.norm(x[:, -1:] if last_only else x)
-        logits = F.linear(x, self.head_weight)  # (B, T, V)
+        # lm_head: an untied head, or an int8 model's (tied or not: minillm.model.quantize)
+        tied = self.lm_head is None
+        logits = F.linear(x, self.tok_emb.weight) if tied else self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits, None
         loss = self.loss_function(logits.flatten(0, 1), targets.reshape(-1), reduction)
