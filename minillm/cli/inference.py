@@ -69,6 +69,21 @@ def eval_(
         metavar="B",
         help="Windows per forward pass; default: the run's train.batch_size.",
     ),
+    seq_len: int | None = typer.Option(
+        None,
+        "--seq-len",
+        metavar="N",
+        help="Windows of N tokens; default: the run's train.seq_len. Past model.max_seq_len the "
+        "context is raised to N (plain RoPE extrapolates unless --set model.rope_scaling.*).",
+    ),
+    overrides: list[str] | None = typer.Option(
+        None,
+        "--set",
+        metavar="KEY=VALUE",
+        help="Read the checkpoint with a model key no weight depends on changed: "
+        "model.max_seq_len or model.rope_scaling.* (e.g. model.rope_scaling.type=yarn). "
+        "Repeatable.",
+    ),
     device: str = DeviceOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     task: list[Path] | None = typer.Option(
@@ -111,6 +126,7 @@ def eval_(
         help="Write every task example's result to FILE as jsonl (replaced atomically).",
     ),
 ) -> None:
+    from minillm.checkpoint.store import at_context
     from minillm.infer.evaluate import evaluate_checkpoint
     from minillm.infer.task_format import read_tasks
     from minillm.infer.task_scoring import eval_report, evaluate_tasks, format_details
@@ -122,7 +138,12 @@ def eval_(
         print_error(f"--show: must be >= 0, got {show}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
+    if seq_len is not None and seq_len < 1:
+        print_error(f"--seq-len: must be >= 1, got {seq_len}")
+        raise typer.Exit(2)
     loaded = load_ckpt(ckpt, device, best)
+    if overrides or seq_len is not None:
+        loaded = run(at_context, loaded, overrides or [], seq_len)
     result = {}
     if data is not None or not tasks:
         result = run(
@@ -133,6 +154,7 @@ def eval_(
             max_tokens=max_tokens,
             batch_size=batch_size,
             progress=True,
+            seq_len=seq_len,
         )
     if tasks:
         result["tasks"] = run(

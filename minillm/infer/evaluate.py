@@ -235,11 +235,13 @@ def evaluate_checkpoint(
     device: torch.device | str | None = None,
     progress: bool = False,
     text_field: str | None = None,
+    seq_len: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a LoadedCheckpoint over its validation shard, or over a file `data` (plain
     text, or a dataset file read through its `text_field`, default the run's data.text_field).
 
-    max_tokens caps the predicted tokens. batch_size defaults to the run's train.batch_size.
+    max_tokens caps the predicted tokens. batch_size defaults to the run's train.batch_size,
+    seq_len (the window) to its train.seq_len; at most model.max_seq_len (`at_context` raises it).
     Returns the `eval --json` object (docs/design.md, "CLI") plus `source`, `seq_len` and
     `seconds`.
     """
@@ -248,7 +250,11 @@ def evaluate_checkpoint(
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     cfg = ckpt.config
-    seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    if seq_len is not None and not 1 <= seq_len <= cfg.model.max_seq_len:
+        raise UserError(
+            f"--seq-len must be in [1, model.max_seq_len={cfg.model.max_seq_len}], got {seq_len}"
+        )
+    seq_len = seq_len or min(cfg.train.seq_len, cfg.model.max_seq_len)
     batch_size = batch_size or cfg.train.batch_size
     # Chat data (a chat run's shard, a jsonl of messages): every conversation on its own.
     chat = chat_eval_data(ckpt, data, seq_len, batch_size, max_tokens, text_field)
