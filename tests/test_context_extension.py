@@ -136,3 +136,31 @@ def test_init_from_merges_rope_scaling_key_by_key(tmp_path: Path) -> None:
     assert (s.type, s.factor, s.original_max_position_embeddings) == ("yarn", 8.0, 64)
     assert cfg.model.max_seq_len == 512
     assert load_run_config(cfg_file).model.rope_scaling.factor == 4.0  # the source's, untouched
+
+
+def test_the_script_sets_each_scaling_and_tables_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/context_extension.py: the overrides of each scaling (linear needs no original
+    length; none sets nothing) and its table, FT columns left "-" under --no-finetune."""
+    from tests.helpers import load_script
+
+    script = load_script("context_extension", monkeypatch)
+    assert script.scaling_sets("none", 4, 256) == []
+    assert script.scaling_sets("linear", 4, 256) == [
+        "model.rope_scaling.type=linear",
+        "model.rope_scaling.factor=4",
+    ]
+    assert script.scaling_sets("yarn", 8, 256)[2] == (
+        "model.rope_scaling.original_max_position_embeddings=256"
+    )
+    result = {
+        "original": 256,
+        "bpb_trained": 2.0,
+        "pretrained_tokens": 1000,
+        "rows": {"yarn": {"1024": {"no_ft": 2.5, "ft": 1.9, "ft_at_trained": 2.1}},
+                 "none": {"1024": {"no_ft": 4.0}}},
+    }  # fmt: skip
+    table = script.format_table(result).splitlines()
+    head = "| RoPE scaling | 256 (trained) | 1,024 no FT | 1,024 FT | FT at 1,024, read at 256 |"
+    assert table[0] == head
+    assert table[2] == "| YaRN | 2.0000 | 2.5000 | 1.9000 | 2.1000 |"
+    assert table[3] == "| no scaling (extrapolation) | 2.0000 | 4.0000 | - | - |"
