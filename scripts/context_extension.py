@@ -15,10 +15,12 @@ hand:
 
 The factor of each scaling is L / the base's max_seq_len (its original length); a fine-tune
 keeps the base's tokens per step (batch_size x seq_len = 2,048 for configs/tiny.yaml, so batch
-2048 // L), trains --ft-steps steps at --lr (wsd, --warmup steps) without the weight average
-(train.ema_decay 0: over a few steps it would mostly keep the start), on the base's own training
-shards; its share of the base's pretraining tokens is printed. Every evaluation is the whole
-validation split, windows of L tokens at 0, L, 2L, ...
+2048 // L), trains --ft-steps steps at --lr (default 1e-4, configs/tiny.yaml's min_lr, where
+pretraining ended; wsd, --warmup steps) without the weight average (train.ema_decay 0), on the
+base's own training shards; its share of the base's pretraining tokens is printed. A control row
+fine-tunes the same way at the trained length with no scaling: what the fine-tune alone does
+(3e-4 cost 0.025 bits/byte there, 1e-4 0.003). Every evaluation is the whole validation split,
+windows of L tokens at 0, L, 2L, ...
 """
 
 from __future__ import annotations
@@ -114,25 +116,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             if args.no_finetune:
                 continue
-            out = str(Path(args.out) / f"{method}-{length}")
-            train_sets = [
-                f"train.init_from={args.base}",
-                f"train.out_dir={out}",
-                f"model.max_seq_len={length}",
-                f"train.seq_len={length}",
-                f"train.batch_size={batch}",
-                f"train.max_steps={args.ft_steps}",
-                f"train.lr={args.lr:g}",
-                f"train.warmup_steps={args.warmup}",
-                "train.ema_decay=0",
-                "train.eval_steps=1",  # the trainer's own last evaluation; the score is eval's
-                *sets,
-            ]
-            minillm(["train", args.config, *as_args(train_sets), "--no-resume", "--force"], log)
+            out = finetune(args, f"{method}-{length}", length, batch, sets, log)
             row["ft"] = evaluate(["--ckpt", out], log)
             row["ft_at_trained"] = evaluate(["--ckpt", out, "--seq-len", str(original)], log)
+    if not args.no_finetune:
+        # The control: the same fine-tune at the trained length, no scaling. What the fine-tune
+        # does to the model by itself (another lr, no average) is not the longer context's.
+        out = finetune(args, f"control-{original}", original, max(1, per_step // original), [], log)
+        result["control"] = evaluate(["--ckpt", out], log)
     result["pretrained_tokens"] = pretrained
     return result
+
+
+def finetune(
+    args: argparse.Namespace,
+    name: str,
+    length: int,
+    batch: int,
+    sets: list[str],
+    log: list[dict[str, Any]],
+) -> str:
+    """Fine-tune the base at `length` with the scaling `sets` into OUT/name; the run's path."""
+    out = str(Path(args.out) / name)
+    train_sets = [
+        f"train.init_from={args.base}",
+        f"train.out_dir={out}",
+        f"model.max_seq_len={length}",
+        f"train.seq_len={length}",
+        f"train.batch_size={batch}",
+        f"train.max_steps={args.ft_steps}",
+        f"train.lr={args.lr:g}",
+        f"train.warmup_steps={args.warmup}",
+        "train.ema_decay=0",
+        "train.eval_steps=1",  # the trainer's own last evaluation; the score is eval's
+        *sets,
+    ]
+    minillm(["train", args.config, *as_args(train_sets), "--no-resume", "--force"], log)
+    return out
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -153,6 +173,10 @@ def format_table(result: dict[str, Any]) -> str:
             r = per_len[n]
             cells.append(f"{r['ft_at_trained']:.4f}" if "ft_at_trained" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    if "control" in result:
+        cells = [f"control: the same fine-tune at {result['original']}, no scaling"]
+        cells += [f"{result['control']:.4f}"] + ["-"] * (len(head) - 2)
+        lines.append("| " + " | ".join(cells) + " |")
     notes = [
         f"fine-tune at {int(n):,}: {f['steps']} steps x {f['batch']} x {int(n):,} = "
         f"{f['tokens']:,} tokens, {f['share']:.2%} of the base's {result['pretrained_tokens']:,}"
@@ -168,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", default="1024,2048", help="comma-separated window lengths")
     p.add_argument("--methods", default=",".join(METHODS), help="of: " + ", ".join(METHODS))
     p.add_argument("--ft-steps", type=int, default=20, help="fine-tuning steps per run")
-    p.add_argument("--lr", type=float, default=3e-4, help="fine-tuning peak learning rate")
+    p.add_argument("--lr", type=float, default=1e-4, help="fine-tuning peak learning rate")
     p.add_argument("--warmup", type=int, default=5, help="fine-tuning warmup steps")
     p.add_argument("--out", default="runs/ctx", help="folder of the fine-tuned runs")
     p.add_argument("--no-finetune", action="store_true", help="only the no-FT columns")

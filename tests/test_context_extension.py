@@ -159,8 +159,9 @@ def test_the_script_sets_each_scaling_and_tables_its_rows(monkeypatch: pytest.Mo
         "rows": {"yarn": {"1024": {"no_ft": 2.5, "ft": 1.9, "ft_at_trained": 2.1}},
                  "none": {"1024": {"no_ft": 4.0}}},
     }  # fmt: skip
-    table = script.format_table(result).splitlines()
+    table = script.format_table({**result, "control": 2.01}).splitlines()
     head = "| RoPE scaling | 256 (trained) | 1,024 no FT | 1,024 FT | FT at 1,024, read at 256 |"
     assert table[0] == head
     assert table[2] == "| YaRN | 2.0000 | 2.5000 | 1.9000 | 2.1000 |"
     assert table[3] == "| no scaling (extrapolation) | 2.0000 | 4.0000 | - | - |"
+    assert table[4] == "| control: the same fine-tune at 256, no scaling | 2.0100 | - | - | - |"
