@@ -7,7 +7,9 @@ Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and 
 `train.init_from` names a Hugging Face Llama folder, or a minillm run directory (its newest intact
 checkpoint) or one checkpoint. `load_run_config` is the one place it is applied to a config: the
 model is then that source's (a model section of the config is not used, and a warning names its
-keys that differ), and an empty `data.tokenizer` becomes the source's tokenizer (and an absent
+keys that differ) but for the keys no weight depends on, `model.max_seq_len` and
+`model.rope_scaling` (POSITION_KEYS: a context extension's), which the config may set; an empty
+`data.tokenizer` becomes the source's tokenizer (and an absent
 `data.vocab_size` its size; another tokenizer named there is a ConfigError), so `minillm
 tokenize` makes the fine-tuning shards with the vocabulary the model was trained on and `info`
 reports the model the run trains. The training stage only loads the weights (`init_weights`) of
@@ -31,6 +33,7 @@ from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.hf_import import hf_model_config, import_hf_folder
 from minillm.checkpoint.weights import weights_sha256
 from minillm.config import (
+    POSITION_KEYS,
     Config,
     ModelConfig,
     config_from_dict,
@@ -128,6 +131,20 @@ def _same(given: Any, value: Any) -> bool:
     return (tuple(given) if isinstance(given, list) else given) == value
 
 
+def _keep_positions(model: dict[str, Any], own: dict[str, Any]) -> None:
+    """The config's own POSITION_KEYS over the source's in `model` (the source's, as plain
+    data): a context extension raises max_seq_len and sets rope_scaling on a trained model, whose
+    weights depend on neither. rope_scaling is merged key by key, as `--set` over a YAML, so that
+    `--set model.rope_scaling.factor=8` changes the factor of the source's scaling alone."""
+    for key in POSITION_KEYS:
+        if key not in own:
+            continue
+        if isinstance(own[key], dict) and isinstance(model[key], dict):
+            model[key] = {**model[key], **own[key]}
+        else:
+            model[key] = own[key]
+
+
 def _apply_init_from(raw: dict[str, Any], source: InitSource, vocab_from: str = "") -> None:
     """Give `raw` (the parsed YAML) the source's model, and its tokenizer when data.tokenizer is
     empty; a model section of the config's own is replaced, the keys that differ named.
@@ -137,15 +154,17 @@ def _apply_init_from(raw: dict[str, Any], source: InitSource, vocab_from: str = 
     `tokenize` would otherwise refuse that tokenizer and point at --retrain, which must not
     replace a model's tokenizer."""
     own = raw.get("model")
+    model = dataclasses.asdict(source.model)
     if isinstance(own, dict):
-        theirs = dataclasses.asdict(source.model)
         # In the dataclass's order (the YAML's is sorted), then keys the schema does not know.
-        differ = [f"model.{k}" for k in theirs if k in own and not _same(own[k], theirs[k])]
-        differ += [f"model.{k}" for k in own if k not in theirs]
+        differ = [f"model.{k}" for k in model if k in own and not _same(own[k], model[k])]
+        differ += [f"model.{k}" for k in own if k not in model]
+        differ = [k for k in differ if k.removeprefix("model.") not in POSITION_KEYS]
         if differ:
             warn(f"train.init_from: the model is {source.path}'s; the config's "
                  f"{', '.join(differ)} are not used")  # fmt: skip
-    raw["model"] = dataclasses.asdict(source.model)
+        _keep_positions(model, own)
+    raw["model"] = model
     data = raw.setdefault("data", {})
     if data is None:
         data = raw["data"] = {}

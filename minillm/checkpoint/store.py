@@ -3,7 +3,9 @@
 Offers `save_checkpoint`, `prune_checkpoints`, `load_model_state`, `load_trainer_state`,
 `check_model_config` (state.json's model config against the one stored with the weights),
 `load_checkpoint` (config + model + tokenizer from a checkpoint alone, or from a Hugging Face
-folder; a LoRA run's base + adapters, merged), `lora_base_of` and `LoadedCheckpoint`. The
+folder; a LoRA run's base + adapters, merged), `at_context` (a loaded checkpoint read at
+another context: `eval --seq-len`, `--set model.rope_scaling.*`), `lora_base_of` and
+`LoadedCheckpoint`. The
 layout on disk, and finding the checkpoint a `--ckpt` means (`find_latest`,
 `resolve_checkpoint`, `verify_checkpoint`, `read_state`), are `minillm.checkpoint.layout`.
 
@@ -300,6 +302,43 @@ def load_checkpoint(
     return LoadedCheckpoint(
         ckpt, cfg, model, tokenizer, state, conventions, adapters=adapters, tokenizer_path=tok_path
     )
+
+
+def at_context(
+    ckpt: LoadedCheckpoint, overrides: list[str], seq_len: int | None = None
+) -> LoadedCheckpoint:
+    """`ckpt` read at another context: `overrides` (`--set`) of model keys no weight depends on
+    (POSITION_KEYS: `model.max_seq_len`, `model.rope_scaling.*`), and model.max_seq_len raised
+    to `seq_len` where it is shorter and not given (windows of seq_len tokens: plain RoPE
+    extrapolates).
+
+    The same weights in a model built from the changed config; `ckpt` itself when nothing
+    changes. Any other key is a UserError naming it; an invalid value a ConfigError naming
+    `--set`.
+    """
+    from minillm.config import POSITION_KEYS, apply_override, config_from_dict, config_to_dict
+
+    for override in overrides:
+        parts = override.split("=", 1)[0].strip().split(".")
+        if parts[0] != "model" or len(parts) < 2 or parts[1] not in POSITION_KEYS:
+            raise UserError(
+                f"--set {override}: only model.max_seq_len and model.rope_scaling.* can change "
+                "on a checkpoint (no weight depends on them)"
+            )
+    raw = config_to_dict(ckpt.config)
+    for override in overrides:
+        apply_override(raw, override)
+    given = any(o.split("=", 1)[0].strip() == "model.max_seq_len" for o in overrides)
+    if seq_len is not None and seq_len > raw["model"]["max_seq_len"] and not given:
+        raw["model"]["max_seq_len"] = seq_len  # one given shorter: evaluate_checkpoint refuses
+    # Every change is the command line's: a key it left invalid (a scaling type without
+    # original_max_position_embeddings) is --set's to fix, not the checkpoint's.
+    cfg = config_from_dict(raw, "--set")
+    if cfg.model == ckpt.config.model:
+        return ckpt
+    device = next(ckpt.model.parameters()).device
+    model = _model_from(cfg, ckpt.model.state_dict(), str(ckpt.path), device)
+    return dataclasses.replace(ckpt, config=cfg, model=model)
 
 
 # ------------------------------------------------------------------ LoRA runs

@@ -3,6 +3,7 @@ per byte, task scores), `minillm sample` (text) and `minillm chat` (a conversati
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -70,8 +71,9 @@ def eval_(
         None,
         "--seq-len",
         metavar="N",
-        help="Window length in tokens, at most the model's context (default: the run's "
-        "train.seq_len; a Hugging Face folder's context).",
+        help="Window length in tokens (default: the run's train.seq_len; a Hugging Face "
+        "folder's context). Past model.max_seq_len the context is raised to N (plain RoPE "
+        "extrapolates unless --set model.rope_scaling.*).",
     ),
     batch_size: int | None = typer.Option(
         None,
@@ -79,6 +81,14 @@ def eval_(
         metavar="B",
         help="Windows per forward pass; default: the run's train.batch_size (with --seq-len: "
         "as many windows as hold its tokens).",
+    ),
+    overrides: list[str] | None = typer.Option(
+        None,
+        "--set",
+        metavar="KEY=VALUE",
+        help="Read the checkpoint with a model key no weight depends on changed: "
+        "model.max_seq_len or model.rope_scaling.* (e.g. model.rope_scaling.type=yarn). "
+        "Repeatable.",
     ),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
@@ -123,6 +133,7 @@ def eval_(
         help="Write every task example's result to FILE as jsonl (replaced atomically).",
     ),
 ) -> None:
+    from minillm.checkpoint.store import at_context
     from minillm.infer.evaluate import evaluate_checkpoint
     from minillm.infer.task_format import read_tasks
     from minillm.infer.task_scoring import eval_report, evaluate_tasks, format_details
@@ -140,7 +151,10 @@ def eval_(
         print_error(f"--seq-len: must be >= 1, got {seq_len}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    loaded = load_ckpt(ckpt, device, best, quantize)
+    reread = None
+    if overrides or seq_len is not None:
+        reread = functools.partial(at_context, overrides=overrides or [], seq_len=seq_len)
+    loaded = load_ckpt(ckpt, device, best, quantize, reread)
     result = {}
     if data is not None or not tasks:
         result = run(

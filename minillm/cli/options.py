@@ -8,6 +8,7 @@ a Hugging Face folder on a device, in fp32 or int8, read by `load_ckpt`; its con
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -138,9 +139,16 @@ def _ckpt_config(ckpt: Path, best: bool, overrides: list[str]) -> tuple[Any, str
     return config_from_dict(raw, file=where, overridden=override_keys(overrides)), title
 
 
-def load_ckpt(ckpt: Path, device: str, best: bool = False, quantize: str = "none") -> Any:
+def load_ckpt(
+    ckpt: Path,
+    device: str,
+    best: bool = False,
+    quantize: str = "none",
+    reread: Callable[[Any], Any] | None = None,
+) -> Any:
     """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
-    Hugging Face Llama folder, which the command it is given to is first checked to suit; with
+    Hugging Face folder, which the command it is given to is first checked to suit; `reread`
+    (eval's --seq-len and --set: the checkpoint at another context) applied to it; with
     --quantize int8, its linear layers then made int8 (or one warning and fp32)."""
     from minillm.checkpoint.layout import is_hf_folder
     from minillm.checkpoint.store import load_checkpoint
@@ -151,6 +159,8 @@ def load_ckpt(ckpt: Path, device: str, best: bool = False, quantize: str = "none
     if is_hf_folder(ckpt):
         run(_check_hf_folder_use, ckpt, _ckpt_command.get())
     loaded = run(load_checkpoint, ckpt, run(resolve_device, device, "--device"), best=best)
+    if reread is not None:
+        loaded = run(reread, loaded)
     if quantize == "int8":
         from minillm.errors import warn
         from minillm.model.quantize import quantize_int8

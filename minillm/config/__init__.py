@@ -18,6 +18,7 @@ from minillm.config.loading import (
     read_raw_config,
 )
 from minillm.config.schema import (
+    POSITION_KEYS,
     ROPE_SCALING_TYPES,
     SECTIONS,
     Config,
@@ -39,6 +40,7 @@ __all__ = [
     "DataConfig",
     "LoRAConfig",
     "ModelConfig",
+    "POSITION_KEYS",
     "ROPE_SCALING_TYPES",
     "RopeScalingConfig",
     "SampleConfig",

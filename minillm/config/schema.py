@@ -22,6 +22,10 @@ from minillm.errors import ConfigError
 # model.rope_scaling.type: how RoPE is stretched past the length a model was trained at
 # (minillm.model.rope computes each as transformers' ROPE_INIT_FUNCTIONS does).
 ROPE_SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
+# The model keys no weight depends on: how positions are read. Extending a trained model's context
+# changes them alone, so `train.init_from` takes a config's own values of these over the source's
+# and `minillm eval --set` may change them on a checkpoint (docs/design.md, "Config").
+POSITION_KEYS = ("max_seq_len", "rope_scaling")
 
 
 @dataclass
