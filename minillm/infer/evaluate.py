@@ -257,10 +257,11 @@ def evaluate_checkpoint(
     text, or a dataset file read through its `text_field`, default the run's data.text_field).
 
     max_tokens caps the predicted tokens. seq_len (`--seq-len`): the window length, at most the
-    model's context (`at_context` raises it, for `eval --seq-len` past it); default the run's train.seq_len (a Hugging Face folder's: its context).
-    batch_size defaults to the run's train.batch_size, or with seq_len to as many windows as
-    hold the tokens of that batch. Returns the `eval --json` object (docs/design.md, "CLI") plus
-    `source`, `seq_len` (the longest window forwarded) and `seconds`.
+    model's context (`at_context` raises that for `eval --seq-len` past it); default the run's
+    train.seq_len (a Hugging Face folder's: its context). batch_size defaults to the run's
+    train.batch_size, or with seq_len to as many windows as hold the tokens of that batch.
+    Returns the `eval --json` object (docs/design.md, "CLI") plus `source`, `seq_len` (the
+    longest window forwarded) and `seconds`.
     """
     if max_tokens is not None and max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {max_tokens}")
