@@ -372,9 +372,10 @@ def _edited_folder(root: Path, name: str, edit: Any) -> Path:
 def _drop_non_utf8_bytes(spec: dict[str, Any]) -> None:
     """Remove the tokens of the 13 bytes UTF-8 never has (0xC0, 0xC1, 0xF5-0xFF): the ids of
     the rest are kept (a vocabulary with holes, as real ones trained without them)."""
-    from minillm.checkpoint.gguf_tokens import NOT_UTF8_BYTES, _byte_chars
+    from minillm.checkpoint.gguf_tokens import NOT_UTF8_BYTES
+    from minillm.data.tokenizer import byte_alphabet
 
-    gone = {_byte_chars()[b] for b in NOT_UTF8_BYTES}
+    gone = {byte_alphabet()[b] for b in NOT_UTF8_BYTES}
     vocab = spec["model"]["vocab"]
     spec["model"]["merges"] = [
         m
@@ -414,9 +415,9 @@ def _unk_after(spec: dict[str, Any]) -> None:
 
 def _bytes_gone(spec: dict[str, Any], byte: int = 0x5E) -> None:
     """The byte's token gone from the vocabulary ("^" by default: in no merge of the stand-in)."""
-    from minillm.checkpoint.gguf_tokens import _byte_chars
+    from minillm.data.tokenizer import byte_alphabet
 
-    char = _byte_chars()[byte]
+    char = byte_alphabet()[byte]
     merges = spec["model"]["merges"]
     assert not any(char in (m if isinstance(m, str) else " ".join(m)) for m in merges)
     spec["model"]["vocab"].pop(char)

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from minillm.data.tokenizer import byte_alphabet
 from minillm.errors import CheckpointError, warn
 
 # llama.cpp's name for GPT-2's pre-tokenizer regex, the one minillm's ByteLevel(use_regex=True)
@@ -76,15 +77,14 @@ def llama_cpp_pre_tokenizer(tokenizer: dict[str, Any], where: str) -> str:
     return GPT2_PRE_TOKENIZER
 
 
-def added_specials(tok: Any, where: str) -> tuple[int | None, int | None]:
-    """The ids `tok`'s post-processor puts before and after a text (`tokenizer(text)`), which
-    llama.cpp adds as its add_bos_token and add_eos_token do: (None, None) for one that adds
-    nothing (ByteLevel's, a TemplateProcessing of `$A` alone), (BOS, None) for Llama 3's.
-    More than one token on a side is a CheckpointError naming them."""
-    with_specials = tok.encode("x", add_special_tokens=True).ids
-    bare = tok.encode("x", add_special_tokens=False).ids
-    at = next(i for i in range(len(with_specials)) if with_specials[i : i + len(bare)] == bare)
-    before, after = with_specials[:at], with_specials[at + len(bare) :]
+def added_specials(conv: Any, where: str) -> tuple[int | None, int | None]:
+    """The ids the tokenizer's post-processor puts before and after a text (`tokenizer(text)`:
+    the conventions' text_prefix and text_suffix), which llama.cpp adds as its add_bos_token and
+    add_eos_token do: (None, None) for one that adds nothing (ByteLevel's, a TemplateProcessing
+    of `$A` alone), (BOS, None) for Llama 3's. More than one token on a side is a
+    CheckpointError naming them."""
+    tok = conv.tok
+    before, after = conv.text_prefix, conv.text_suffix
     for side, ids in (("before", before), ("after", after)):
         if len(ids) > 1:
             names = " ".join(str(tok.id_to_token(i)) for i in ids)
@@ -93,13 +93,6 @@ def added_specials(tok: Any, where: str) -> tuple[int | None, int | None]:
                 "one token on each side (its add_bos_token, add_eos_token), not exported"
             )
     return (before[0] if before else None), (after[0] if after else None)
-
-
-def _byte_chars() -> list[str]:
-    """The character byte-level BPE writes for each byte 0..255 (GPT-2's bytes_to_unicode)."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    extra = iter(range(256, 512))
-    return [chr(b if b in printable else next(extra)) for b in range(256)]
 
 
 @dataclass
@@ -124,7 +117,7 @@ def gguf_vocab(tok: Any, vocab_size: int, where: str) -> GgufVocab:
     spec = json.loads(tok.to_str())
     pre = llama_cpp_pre_tokenizer(spec, where)
     vocab = tok.get_vocab(with_added_tokens=True)
-    missing = [b for b, char in enumerate(_byte_chars()) if char not in vocab]
+    missing = [b for b, char in enumerate(byte_alphabet()) if char not in vocab]
     rare = [b for b in missing if b in RARE_BYTES]
     used = [b for b in missing if b not in NOT_UTF8_BYTES | RARE_BYTES]
     if rare and not used:
@@ -203,7 +196,7 @@ def gguf_specials(ckpt: Any, where: str) -> GgufSpecials:
         stops = [tok.id_to_token(tokens.eot), EOT] if tokens.eot is not None else [EOT]
         return GgufSpecials(tokens.bos, tokens.bos, tokens.eot, tokens.pad, False, False,
                             conv.template, stops)  # fmt: skip
-    before, after = added_specials(tok, where)
+    before, after = added_specials(conv, where)
     eos = tokens.eos_token
     if after is not None and eos is not None and after != eos:
         raise CheckpointError(

@@ -226,14 +226,12 @@ def _published_tokenizer_files(ckpt: Any, tmp: Path, tokens: ModelTokens) -> dic
     template, the special tokens, tokenizer_config.json) copied into `tmp` as they are, so
     that AutoTokenizer loads the same tokenizer; returns the JSON files written here (its
     generation_config.json, and a tokenizer_config.json where it had none)."""
-    from minillm.data.conventions import TOKENIZER_COMPANIONS
+    from minillm.data.conventions import copy_companions
 
     src = ckpt.tokenizer_path
     if src is not None and src.is_file():
         shutil.copyfile(src, tmp / TOKENIZER_FILE)
-        for name in TOKENIZER_COMPANIONS:
-            if name != HF_GENERATION_FILE and (src.parent / name).is_file():
-                shutil.copyfile(src.parent / name, tmp / name)
+        copy_companions(src.parent, tmp)  # its generation_config.json is rewritten below
     else:
         ckpt.tokenizer.save(str(tmp / TOKENIZER_FILE))
     files: dict[str, Any] = {

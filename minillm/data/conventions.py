@@ -30,7 +30,6 @@ else the eos (then a conversation's turns are separate documents to the packing,
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +42,7 @@ from minillm.data.chat_template import (
 )
 from minillm.data.tokenizer import EOT, LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, special_tokens
 from minillm.errors import CheckpointError, UserError
-from minillm.runtime.files import read_json_object
+from minillm.runtime.files import atomic_copy, read_json_object
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -78,17 +77,14 @@ _PROBE = (
 )
 
 
-def copy_companions(src_folder: Path, dst_folder: Path) -> list[str]:
-    """Copy the tokenizer's companion files that exist in `src_folder` (same names); returns
-    their names. A no-op between the same folder."""
-    copied = []
-    if src_folder.resolve() == dst_folder.resolve():
-        return [n for n in TOKENIZER_COMPANIONS if (src_folder / n).is_file()]
+def copy_companions(src_folder: Path, dst_folder: Path) -> None:
+    """Copy the tokenizer's companion files that exist in `src_folder` (same names), each
+    atomically; a file already as it would be written is left alone (a finished run started
+    again touches none of its files)."""
     for name in TOKENIZER_COMPANIONS:
-        if (src_folder / name).is_file():
-            shutil.copyfile(src_folder / name, dst_folder / name)
-            copied.append(name)
-    return copied
+        src, dst = src_folder / name, dst_folder / name
+        if src.is_file() and (not dst.is_file() or dst.read_bytes() != src.read_bytes()):
+            atomic_copy(src, dst)
 
 
 def _token_string(value: Any) -> str | None:
@@ -123,7 +119,9 @@ class Conventions:
     template: str | None  # the Jinja chat template (minillm's own: its export's)
     special: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ... strings
     turn_end: int | None = None  # the token the template writes after a reply
-    text_prefix: tuple[int, ...] = ()  # what `tokenizer(text)` puts before the text (a BOS)
+    # What `tokenizer(text)` puts before and after the text (Llama 3's BOS before).
+    text_prefix: tuple[int, ...] = ()
+    text_suffix: tuple[int, ...] = ()
     # doc_end is also written between the template's turns (Mistral's </s> after each reply):
     # document-aware packing then cuts a conversation at its turns.
     splits_turns: bool = False
@@ -195,6 +193,7 @@ class Conventions:
         bare = tok.encode("x", add_special_tokens=False).ids
         at = _find(with_specials, bare)
         conv.text_prefix = tuple(with_specials[:at])
+        conv.text_suffix = tuple(with_specials[at + len(bare) :])
         return conv
 
     def _probe_template(self) -> tuple[int | None, set[int]]:

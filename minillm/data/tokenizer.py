@@ -1,9 +1,9 @@
 """The byte-level BPE tokenizer (Hugging Face `tokenizers`): train, save, load, check.
 
 Offers `EOT`, `SPECIAL_TOKENS`, `MIN_VOCAB`, `new_tokenizer`, `train_tokenizer`, `save_tokenizer`,
-`load_tokenizer`, `check_tokenizer`, `check_vocab_size`, `check_not_a_models_tokenizer` (a file
-that `--retrain` must not replace), `special_tokens`, `eot_id`, `CHAT_TOKENS` and
-`LEGACY_SPECIAL_TOKENS`.
+`load_tokenizer`, `check_tokenizer`, `byte_alphabet` (GPT-2's character for each byte),
+`check_vocab_size`, `check_not_a_models_tokenizer` (a file that `--retrain` must not replace),
+`special_tokens`, `eot_id`, `CHAT_TOKENS` and `LEGACY_SPECIAL_TOKENS`.
 
 The tokenizer is GPT-2's recipe: text is split by the byte-level regex (no prefix space), every
 byte is in the base alphabet, and merges are learned on top. So any string, whatever its script,
@@ -21,6 +21,7 @@ still load; chat data and `minillm chat` refuse them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -83,6 +84,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int
         )
     tok.encode_special_tokens = True
     return tok
+
+
+@functools.lru_cache(maxsize=1)
+def byte_alphabet() -> tuple[str, ...]:
+    """The character byte-level BPE writes for each byte 0..255 (GPT-2's bytes_to_unicode): the
+    printable bytes as themselves, the others as chr(256), chr(257), ... in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return tuple(chr(b if b in printable else next(extra)) for b in range(256))
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:

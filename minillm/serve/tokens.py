@@ -12,21 +12,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from minillm.data.tokenizer import byte_alphabet
 from minillm.infer.engine import TokenLogprob
 
 
 @functools.lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's printable-character alphabet of the 256 bytes, inverted."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    return {char: b for b, char in enumerate(byte_alphabet())}
 
 
 class TokenText:

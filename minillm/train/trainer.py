@@ -29,7 +29,7 @@ import torch
 
 from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
-from minillm.data.conventions import TOKENIZER_COMPANIONS
+from minillm.data.conventions import copy_companions
 from minillm.errors import UserError, warn
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
@@ -132,11 +132,7 @@ class Trainer:
         if not tok.is_file() or tok.read_bytes() != self.run.tokenizer_file.read_bytes():
             atomic_copy(self.run.tokenizer_file, tok)
         # A published model's tokenizer_config.json, chat template and generation config.
-        source = self.run.tokenizer_file.parent
-        for name in TOKENIZER_COMPANIONS:
-            src, dst = source / name, self.run_dir / name
-            if src.is_file() and (not dst.is_file() or dst.read_bytes() != src.read_bytes()):
-                atomic_copy(src, dst)
+        copy_companions(self.run.tokenizer_file.parent, self.run_dir)
 
     # ------------------------------------------------------------------ one step
 
