@@ -65,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -236,17 +237,7 @@ def start_llama_cpp(
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-            sys.exit(f"error: llama_cpp.server exited ({proc.returncode}): " + " | ".join(tail))
-        try:
-            request(url, "GET", "/v1/models", None, None)
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    sys.exit("error: llama_cpp.server did not answer /v1/models")
+    return wait_ready(proc, url, log, "llama_cpp.server", "/v1/models", lambda answer: True)
 
 
 def start_llama_server(
@@ -263,18 +254,28 @@ def start_llama_server(
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    return wait_ready(
+        proc, url, log, "llama-server", "/health", lambda answer: answer.get("status") == "ok"
+    )
+
+
+def wait_ready(
+    proc: subprocess.Popen, url: str, log: Path, name: str, path: str, ready: Callable[[dict], bool]
+) -> tuple[subprocess.Popen, str]:
+    """(proc, url) once GET `path` answers and `ready(answer)` holds; a server that exits, or
+    has not answered in a minute, ends the benchmark with one line (its log's last lines)."""
     for _ in range(600):
         if proc.poll() is not None:
             tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-            sys.exit(f"error: llama-server exited ({proc.returncode}): " + " | ".join(tail))
+            sys.exit(f"error: {name} exited ({proc.returncode}): " + " | ".join(tail))
         try:
-            if request(url, "GET", "/health", None, None).get("status") == "ok":
+            if ready(request(url, "GET", path, None, None)):
                 return proc, url
         except (OSError, ValueError):
             pass
         time.sleep(0.1)
     proc.kill()
-    sys.exit("error: llama-server did not answer /health")
+    sys.exit(f"error: {name} did not answer {path}")
 
 
 def request(url: str, method: str, path: str, body: dict | None, key: str | None) -> dict:
