@@ -37,6 +37,8 @@ CASES = {
     "gqa-untied": dict(n_kv_head=2, tie_embeddings=False),
     "mqa-tied-theta": dict(n_kv_head=1, tie_embeddings=True, rope_theta=500.0, norm_eps=1e-6),
 }
+# The cache as a ring of W slots (model.sliding_window, kv_cache.py): the same contracts.
+WINDOWED = {"gqa-window": dict(n_kv_head=2, tie_embeddings=False, sliding_window=4)}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -162,10 +164,12 @@ def test_packed_documents_attend_only_within_their_document() -> None:
     torch.testing.assert_close(got[0, 9:], alone_b[0], atol=1e-5, rtol=0)
 
 
-def test_kv_cache_rows_at_different_lengths_match_rows_decoded_alone() -> None:
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_kv_cache_rows_at_different_lengths_match_rows_decoded_alone(window: int | None) -> None:
     # Each row filled alone (cache.rows), then every row advanced together by the module
-    # forward, each at its own position: the logits of rows decoded alone.
-    ours, _, cfg = make_pair(n_kv_head=2)
+    # forward, each at its own position: the logits of rows decoded alone. With a window the
+    # rows pass it at different steps, and the chunk of two reads a ring that has wrapped.
+    ours, _, cfg = make_pair(n_kv_head=2, sliding_window=window)
     seqs = [torch.randint(1, cfg.vocab_size, (n,)) for n in (10, 4, 1)]
     nxt = torch.randint(1, cfg.vocab_size, (3, 5))
     with torch.no_grad():
@@ -205,11 +209,11 @@ def test_kv_cache_grows_with_what_is_in_flight() -> None:
         KVCache(cfg, 1).append(65)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *WINDOWED])
 def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
     # The decoding fast path against the module forward, token by token, on rows at different
     # lengths (each at its own RoPE position, stale slots masked) and on rows at one length.
-    ours, _, cfg = make_pair(**CASES[case])
+    ours, _, cfg = make_pair(**{**CASES, **WINDOWED}[case])
     idx = torch.randint(1, cfg.vocab_size, (3, 9))
     nxt = torch.randint(1, cfg.vocab_size, (3, 12))
     for lengths in ((9, 9, 9), (9, 6, 1)):
@@ -334,12 +338,12 @@ def _alone(model: Transformer, prompt: torch.Tensor, n_new: int, max_len: int):
     return tokens, logits
 
 
-@pytest.mark.parametrize("case", ["gqa-untied", "mha-tied"])
+@pytest.mark.parametrize("case", ["gqa-untied", "mha-tied", "gqa-window"])
 def test_continuous_batching_rows_equal_each_prompt_decoded_alone(case: str) -> None:
     # A server's schedule: prompts of different lengths join at different steps, leave after
     # different numbers of tokens, the last active row moves into a freed one, and freed rows are
     # reused; each request's logits and greedy tokens equal its prompt's decoded alone.
-    ours, _, cfg = make_pair(**CASES[case])
+    ours, _, cfg = make_pair(**{**CASES, **WINDOWED}[case])
     lengths, budgets, joins = [5, 11, 3, 8, 14, 2], [9, 4, 12, 6, 5, 7], [0, 0, 1, 3, 4, 6]
     prompts = [torch.randint(1, cfg.vocab_size, (n,)) for n in lengths]
     with torch.inference_mode():

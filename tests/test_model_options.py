@@ -127,6 +127,27 @@ def test_kv_cache_and_decoder_equal_the_full_forward(case: str, prefill: int) ->
             torch.testing.assert_close(torch.stack(got), torch.stack(full), atol=1e-5, rtol=0)
 
 
+def test_a_sliding_window_cache_holds_only_the_window() -> None:
+    """Decoding past the window, a row keeps W slots (a ring), not one per token; the same
+    sequences without a window take a slot per token."""
+    W, lengths = 7, []
+    for window in (W, None):
+        model = random_model(tiny(sliding_window=window))
+        cfg = model.cfg
+        cache = KVCache(cfg)
+        cache.add_rows(2)
+        decoder = Decoder(model, cache)
+        with torch.inference_mode():
+            decoder.prefill(0, torch.randint(0, 97, (30,)))
+            decoder.prefill(1, torch.randint(0, 97, (3,)))
+            for _ in range(40):
+                decoder.step(torch.randint(0, 97, (2,)))
+        assert cache.lengths == [70, 43]
+        per_slot = 2 * cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * 4  # 2 rows, k and v
+        lengths.append(cache.nbytes() // per_slot)
+    assert lengths == [W, 96]  # 70 tokens: doubling reaches max_seq_len
+
+
 def test_dynamic_ntk_rows_at_different_lengths_equal_each_row_alone() -> None:
     """Rows of one cache at different lengths each get their own length's frequencies."""
     model = random_model(tiny(rope_scaling=SCALINGS["dynamic"]))

@@ -114,10 +114,12 @@ def test_int8_decode_equals_the_full_forward(shape: str) -> None:
     assert torch.equal(stepped.argmax(-1), full[3:].argmax(-1))
 
 
-def test_a_batched_int8_step_is_each_row_alone_bit_for_bit() -> None:
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_batched_int8_step_is_each_row_alone_bit_for_bit(window: int | None) -> None:
     """Rows of unequal lengths in one decode step get the logits each gets alone, exactly (fp32
-    promises this to float rounding; int8 would round such a difference to a grid step)."""
-    _, int8 = model_pair()
+    promises this to float rounding; int8 would round such a difference to a grid step); with a
+    sliding window, rows shorter and longer than its ring."""
+    _, int8 = model_pair(sliding_window=window)
     g = torch.Generator().manual_seed(1)
     lengths = (3, 17, 40, 9, 63, 1, 28, 50)  # one batched SDPA over these differs in rounding
     prompts = [torch.randint(0, 300, (n,), generator=g) for n in lengths]

@@ -85,7 +85,6 @@ class Decoder:
         # logits by a grid step, enough to flip a near-tie: rows of unequal lengths then attend
         # one at a time over their own keys, as each would alone (batched == alone, exactly).
         self.rowwise_attention = getattr(model, "quantized", None) == "int8"
-        self.window = cfg.sliding_window
         self.embedding = model.tok_emb.weight
         self.head = (
             _projection(model.lm_head)
@@ -167,14 +166,11 @@ class Decoder:
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, write: CacheWrite
     ) -> torch.Tensor:
         """Attention of each row's one new query q (n, H, 1, D) over its own keys (the first
-        start + 1 of keys, values (n, K, S, D)), with the mask it would have alone (a sliding
-        window's, else none): the same call as a one-row step's."""
+        S of keys, values (n, K, S, D), `CacheWrite.alone`), with the mask it would have alone:
+        the same call as a one-row step's."""
         out = []
-        for i, start in enumerate(write.starts):
-            S = start + 1
-            mask = None
-            if self.window is not None and S > self.window:
-                mask = write.key_mask[i : i + 1, ..., :S]
+        for i in range(write.n):
+            S, mask = write.alone(i)
             out.append(
                 attention(q[i : i + 1], keys[i : i + 1, :, :S], values[i : i + 1, :, :S], mask)
             )

@@ -16,6 +16,12 @@ arrive (doubling, up to `max_len` slots per row) rather than being reserved for 
 context up front; `reserve` sizes it exactly when the caller knows. A forward that raises
 leaves the contents of its rows undefined: clear or refill them.
 
+Under `model.sliding_window` W (shorter than `max_len`) a row keeps only the keys its next token
+can see: W slots, a ring where position p sits in slot p % W (its memory 2 L K W D values per
+row, however long the row grows). A token decoded alone writes its key over the one W positions
+back, which no query from then on sees, then reads the W slots; several new tokens at once (a
+prompt) read the ring's keys and their own, with the band as a mask, then keep their last W.
+
 Shape legend: L layers, B rows, K key/value heads, S slots, T new tokens, D head dim, n rows of
 one write.
 """
@@ -34,8 +40,10 @@ class CacheWrite:
     """Where one forward's T new tokens go in rows r0..r0+n-1, and what each of them may see.
 
     positions: RoPE positions, a slice while every row starts at one length, else (n, T).
-    key_mask: (n, 1, T, S) True = may attend, or None when plain causality suffices (every row
-    at one length: is_causal for a first chunk, nothing at all for T = 1).
+    key_mask: (n, 1, T, S) True = may attend, over the S keys `update` returns, or None when
+    plain causality suffices (every row at one length: is_causal for a first chunk, nothing at
+    all for T = 1).
+    ring: the window W of a ring cache (KVCache's docstring), else None: slot = position.
     """
 
     cache: KVCache
@@ -43,10 +51,11 @@ class CacheWrite:
     n: int
     T: int
     starts: list[int]
-    end: int  # the longest row's length after this write: keys 0..end-1 are read
+    end: int  # the longest row's length after this write (position, not slot)
     positions: slice | torch.Tensor
     key_mask: torch.Tensor | None
     is_causal: bool
+    ring: int | None = None
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -57,6 +66,8 @@ class CacheWrite:
         keys, values = self.cache.layers[layer]  # (B_alloc, K, S_alloc, D) views
         if self.r0 or self.n != keys.shape[0]:
             keys, values = keys[self.r0 : self.r0 + self.n], values[self.r0 : self.r0 + self.n]
+        if self.ring is not None:
+            return self._ring_update(keys, values, k, v)
         end = self.end
         if isinstance(self.positions, slice):  # every row at one length
             keys.narrow(2, self.starts[0], self.T).copy_(k)
@@ -67,11 +78,50 @@ class CacheWrite:
             values[batch, :, self.positions] = v.transpose(1, 2)
         return keys[:, :, :end], values[:, :, :end]
 
+    def _ring_update(
+        self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        W, T = self.ring, self.T
+        if T == 1:  # write over the key W positions back, then read the ring
+            if len(set(self.starts)) == 1:
+                slot = self.starts[0] % W
+                keys.narrow(2, slot, 1).copy_(k)
+                values.narrow(2, slot, 1).copy_(v)
+            else:
+                self._store(keys, values, k, v)
+            read = min(max(self.starts) + 1, W)
+            return keys[:, :, :read], values[:, :, :read]
+        held = min(max(self.starts), W)  # the ring's keys, then these: what the mask covers
+        all_k, all_v = k, v
+        if held:
+            all_k = torch.cat((keys[:, :, :held], k), dim=2)
+            all_v = torch.cat((values[:, :, :held], v), dim=2)
+        self._store(keys, values, k, v)  # after the copies above: it overwrites ring keys
+        return all_k, all_v
+
+    def _store(
+        self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Put the last min(T, W) new keys and values of each row at their ring slots."""
+        kept = min(self.T, self.ring)
+        first = torch.tensor(self.starts, device=k.device)[:, None] + (self.T - kept)
+        slots = (first + torch.arange(kept, device=k.device)) % self.ring  # (n, kept)
+        batch = torch.arange(self.n, device=k.device)[:, None]
+        keys[batch, :, slots] = k[:, :, self.T - kept :].transpose(1, 2)
+        values[batch, :, slots] = v[:, :, self.T - kept :].transpose(1, 2)
+
+    def alone(self, i: int) -> tuple[int, torch.Tensor | None]:
+        """For a one-token write: the keys row i reads, and its mask, as in a write of row i
+        alone (the decoder's batched == alone)."""
+        S = self.starts[i] + 1
+        return (S, None) if self.ring is None else (min(S, self.ring), None)
+
 
 class KVCache:
-    """Keys and values (L, B, K, S, D) of past tokens; `lengths[b]` slots of row b are filled.
+    """Keys and values (L, B, K, S, D) of past tokens; row b holds `lengths[b]` tokens.
 
-    `batch_size` rows exist (`add_rows` makes more); each may hold up to `max_len` tokens.
+    `batch_size` rows exist (`add_rows` makes more); each may hold up to `max_len` tokens, in as
+    many slots, or in W slots under a sliding window W < max_len (`ring`).
     """
 
     def __init__(
@@ -86,6 +136,9 @@ class KVCache:
         if max_len > cfg.max_seq_len:
             raise ValueError(f"KV cache of {max_len} exceeds max_seq_len={cfg.max_seq_len}")
         self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, torch.device(device), dtype
+        window = cfg.sliding_window
+        self.ring = window if window is not None and window < max_len else None
+        self.max_slots = self.ring or max_len
         self.lengths: list[int] = []  # host-side: read every step, a tensor would cost a sync
         # Each row's token ids, kept by a dynamic NTK model's forward to refill a row past its
         # original length (Transformer.forward); empty otherwise.
@@ -116,17 +169,20 @@ class KVCache:
     # ------------------------------------------------------------------ storage
 
     def reserve(self, rows: int, slots: int) -> None:
-        """Hold storage for at least `rows` rows of `slots` tokens (grows, never shrinks)."""
+        """Hold storage for at least `rows` rows of `slots` tokens (grows, never shrinks; a
+        ring's rows never take more than its W slots)."""
         if slots > self.max_len:
             raise ValueError(
                 f"KV cache of {self.max_len} tokens is full: {slots} tokens do not fit"
             )
+        slots = min(slots, self.max_slots)
         _, have_rows, _, have_slots, _ = self.k.shape
         if rows <= have_rows and slots <= have_slots:
             return
-        # Doubling keeps the copies to O(1) per token; the slots never pass max_len.
+        # Doubling keeps the copies to O(1) per token; the slots never pass max_slots.
         rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
-        slots = min(self.max_len, max(slots, 2 * have_slots)) if slots > have_slots else have_slots
+        grown = min(self.max_slots, max(slots, 2 * have_slots))
+        slots = grown if slots > have_slots else have_slots
         k, v = self._empty(rows, slots), self._empty(rows, slots)
         k[:, :have_rows, :, :have_slots] = self.k
         v[:, :have_rows, :, :have_slots] = self.v
@@ -168,12 +224,12 @@ class KVCache:
         """Copy row src's sequence into row dst (whose own is dropped); src stays as it was."""
         if src == dst:
             return
-        n = self.lengths[src]
+        n = min(self.lengths[src], self.max_slots)  # a ring's slots depend on positions only
         if n:
             self.reserve(max(src, dst) + 1, n)
             self.k[:, dst, :, :n] = self.k[:, src, :, :n]
             self.v[:, dst, :, :n] = self.v[:, src, :, :n]
-        self.lengths[dst] = n
+        self.lengths[dst] = self.lengths[src]
         self.ids[dst] = self.ids[src]
 
     def rows(self, r0: int, r1: int) -> _Rows:
@@ -197,42 +253,54 @@ class KVCache:
         self.reserve(rows.stop, end)
         for r in rows:
             self.lengths[r] += T
-        n = len(rows)
-        window = self.cfg.sliding_window
-        keys = torch.arange(end, device=self.device)
-        if min(starts) == starts[0] == end - T:  # every row at one length
-            start = starts[0]
+        n, dev = len(rows), self.device
+        one_length = min(starts) == starts[0] == end - T
+        if one_length and T == 1:  # a decode step, rows at one length: nothing to build
+            where = slice(end - 1, end)
+            return CacheWrite(self, rows.start, n, 1, starts, end, where, None, False, self.ring)
+        first = torch.tensor(starts, device=dev)[:, None]  # (n, 1)
+        new = first + torch.arange(T, device=dev)  # (n, T): the new tokens' positions
+        positions = slice(starts[0], end) if one_length else new
+        if self.ring is not None:
+            mask = self._ring_mask(starts, T, first, new)
+            causal = mask is None and T > 1  # every row from 0, no longer than the window
+        elif one_length:  # a chunk after cached tokens needs the mask, a first chunk is causal
             mask = None
-            # A chunk after cached tokens (causal from `start` on), or keys out of the window.
-            if (start > 0 and T > 1) or (window is not None and end > window):
-                q = torch.arange(start, end, device=self.device)[:, None]
-                mask = self._visible(keys[None, :], q)[None, None]
-            return CacheWrite(
-                self,
-                rows.start,
-                n,
-                T,
-                starts,
-                end,
-                slice(start, end),
-                mask,
-                mask is None and start == 0 and T > 1,
-            )
-        first = torch.tensor(starts, device=self.device)[:, None]  # (n, 1)
-        positions = first + torch.arange(T, device=self.device)  # (n, T)
-        mask = self._visible(keys[None, None, :], positions[:, :, None])
-        return CacheWrite(self, rows.start, n, T, starts, end, positions, mask[:, None], False)
+            if starts[0] > 0 and T > 1:
+                mask = (torch.arange(end, device=dev) <= new[0, :, None])[None, None]
+            causal = starts[0] == 0 and T > 1
+        else:  # each row sees its own keys only
+            mask = (torch.arange(end, device=dev)[None, None, :] <= new[:, :, None])[:, None]
+            causal = False
+        return CacheWrite(self, rows.start, n, T, starts, end, positions, mask, causal, self.ring)
 
-    def _visible(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-        """Which key positions each query position sees: causal, within model.sliding_window.
-
-        The cache keeps every key of a row (a window's worth would do; the storage is the same
-        as without a window, 2 L K S D values): the mask hides the older ones.
-        """
-        seen = keys <= queries
-        if self.cfg.sliding_window is not None:
-            seen = seen & (keys > queries - self.cfg.sliding_window)
-        return seen
+    def _ring_mask(
+        self, starts: list[int], T: int, first: torch.Tensor, new: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The mask (n, 1, T, S) of a write into a ring of W slots (`CacheWrite._ring_update`):
+        keys within the band (position > query - W) that hold a token; None where every row
+        reads all it is given."""
+        W, dev = self.ring, self.device
+        if T == 1:  # slots 0..read-1 after the write; a row shorter than W holds fewer
+            read = min(max(starts) + 1, W)
+            if all(min(s + 1, W) == read for s in starts):
+                return None
+            return (torch.arange(read, device=dev) <= first)[:, None, None, :]
+        held = min(max(starts), W)
+        if held == 0:  # every row from position 0: causal, banded past W
+            if T <= W:
+                return None
+            return ((new[0, None, :] <= new[0, :, None]) & (new[0, None, :] > new[0, :, None] - W))[
+                None, None
+            ].expand(len(starts), 1, T, T)
+        # Slot j of a row of length L holds the latest position p < L with p % W == j
+        # (negative: none yet); then come the T new tokens.
+        j = torch.arange(held, device=dev)
+        ring_pos = (first - 1) - (first - 1 - j).remainder(W)  # (n, held)
+        keys = torch.cat((ring_pos, new), dim=1)[:, None, :]  # (n, 1, held + T)
+        queries = new[:, :, None]  # (n, T, 1)
+        seen = (keys <= queries) & (keys > queries - W) & (keys >= 0)
+        return seen[:, None]
 
 
 class _Rows:
