@@ -82,8 +82,9 @@ class Decoder:
         self.dynamic_rope = cfg.rope_scaling.type == "dynamic"
         # An int8 model (minillm.model.quantize) rounds each token's activations to an 8-bit
         # grid, so a float rounding difference that moves one across a rounding edge changes its
-        # logits by a grid step, enough to flip a near-tie: rows of unequal lengths then attend
-        # one at a time over their own keys, as each would alone (batched == alone, exactly).
+        # logits by a grid step, enough to flip a near-tie: rows that would read different
+        # numbers of keys (a mask) then attend one at a time over their own keys, as each would
+        # alone (batched == alone, exactly).
         self.rowwise_attention = getattr(model, "quantized", None) == "int8"
         self.embedding = model.tok_emb.weight
         self.head = (
@@ -166,23 +167,21 @@ class Decoder:
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, write: CacheWrite
     ) -> torch.Tensor:
         """Attention of each row's one new query q (n, H, 1, D) over its own keys (the first
-        S of keys, values (n, K, S, D), `CacheWrite.alone`), with the mask it would have alone:
-        the same call as a one-row step's."""
+        S of keys, values (n, K, S, D), `CacheWrite.alone`), unmasked as it would be alone: the
+        same call as a one-row step's."""
         out = []
         for i in range(write.n):
-            S, mask = write.alone(i)
-            out.append(
-                attention(q[i : i + 1], keys[i : i + 1, :, :S], values[i : i + 1, :, :S], mask)
-            )
+            S = write.alone(i)
+            out.append(attention(q[i : i + 1], keys[i : i + 1, :, :S], values[i : i + 1, :, :S]))
         return torch.cat(out)  # (n, H, 1, D)
 
 
 def _projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> linear(x): a layer with float weights (nn.Linear, LoRA's merged `weight`) as F.linear
-    of them (a module call costs more on a CPU's decode step), an int8 one as itself."""
+    of them (a module call costs more on a CPU's decode step), an int8 one as its forward."""
     if isinstance(getattr(linear, "weight", None), torch.Tensor):
         return partial(F.linear, weight=linear.weight, bias=linear.bias)
-    return linear
+    return linear.forward  # not the module call: a decode step makes 4 a layer
 
 
 def _residual(linear: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

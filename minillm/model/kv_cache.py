@@ -12,8 +12,8 @@ position 0; there is no padding in it). Whoever runs a forward through the cache
 
 `cache.rows(r0, r1)` is the same cache seen as rows r0..r1-1 only (what a model forward over
 one row's prompt takes); it holds no state of its own. The storage grows as rows and tokens
-arrive (doubling, up to `max_len` slots per row) rather than being reserved for the whole
-context up front; `reserve` sizes it exactly when the caller knows. A forward that raises
+arrive (doubling, up to `max_len` slots per row, W under a window) rather than reserved for the
+whole context up front; `reserve` sizes it exactly when the caller knows. A forward that raises
 leaves the contents of its rows undefined: clear or refill them.
 
 Under `model.sliding_window` W (shorter than `max_len`) a row keeps only the keys its next token
@@ -42,8 +42,10 @@ class CacheWrite:
     positions: RoPE positions, a slice while every row starts at one length, else (n, T).
     key_mask: (n, 1, T, S) True = may attend, over the S keys `update` returns, or None when
     plain causality suffices (every row at one length: is_causal for a first chunk, nothing at
-    all for T = 1).
+    all for T = 1; in a ring also a T = 1 step whose rows all hold W keys).
     ring: the window W of a ring cache (KVCache's docstring), else None: slot = position.
+    slots: in a ring, where each row's last min(T, W) new keys go (n, min(T, W)), computed once
+    here rather than in every layer; None for a one-token step of rows at one length.
     """
 
     cache: KVCache
@@ -56,6 +58,7 @@ class CacheWrite:
     key_mask: torch.Tensor | None
     is_causal: bool
     ring: int | None = None
+    slots: torch.Tensor | None = None
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -103,18 +106,16 @@ class CacheWrite:
         self, keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Put the last min(T, W) new keys and values of each row at their ring slots."""
-        kept = min(self.T, self.ring)
-        first = torch.tensor(self.starts, device=k.device)[:, None] + (self.T - kept)
-        slots = (first + torch.arange(kept, device=k.device)) % self.ring  # (n, kept)
+        kept = self.slots.shape[1]
         batch = torch.arange(self.n, device=k.device)[:, None]
-        keys[batch, :, slots] = k[:, :, self.T - kept :].transpose(1, 2)
-        values[batch, :, slots] = v[:, :, self.T - kept :].transpose(1, 2)
+        keys[batch, :, self.slots] = k[:, :, self.T - kept :].transpose(1, 2)
+        values[batch, :, self.slots] = v[:, :, self.T - kept :].transpose(1, 2)
 
-    def alone(self, i: int) -> tuple[int, torch.Tensor | None]:
-        """For a one-token write: the keys row i reads, and its mask, as in a write of row i
-        alone (the decoder's batched == alone)."""
+    def alone(self, i: int) -> int:
+        """For a one-token write: how many keys row i reads were it alone, with no mask (the
+        decoder's batched == alone)."""
         S = self.starts[i] + 1
-        return (S, None) if self.ring is None else (min(S, self.ring), None)
+        return S if self.ring is None else min(S, self.ring)
 
 
 class KVCache:
@@ -261,9 +262,11 @@ class KVCache:
         first = torch.tensor(starts, device=dev)[:, None]  # (n, 1)
         new = first + torch.arange(T, device=dev)  # (n, T): the new tokens' positions
         positions = slice(starts[0], end) if one_length else new
+        slots = None
         if self.ring is not None:
             mask = self._ring_mask(starts, T, first, new)
             causal = mask is None and T > 1  # every row from 0, no longer than the window
+            slots = new[:, max(0, T - self.ring) :] % self.ring  # the last W new tokens' slots
         elif one_length:  # a chunk after cached tokens needs the mask, a first chunk is causal
             mask = None
             if starts[0] > 0 and T > 1:
@@ -272,7 +275,9 @@ class KVCache:
         else:  # each row sees its own keys only
             mask = (torch.arange(end, device=dev)[None, None, :] <= new[:, :, None])[:, None]
             causal = False
-        return CacheWrite(self, rows.start, n, T, starts, end, positions, mask, causal, self.ring)
+        return CacheWrite(
+            self, rows.start, n, T, starts, end, positions, mask, causal, self.ring, slots
+        )
 
     def _ring_mask(
         self, starts: list[int], T: int, first: torch.Tensor, new: torch.Tensor
