@@ -36,6 +36,7 @@ inference only: its int8 layers have no gradient and no `weight` to export.
 from __future__ import annotations
 
 import platform
+import threading
 import warnings
 from collections.abc import Callable
 from functools import cache
@@ -96,15 +97,18 @@ class Int8Linear(nn.Module):
         self.packed, _ = _pack(weight)
         self.bias = None if bias is None else bias.detach().float().clone()
         self.reduce_range = _reduce_range()
-        self.register_buffer("pins", torch.tensor([1.0, -1.0]), persistent=False)
 
     def _raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x / s) W^T and s, s (N, 1) each row's max |x|, for x (N, K)."""
+        """(x / s) W^T and s, s (N, 1) each row's max |x|, for x (N, K) in float32."""
         s = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
-        xn = torch.cat((x / s, self.pins.expand(x.shape[0], 2)), dim=1)  # (N, K + 2) in [-1, 1]
+        xn = _pinned(*x.shape)  # (N, K + 2): x / s, then the pins; in [-1, 1]
+        torch.div(x, s, out=xn[:, : x.shape[1]])
         return torch.ops.quantized.linear_dynamic(xn, self.packed, self.reduce_range), s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:  # the decoder's (N, K): no reshapes
+            y, s = self._raw(x)
+            return y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
         flat = x.reshape(-1, self.in_features).float()
         y, s = self._raw(flat)
         y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
@@ -118,6 +122,28 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+_PINNED = threading.local()  # per thread: (N, K) -> the buffer below
+_PINNED_ROWS = 64  # decode steps reuse theirs; larger inputs (prompts, eval) get their own
+
+
+def _pinned(n: int, k: int) -> torch.Tensor:
+    """A float32 (n, k + 2) buffer whose last two columns hold the range pins +1 and -1 (the
+    module docstring), for an input to be written into its first k columns. A decode step
+    would otherwise spend two ops a layer (an expand and a cat) making one; reused per thread
+    for n <= 64, made as a normal tensor, which inference mode and no_grad may both write."""
+    cache = getattr(_PINNED, "buffers", None)
+    if cache is None:
+        cache = _PINNED.buffers = {}
+    buf = cache.get((n, k)) if n <= _PINNED_ROWS else None
+    if buf is None:
+        with torch.inference_mode(False):
+            buf = torch.empty(n, k + 2)
+            buf[:, k], buf[:, k + 1] = 1.0, -1.0
+        if n <= _PINNED_ROWS:
+            cache[(n, k)] = buf
+    return buf
 
 
 class Int8MoE(MoE):
