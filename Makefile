@@ -24,7 +24,7 @@ LORA_RUN ?= runs/tiny-lora
 PUBLISHED ?= models/standin-chatml
 PUBLISHED_RUN ?= runs/published-lora
 
-.PHONY: setup interop test test-fast demo chat-demo lora-demo published-demo rl-demo rl-dpo-demo \
+.PHONY: setup interop llama-server test test-fast demo chat-demo lora-demo published-demo rl-demo rl-dpo-demo \
 	lint format bench clean
 
 setup: $(BIN)/.installed
@@ -64,6 +64,23 @@ interop: setup
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q \
 			--no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"; \
 	fi
+
+# llama.cpp's own C++ server, for `scripts/bench_serve.py --llama-server build/llama.cpp/bin/
+# llama-server` (parallel slots, continuous batching): built from the llama.cpp sources inside
+# the same llama-cpp-python source package (pip downloads it), the same portable flags. About
+# 9 minutes on 2 cores; nothing else needs it, and no test uses it.
+LLAMA_SERVER_DIR ?= build/llama.cpp
+
+llama-server: setup
+	@test -x $(LLAMA_SERVER_DIR)/bin/llama-server && echo "$(LLAMA_SERVER_DIR)/bin/llama-server exists" || { \
+		set -e; mkdir -p $(LLAMA_SERVER_DIR); \
+		$(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $(LLAMA_SERVER_DIR) \
+			"$(LLAMA_CPP_PYTHON)"; \
+		tar xzf $(LLAMA_SERVER_DIR)/llama_cpp_python-*.tar.gz -C $(LLAMA_SERVER_DIR); \
+		src=$$(echo $(LLAMA_SERVER_DIR)/llama_cpp_python-*/vendor/llama.cpp); \
+		cmake -S $$src -B $(LLAMA_SERVER_DIR) -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+			-DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release $(LLAMA_CMAKE_ARGS) >/dev/null; \
+		cmake --build $(LLAMA_SERVER_DIR) --target llama-server -j2; }
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -113,15 +113,18 @@ def llama_cpp_q8(model: Transformer, folder: Path, threads: int, n_ctx: int) -> 
 
     from minillm.checkpoint.gguf_file import export_gguf
     from minillm.config import Config
+    from minillm.data.conventions import Conventions
     from minillm.data.tokenizer import train_tokenizer
 
     root = Path(__file__).resolve().parent.parent
     text = (root / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:300_000]
-    loaded = SimpleNamespace(
+    tokenizer = train_tokenizer([text], 2048)
+    loaded = SimpleNamespace(  # what export_gguf reads of a loaded checkpoint
         path=folder,
         config=Config(model=model.cfg),
         model=model,
-        tokenizer=train_tokenizer([text], 2048),
+        tokenizer=tokenizer,
+        conventions=Conventions.of_own(tokenizer),
     )
     gguf = export_gguf(loaded, folder / "model-q8_0.gguf", "q8_0", force=True)
     return Llama(
