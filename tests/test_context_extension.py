@@ -165,3 +165,36 @@ def test_the_script_sets_each_scaling_and_tables_its_rows(monkeypatch: pytest.Mo
     assert table[2] == "| YaRN | 2.0000 | 2.5000 | 1.9000 | 2.1000 |"
     assert table[3] == "| no scaling (extrapolation) | 2.0000 | 4.0000 | - | - |"
     assert table[4] == "| control: the same fine-tune at 256, no scaling | 2.0100 | - | - | - |"
+
+
+@pytest.mark.parametrize(
+    ("command", "target"),
+    [
+        (["sample", "--prompt", "ROMEO:"], "minillm.infer.sample.sample_checkpoint"),
+        (["chat", "--message", "hi"], "minillm.infer.conversation.chat_checkpoint"),
+        (["serve"], "minillm.serve.server.serve"),
+    ],
+)
+def test_sample_chat_and_serve_read_the_weights_at_a_longer_context(
+    run_and_text, monkeypatch: pytest.MonkeyPatch, command: list[str], target: str
+) -> None:
+    """`--set model.max_seq_len=256` and YaRN over the run's 64 positions: the command gets the
+    same weights in a model of that context and scaling (eval's at_context, above); a key a
+    weight depends on is one error line."""
+    run_dir, _ = run_and_text
+    seen = []
+    module, name = target.rsplit(".", 1)
+    monkeypatch.setattr(module + "." + name, lambda loaded, *a, **k: seen.append(loaded))
+    args = [command[0], "--ckpt", str(run_dir), *command[1:]]
+    result = runner.invoke(app, [*args, *YARN, "--set", "model.max_seq_len=256"])
+    assert result.exit_code == 0, result.output
+    (loaded,) = seen
+    cfg = loaded.model.cfg
+    assert (cfg.max_seq_len, cfg.rope_scaling.type, cfg.rope_scaling.factor) == (256, "yarn", 4)
+    assert loaded.config.model == cfg and loaded.model.rope_cos.shape[0] == 256
+    from minillm.checkpoint.store import load_checkpoint
+
+    own = load_checkpoint(run_dir).model.state_dict()
+    assert all((own[k] == v).all() for k, v in loaded.model.state_dict().items())
+    refused = runner.invoke(app, [*args, "--set", "train.lr=1"])
+    assert "--set train.lr=1: only model.max_seq_len and" in error_line(refused)

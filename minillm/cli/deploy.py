@@ -8,7 +8,14 @@ from pathlib import Path
 import typer
 
 from minillm.cli.command import Command, print_error, run
-from minillm.cli.options import BestOption, CkptOption, DeviceOption, QuantizeOption, load_ckpt
+from minillm.cli.options import (
+    BestOption,
+    CkptOption,
+    ContextSetOption,
+    DeviceOption,
+    QuantizeOption,
+    load_ckpt,
+)
 from minillm.cli.root import app
 
 
@@ -38,6 +45,7 @@ def serve(
     ),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
+    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Serve a checkpoint over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models)
     with continuous batching, and a chat page at /. The model's name is the run's name.
@@ -48,7 +56,7 @@ def serve(
         print_error(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
         raise typer.Exit(2) from None
 
-    loaded = load_ckpt(ckpt, device, best, quantize)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
     name = loaded.path.parent.parent.name if loaded.path.parent.name == "checkpoints" else None
     run(
         run_server,

@@ -3,7 +3,6 @@ per byte, task scores), `minillm sample` (text) and `minillm chat` (a conversati
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from minillm.cli.command import Command, print_error, run
 from minillm.cli.options import (
     BestOption,
     CkptOption,
+    ContextSetOption,
     DeviceOption,
     QuantizeOption,
     TemperatureOption,
@@ -82,14 +82,7 @@ def eval_(
         help="Windows per forward pass; default: the run's train.batch_size (with --seq-len: "
         "as many windows as hold its tokens).",
     ),
-    overrides: list[str] | None = typer.Option(
-        None,
-        "--set",
-        metavar="KEY=VALUE",
-        help="Read the checkpoint with a model key no weight depends on changed: "
-        "model.max_seq_len or model.rope_scaling.* (e.g. model.rope_scaling.type=yarn). "
-        "Repeatable.",
-    ),
+    overrides: list[str] | None = ContextSetOption,
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -133,7 +126,6 @@ def eval_(
         help="Write every task example's result to FILE as jsonl (replaced atomically).",
     ),
 ) -> None:
-    from minillm.checkpoint.store import at_context
     from minillm.infer.evaluate import evaluate_checkpoint
     from minillm.infer.task_format import read_tasks
     from minillm.infer.task_scoring import eval_report, evaluate_tasks, format_details
@@ -151,10 +143,7 @@ def eval_(
         print_error(f"--seq-len: must be >= 1, got {seq_len}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    reread = None
-    if overrides or seq_len is not None:
-        reread = functools.partial(at_context, overrides=overrides or [], seq_len=seq_len)
-    loaded = load_ckpt(ckpt, device, best, quantize, reread)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides, seq_len)
     result = {}
     if data is not None or not tasks:
         result = run(
@@ -239,6 +228,7 @@ def sample(
     ),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
+    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
 
@@ -249,7 +239,7 @@ def sample(
 
     texts = run(read_prompts, prompt, prompt_file)
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
     run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
 
 
@@ -280,6 +270,7 @@ def chat(
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
+    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
     (or <|endoftext|>; a published model's: its eos and end of turn), in the model's template.
@@ -291,5 +282,5 @@ def chat(
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
     run(chat_checkpoint, loaded, params, system, message)

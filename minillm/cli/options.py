@@ -1,14 +1,14 @@
 """The options several `minillm` commands share, and the two loads they feed.
 
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
-`load_config`); `CkptOption`, `BestOption`, `DeviceOption` and `QuantizeOption` (a checkpoint or
-a Hugging Face folder on a device, in fp32 or int8, read by `load_ckpt`; its config alone, by
-`load_ckpt_config`); `TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
+`load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption` and
+`ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in fp32 or int8, at its
+own context or another, read by `load_ckpt`; its config alone, by `load_ckpt_config`);
+`TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,16 @@ SetOption = typer.Option(
     "--set",
     metavar="KEY=VALUE",
     help="Override a config value: section.key=value (repeatable).",
+)
+# --set on a command that reads a checkpoint (eval, sample, chat, serve): only the keys that
+# position tokens, which no weight depends on (minillm.checkpoint.store.at_context).
+ContextSetOption = typer.Option(
+    None,
+    "--set",
+    metavar="KEY=VALUE",
+    help="Read the checkpoint with a model key no weight depends on changed: "
+    "model.max_seq_len or model.rope_scaling.* (e.g. model.rope_scaling.type=yarn), to use "
+    "it past its trained context. Repeatable.",
 )
 ConfigArgument = typer.Argument(..., metavar="CONFIG", help="The YAML config.", show_default=False)
 
@@ -144,14 +154,15 @@ def load_ckpt(
     device: str,
     best: bool = False,
     quantize: str = "none",
-    reread: Callable[[Any], Any] | None = None,
+    context: list[str] | None = None,
+    seq_len: int | None = None,
 ) -> Any:
     """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
-    Hugging Face folder, which the command it is given to is first checked to suit; `reread`
-    (eval's --seq-len and --set: the checkpoint at another context) applied to it; with
-    --quantize int8, its linear layers then made int8 (or one warning and fp32)."""
+    Hugging Face folder, which the command it is given to is first checked to suit; read at
+    another context where `context` (--set) or eval's `seq_len` (--seq-len) asks (`at_context`);
+    with --quantize int8, its linear layers then made int8 (or one warning and fp32)."""
     from minillm.checkpoint.layout import is_hf_folder
-    from minillm.checkpoint.store import load_checkpoint
+    from minillm.checkpoint.store import at_context, load_checkpoint
     from minillm.model.quantize import check_quantize
     from minillm.runtime.device import resolve_device
 
@@ -159,8 +170,8 @@ def load_ckpt(
     if is_hf_folder(ckpt):
         run(_check_hf_folder_use, ckpt, _ckpt_command.get())
     loaded = run(load_checkpoint, ckpt, run(resolve_device, device, "--device"), best=best)
-    if reread is not None:
-        loaded = run(reread, loaded)
+    if context or seq_len is not None:
+        loaded = run(at_context, loaded, context or [], seq_len)
     if quantize == "int8":
         from minillm.errors import warn
         from minillm.model.quantize import quantize_int8
