@@ -106,13 +106,10 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(xn, self.packed, self.reduce_range), s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32:  # the decoder's (N, K): no reshapes
-            y, s = self._raw(x)
-            return y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
-        flat = x.reshape(-1, self.in_features).float()
-        y, s = self._raw(flat)
+        flat = x.dim() == 2 and x.dtype == torch.float32  # the decoder's (N, K): no reshapes
+        y, s = self._raw(x if flat else x.reshape(-1, self.in_features).float())
         y = y.mul_(s) if self.bias is None else torch.addcmul(self.bias, y, s)
-        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if flat else y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x + this(y) for x (N, out), y (N, in): a residual add in one op (the decoder's)."""
