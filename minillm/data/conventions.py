@@ -42,7 +42,7 @@ from minillm.data.chat_template import (
 )
 from minillm.data.tokenizer import EOT, LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, special_tokens
 from minillm.errors import CheckpointError, UserError
-from minillm.runtime.files import atomic_copy, read_json_object
+from minillm.runtime.files import copy_if_changed, read_json_object
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -82,9 +82,8 @@ def copy_companions(src_folder: Path, dst_folder: Path) -> None:
     atomically; a file already as it would be written is left alone (a finished run started
     again touches none of its files)."""
     for name in TOKENIZER_COMPANIONS:
-        src, dst = src_folder / name, dst_folder / name
-        if src.is_file() and (not dst.is_file() or dst.read_bytes() != src.read_bytes()):
-            atomic_copy(src, dst)
+        if (src_folder / name).is_file():
+            copy_if_changed(src_folder / name, dst_folder / name)
 
 
 def _token_string(value: Any) -> str | None:

@@ -1,6 +1,7 @@
 """Crash-safe file writing: write to a temporary name in the same folder, fsync, rename.
 
-Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `atomic_copy` (one file),
+Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `atomic_copy` (one file;
+`copy_if_changed`: unless it is already there),
 `StagedFile` (files that commit together), `commit_dir` (a staged folder renamed into place),
 `fsync_dir`, `fsync_file`, `sha256_file`, `save_safetensors`, `ensure_writable_dir`,
 `removing_new_dirs`; and reading a user's files: `read_user_text`, `user_jsonl`.
@@ -100,6 +101,13 @@ def atomic_copy(src: str | Path, dst: str | Path) -> None:
     """Copy `src` to `dst` through a temporary file, fsynced, then renamed."""
     with atomic_write(dst) as out, open(src, "rb") as f:
         shutil.copyfileobj(f, out)
+
+
+def copy_if_changed(src: Path, dst: Path) -> None:
+    """`atomic_copy` of src to dst unless dst already holds src's bytes (a finished run started
+    again rewrites none of its files)."""
+    if not dst.is_file() or dst.read_bytes() != src.read_bytes():
+        atomic_copy(src, dst)
 
 
 def commit_dir(tmp: Path, final: Path) -> None:

@@ -36,7 +36,7 @@ from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
 from minillm.model.moe import router_stats
 from minillm.model.transformer import dropout_off
 from minillm.runtime.device import StopSignal, autocast_context, make_grad_scaler, seed_everything
-from minillm.runtime.files import atomic_copy, atomic_write_text
+from minillm.runtime.files import atomic_write_text, copy_if_changed
 from minillm.runtime.progress import format_duration
 from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.train.distributed import all_reduce_sum, barrier
@@ -129,8 +129,7 @@ class Trainer:
         text = dump_config(self.cfg)
         if not config.is_file() or config.read_text(encoding="utf-8") != text:
             atomic_write_text(config, text)
-        if not tok.is_file() or tok.read_bytes() != self.run.tokenizer_file.read_bytes():
-            atomic_copy(self.run.tokenizer_file, tok)
+        copy_if_changed(self.run.tokenizer_file, tok)
         # A published model's tokenizer_config.json, chat template and generation config.
         copy_companions(self.run.tokenizer_file.parent, self.run_dir)
 
