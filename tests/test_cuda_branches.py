@@ -200,7 +200,10 @@ def test_one_gpu_per_process_under_torchrun() -> None:
     got = local_device(CUDA, DistInfo(rank=3, local_rank=1, world_size=4), current.append)
     assert got == torch.device("cuda", 1) and current == [got]
     current.clear()
-    assert local_device(CUDA, DistInfo(), current.append) == CUDA and current == [CUDA]
+    # One process: cuda:0, since torch's set_device refuses a "cuda" without an index (seen on
+    # the H200: every single-GPU `minillm train` failed there).
+    assert local_device(CUDA, DistInfo(), current.append) == torch.device("cuda", 0)
+    assert current == [torch.device("cuda", 0)]
     current.clear()
     assert local_device(torch.device("cpu"), DistInfo(world_size=2), current.append).type == "cpu"
     assert current == []  # the CPU sets no CUDA device

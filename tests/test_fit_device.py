@@ -412,7 +412,7 @@ def test_checkpointing_lowers_cuda_peak_memory() -> None:
 def test_auto_search_under_a_real_memory_cap(data_dir: Path) -> None:
     # Cap this process's share of the GPU, then search: the chosen micro-batch must fit, twice
     # it must not (a real torch.cuda.OutOfMemoryError, caught), and grad_accum fills the batch.
-    device = torch.device("cuda")
+    device = torch.device("cuda", 0)  # set_per_process_memory_fraction wants an index
     free, total = torch.cuda.mem_get_info(device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, 2 * 2**30 / total), device)
     try:

@@ -68,10 +68,11 @@ def local_device(
     info: DistInfo,
     set_device: Callable[[torch.device], None] = torch.cuda.set_device,
 ) -> torch.device:
-    """One GPU per process: cuda means cuda:<LOCAL_RANK> under torchrun (made current by
-    `set_device`, torch's, a parameter for CPU tests)."""
-    if device.type == "cuda" and info.enabled and device.index is None:
-        device = torch.device("cuda", info.local_rank)
+    """One GPU per process: cuda means cuda:<LOCAL_RANK> under torchrun, cuda:0 in one process
+    (made current by `set_device`, torch's, a parameter for CPU tests). torch's set_device
+    refuses a bare "cuda" with no index, so the index is always given."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", info.local_rank)  # 0 without torchrun
     if device.type == "cuda":
         set_device(device)
     return device
