@@ -30,6 +30,7 @@ import torch
 from minillm.data.batches import eval_batches
 from minillm.errors import UserError
 from minillm.infer.evaluate_chat import chat_eval_data
+from minillm.runtime.device import sum_dtype
 from minillm.runtime.files import read_user_text
 from minillm.runtime.progress import Progress
 
@@ -84,7 +85,7 @@ def evaluate_tokens(
             batches += [(x, torch.full_like(y, -100))] * (n_batches - len(batches))
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
+    total, count = torch.zeros((), dtype=sum_dtype(device), device=device), 0
     bar = Progress("eval", n_batches, enabled=progress, stderr=True)
     try:
         for x, y in batches:
@@ -92,7 +93,7 @@ def evaluate_tokens(
             for xs, ys in _unpadded(x, y) if windows else [(x, y)]:
                 with autocast or contextlib.nullcontext():
                     _, loss_sum = model(xs.to(device), ys.to(device), reduction="sum")
-                total += loss_sum.double()
+                total += loss_sum.to(total.dtype)
             bar.advance()
     finally:
         bar.close()

@@ -34,6 +34,7 @@ import torch
 from minillm.errors import UserError
 from minillm.infer.conversation import warn_if_text_model
 from minillm.infer.task_format import MultipleChoice, Task
+from minillm.runtime.device import sum_dtype
 from minillm.runtime.progress import Progress
 
 if TYPE_CHECKING:
@@ -114,7 +115,8 @@ def score_continuations(
             with autocast or contextlib.nullcontext():
                 logits, _ = model(x)  # (B, T, V)
             logp = torch.log_softmax(logits.float(), dim=-1)
-            picked = logp.gather(-1, y.clamp(min=0)[..., None])[..., 0].double()  # (B, T)
+            picked = logp.gather(-1, y.clamp(min=0)[..., None])[..., 0]  # (B, T)
+            picked = picked.to(sum_dtype(picked.device))
             sums = picked.masked_fill(y < 0, 0.0).sum(dim=1).tolist()
             for r, i in enumerate(rows):
                 scores[i] = sums[r]

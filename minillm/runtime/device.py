@@ -1,6 +1,6 @@
 """Where and how the math runs: device and precision choice, autocast, RNG state.
 
-Offers `resolve_device`, `resolve_precision`, `autocast_context`, `make_grad_scaler`,
+Offers `resolve_device`, `sum_dtype`, `resolve_precision`, `autocast_context`, `make_grad_scaler`,
 `enable_tf32`, `rng_state`, `set_rng_state`, `seed_everything` and `StopSignal`.
 """
 
@@ -20,6 +20,16 @@ from minillm.config import DEVICE_PATTERN
 from minillm.errors import ConfigError
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# Devices with no float64 (Apple's MPS): a `.double()` of a tensor there raises.
+NO_FLOAT64 = frozenset({"mps"})
+
+
+def sum_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of running sums of losses on `device`: float64 (exact enough over millions of
+    tokens), float32 where the device has no float64 (MPS)."""
+    return torch.float32 if device.type in NO_FLOAT64 else torch.float64
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:

@@ -35,6 +35,7 @@ from minillm.data.chat_template import ROLES
 from minillm.data.corpus import val_mask
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
+from minillm.runtime.device import sum_dtype
 from minillm.runtime.files import user_jsonl
 from minillm.train.objectives.common import (
     MeanMeter,
@@ -248,7 +249,7 @@ class DPO:
         nll = -lp_tok[:k].sum()
         loss = losses.sum() / n_pairs + dc.sft_weight * nll / n_chosen
         totals = torch.stack([losses.sum(), r_c.sum(), r_r.sum(), (r_c > r_r).sum(), nll])
-        return MicroLoss(loss, totals.detach().double(), inputs)
+        return MicroLoss(loss, totals.detach().to(sum_dtype(totals.device)), inputs)
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         n_pairs, n_chosen = norms.tolist()

@@ -33,6 +33,7 @@ from minillm.errors import ConfigError
 from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
 from minillm.model import Transformer
+from minillm.runtime.device import sum_dtype
 from minillm.train.objectives.common import (
     MeanMeter,
     MicroLoss,
@@ -242,7 +243,7 @@ class GRPO:
         logp = token_logps(model, idx, tgt, gc.temperature)
         loss, k3 = grpo_loss(logp, logp.detach(), ref, adv, tgt != -100, gc.clip, gc.kl,
                              float(norms[0]))  # fmt: skip
-        totals = torch.stack([loss.detach().double(), k3.double()])
+        totals = torch.stack([loss.detach(), k3]).to(sum_dtype(loss.device))
         return MicroLoss(loss, totals, sum(len(r) for r in rows))
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:

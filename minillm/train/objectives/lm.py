@@ -25,6 +25,7 @@ from minillm.data.meta import load_meta, open_split, stale_data_keys
 from minillm.errors import ConfigError, UserError, warn
 from minillm.infer.evaluate import evaluate_tokens, metrics
 from minillm.model import Transformer
+from minillm.runtime.device import sum_dtype
 from minillm.train.distributed import all_reduce_sum
 from minillm.train.objectives.common import MicroLoss, Setup
 from minillm.train.objectives.packing import Packing
@@ -119,7 +120,11 @@ class LM:
         m = micro.to(self.device, non_blocking=True)  # asynchronous from pinned memory (CUDA)
         _, loss_sum = model(m.tokens, m.targets, doc_ids=m.doc_ids, reduction="sum")
         scale = 1.0 / float(norms[0])
-        return MicroLoss(loss_sum * scale, loss_sum.detach().double()[None], m.tokens.numel())
+        return MicroLoss(
+            loss_sum * scale,
+            loss_sum.detach().to(sum_dtype(loss_sum.device))[None],
+            m.tokens.numel(),
+        )
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         return totals[0] / float(norms[0])
@@ -143,7 +148,9 @@ class LM:
             autocast=autocast,
             batches=packing.val_batches(tc.seq_len, tc.batch_size, tc.eval_steps or None),
         )
-        sums = all_reduce_sum(torch.tensor([total, n], dtype=torch.float64, device=self.device))
+        sums = all_reduce_sum(
+            torch.tensor([total, n], dtype=sum_dtype(self.device), device=self.device)
+        )
         total, n = sums[0].item(), max(int(sums[1].item()), 1)
         result = metrics(total, n, n * packing.val_bytes_per_target)
         return {k: result[k] for k in ("loss", "perplexity", "bits_per_byte")}
