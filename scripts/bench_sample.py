@@ -23,6 +23,13 @@ int8's N rows against one too.
 
     python scripts/bench_sample.py --shapes medium,published --threads 1 --int8 --llama-cpp
 
+--pinned COMMIT adds minillm as it was at COMMIT (default PINNED, below), imported beside
+today's in the same process (scripts/pinned.py) and run on the same weights, alternating with
+today's: a regression shows as a ratio above 1 whatever the machine's pace that day.
+tests/test_decode_speed.py fails when the small shape's decode is over 1.15x PINNED's.
+
+    python scripts/bench_sample.py --shapes small,medium --pinned 8b9e546
+
 --rows N also times minillm's decoding core stepping N rows (N different prompts, one batched
 forward a step) against one row, in the same process: what continuous batching can give
 `minillm serve` at most, before HTTP and prompt prefills between steps.
@@ -36,9 +43,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,6 +58,7 @@ from typing import Any
 import torch
 import transformers
 from bench_train import build_models  # scripts/ is on sys.path when run as a script
+from pinned import pinned_minillm
 
 from minillm.config import ModelConfig
 from minillm.infer.engine import SamplingParams, generate
@@ -73,6 +83,54 @@ SHAPES = {
         tie_embeddings=True,
     ),
 }
+
+
+# The commit the decode-speed guard compares with: the decode step of issue 49 (the head's
+# transposed copy). Move it forward only on purpose, after measuring that a slower step is
+# the price of something (and say so in the commit).
+PINNED = "fdd4e5e3944b"
+
+
+def pinned_copy(model: Transformer, commit: str) -> Any:
+    """The same model (weights, config) built by minillm at `commit` (scripts/pinned.py)."""
+    pkg = pinned_minillm(commit)
+    fields = {f.name for f in dataclasses.fields(pkg.config.ModelConfig)}
+    cfg = {k: v for k, v in dataclasses.asdict(model.cfg).items() if k in fields}
+    old = pkg.model.Transformer(pkg.config.ModelConfig(**cfg)).eval()
+    old.load_state_dict(model.state_dict())
+    return old
+
+
+def pinned_ratio(
+    shape: ModelConfig, commit: str = PINNED, prompt_len: int = 16, new: int = 128, pairs: int = 9
+) -> tuple[float, float, float]:
+    """Today's batch-1 greedy decode time over `commit`'s on the same weights in this process:
+    the median of `pairs` alternating (pinned, today) runs of `new` tokens, each pair's ratio
+    taken alone (a pair runs within a second, so the machine's pace cancels). Returns (ratio,
+    today's ms per token, pinned's), the token times the medians."""
+    ours, _ = build_pair(shape)
+    old = pinned_copy(ours, commit)
+    old_generate = sys.modules[f"minillm_{commit}.infer.engine"].generate
+    old_params = sys.modules[f"minillm_{commit}.infer.engine"].SamplingParams.greedy(new)
+    prompt = torch.randint(
+        1, shape.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    sides = {
+        "pinned": lambda: old_generate(old, [prompt], old_params),
+        "today": lambda: generate(ours, [prompt], SamplingParams.greedy(new)),
+    }
+    outs = {label: fn() for label, fn in sides.items()}  # warm-up
+    if outs["pinned"] != outs["today"]:
+        raise AssertionError(f"commit {commit} and today's code decode different greedy tokens")
+    wall: dict[str, list[float]] = {label: [] for label in sides}
+    for _ in range(pairs):
+        for label, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            wall[label].append(time.perf_counter() - start)
+    ratio = statistics.median(t / p for t, p in zip(wall["today"], wall["pinned"]))
+    ms = {k: statistics.median(v) / new * 1e3 for k, v in wall.items()}
+    return ratio, ms["today"], ms["pinned"]
 
 
 def build_pair(shape: ModelConfig) -> tuple[Transformer, transformers.LlamaForCausalLM]:
@@ -325,6 +383,13 @@ def main() -> None:
         "--llama-cpp", action="store_true", help="also llama-cpp-python on the q8_0 GGUF"
     )
     parser.add_argument(
+        "--pinned",
+        nargs="?",
+        const=PINNED,
+        default=None,
+        help=f"also minillm at this commit, same process and weights (default {PINNED})",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -345,6 +410,7 @@ def main() -> None:
         print(f"warning: load average {before:.2f} > {threads} threads: timings will be noisy")
     rows = []
     batched = {}
+    pinned: dict[str, tuple[float, float, float]] = {}
     for name in args.shapes.split(","):
         row = bench_shape(
             name,
@@ -364,6 +430,10 @@ def main() -> None:
                 batched[f"{name} int8"] = bench_rows(
                     SHAPES[name], args.prompt_len, args.new_tokens, args.repeats, args.rows, True
                 )
+        if args.pinned:
+            pinned[name] = pinned_ratio(
+                SHAPES[name], args.pinned, args.prompt_len, args.new_tokens, max(args.repeats, 5)
+            )
         if args.profile:
             profile_ours(SHAPES[name], args.prompt_len, args.new_tokens)
     after = loadavg()
@@ -412,6 +482,15 @@ def main() -> None:
                 "{:.0f} / {:.0f}".format(*r["prefill_ms"]) if i8 else "-",
             ]
             print(f"| {r['shape']} | " + " | ".join(cells) + " |")
+    if pinned:
+        print(
+            f"\ntoday's decode against commit {args.pinned}'s, same weights, alternating in this "
+            f"process (batch 1, greedy, {args.new_tokens} tokens; median of the pairs' ratios):\n"
+        )
+        print(f"| shape | today ms/token | {args.pinned} ms/token | today / {args.pinned} |")
+        print("|---|---:|---:|---:|")
+        for name, (ratio, today, old) in pinned.items():
+            print(f"| {name} | {today:.3f} | {old:.3f} | {ratio:.3f}x |")
     if batched:
         print(
             f"\nminillm's decoding core, {args.rows} different prompts at once against the first "
