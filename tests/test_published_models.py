@@ -488,26 +488,39 @@ def test_a_template_that_is_not_jinja_fails_only_the_chat_commands(
 
 
 def test_loss_on_all_needs_no_reply_in_the_template(folders: dict, tmp_path: Path) -> None:
-    """A template that rewrites replies (here: upper case) has no answer-only mask without
-    markers, said in one line; data.loss_on: all trains on every token of it."""
-    folder = tmp_path / "upper"
-    folder.mkdir()
-    for f in folders["chatml"].iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = config["chat_template"].replace(
-        "message['content']", "(message['content'] | upper)"
-    )
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    """A template that rewrites replies (here: upper case) has them found where it writes them
+    (the span that changes with the reply); one that leaves them out has no answer-only mask,
+    said in one line, and data.loss_on: all trains on every token of it."""
     rows = [m for m in CONVERSATIONS if m[-1]["role"] == "assistant"] * 4
     source = tmp_path / "chat.jsonl"
     source.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    config_path = _config(tmp_path, folder, source, "messages")
-    result = runner.invoke(app, ["tokenize", str(config_path)])
-    assert result.exit_code == 2
-    assert "does not write assistant turn" in result.stderr
-    result = runner.invoke(app, ["tokenize", str(config_path), "--set", "data.loss_on=all"])
-    assert result.exit_code == 0, result.output
+    for name, rewrite in [
+        ("upper", "(message['content'] | upper)"),
+        ("dropped", "('' if message['role'] == 'assistant' else message['content'])"),
+    ]:
+        folder = tmp_path / name
+        folder.mkdir()
+        for f in folders["chatml"].iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = config["chat_template"].replace("message['content']", rewrite)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (tmp_path / f"{name}-run").mkdir()
+        config_path = _config(tmp_path / f"{name}-run", folder, source, "messages")
+        result = runner.invoke(app, ["tokenize", str(config_path)])
+        if name == "upper":
+            assert result.exit_code == 0, result.output
+            conv = conventions(folder)
+            ids, mask = conv.chat_targets(CONVERSATIONS[2])
+            targets = conv.tok.decode(
+                [t for t, m in zip(ids, mask) if m], skip_special_tokens=False
+            )
+            assert targets == "I WILL.<|im_end|>"
+            continue
+        assert result.exit_code == 2
+        assert "does not write assistant turn" in result.stderr
+        result = runner.invoke(app, ["tokenize", str(config_path), "--set", "data.loss_on=all"])
+        assert result.exit_code == 0, result.output
 
 
 def test_mistral_chat_data_warns_that_its_eos_ends_turns_and_documents(

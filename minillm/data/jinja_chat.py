@@ -157,6 +157,11 @@ def has_generation_markers(source: str) -> bool:
     return bool(_GENERATION_TAG.search(source))
 
 
+# What stands in for a reply's content to locate it (`assistant_spans`): a private-use
+# character, which no template writes and no reply of a test or a user holds.
+_PROBE = "\U000f0000"
+
+
 def assistant_spans(
     source: str,
     messages: Sequence[dict[str, str]],
@@ -166,11 +171,16 @@ def assistant_spans(
     """The rendered conversation and, per assistant turn, the span of its reply and the
     end-of-turn token after it: the template's `{% generation %}` spans where it has them.
 
-    Without markers, from the template itself: a reply starts where the template's generation
-    prompt for it ends (the conversation before it, rendered with `add_generation_prompt`), and
-    ends after its content and the first of `end_tokens` (the tokenizer's special tokens) that
-    follows it, whitespace between them included; so ChatML's `\\n` after `<|im_end|>` is not
-    a target, as in the templates that carry markers."""
+    Without markers, from renderings of the conversation, never by searching its text (a short
+    reply also occurs in the questions): the reply is where the rendering changes when that
+    reply alone is replaced by a probe character, so whatever the template does with the
+    content (trim it, keep its leading whitespace, cut a <think> part) the span is what it
+    wrote. The span starts where the template's generation prompt for the reply ends (the
+    conversation before it, rendered with `add_generation_prompt`) when that rendering is a
+    prefix of the conversation's, and it ends after the content and the first of `end_tokens`
+    (the tokenizer's special tokens) that follows it, whitespace between them included; so
+    ChatML's `\\n` after `<|im_end|>` is not a target, as in the templates that carry markers.
+    """
     text, spans = render(source, messages, False, special)
     if has_generation_markers(source):
         return text, spans
@@ -179,26 +189,13 @@ def assistant_spans(
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        at, end = _written_at(source, messages, i, special, text)
         prompt, _ = render(source, messages[:i], True, special)
-        content = m["content"].strip()
-        if text.startswith(prompt) and len(prompt) >= cursor:
-            start = len(prompt)
-            at = text.find(content, start) if content else start
-        else:
-            # The conversation so far renders otherwise once a reply follows (Mistral v0.3
-            # moves the system prompt to the last user turn; R1's generation prompt opens a
-            # <think> its finished turns do not have): the reply is its content, found after
-            # what the two renderings share.
-            shared = len(os.path.commonprefix([prompt, text]))
-            at = text.find(content, max(cursor, shared)) if content else max(cursor, shared)
-            start = at
-        if at < 0:
-            raise UserError(
-                f"the model's chat template does not write assistant turn {i + 1}'s content "
-                "as it is, so its target tokens cannot be found (add {% generation %} markers "
-                "to the template, or set data.loss_on: all)"
-            )
-        end = at + len(content)
+        # Mistral v0.3 and Nemo move the system prompt into the last user turn, and R1's
+        # generation prompt opens a <think> its finished turns lack: the conversation so far
+        # then renders otherwise, and the reply starts where its content does.
+        prefix = text.startswith(prompt) and cursor <= len(prompt) <= at
+        start = len(prompt) if prefix else at
         rest = text[end:]
         gap = len(rest) - len(rest.lstrip())
         token = next((t for t in ends if rest[gap:].startswith(t)), None)
@@ -207,6 +204,25 @@ def assistant_spans(
         spans.append((start, end))
         cursor = end
     return text, spans
+
+
+def _written_at(
+    source: str, messages: Sequence[dict[str, str]], i: int, special: dict[str, str], text: str
+) -> tuple[int, int]:
+    """Where the template writes message i's content in `text` (the whole conversation): the
+    span that differs from a rendering with that content replaced by a probe."""
+    probe = [dict(m) for m in messages]
+    probe[i]["content"] = _PROBE
+    other, _ = render(source, probe, False, special)
+    if _PROBE not in other:
+        raise UserError(
+            f"the model's chat template does not write assistant turn {i + 1}'s content, so its "
+            "target tokens cannot be found (add {% generation %} markers to the template, or "
+            "set data.loss_on: all)"
+        )
+    head = len(os.path.commonprefix([text, other]))
+    tail = len(os.path.commonprefix([text[head:][::-1], other[head:][::-1]]))
+    return head, len(text) - tail
 
 
 def token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
