@@ -45,6 +45,7 @@ def test_sum_dtype_is_float32_on_mps_only() -> None:
     assert sum_dtype(torch.device("mps")) == torch.float32
     assert sum_dtype(torch.device("cpu")) == torch.float64
     assert sum_dtype(torch.device("cuda", 0)) == torch.float64
+    assert sum_dtype("mps") == torch.float32 and sum_dtype("cpu") == torch.float64
 
 
 def test_the_stand_in_catches_a_double_of_a_loss() -> None:

@@ -26,10 +26,10 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 NO_FLOAT64 = frozenset({"mps"})
 
 
-def sum_dtype(device: torch.device) -> torch.dtype:
+def sum_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype of running sums of losses on `device`: float64 (exact enough over millions of
     tokens), float32 where the device has no float64 (MPS)."""
-    return torch.float32 if device.type in NO_FLOAT64 else torch.float64
+    return torch.float32 if torch.device(device).type in NO_FLOAT64 else torch.float64
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
