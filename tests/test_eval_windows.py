@@ -170,3 +170,43 @@ def test_bench_eval_prints_both_rows(monkeypatch, capsys) -> None:  # noqa: ANN0
     assert by_row["minillm eval"]["loss"] == pytest.approx(by_row["transformers"]["loss"], rel=1e-5)
     out = capsys.readouterr().out
     assert "| transformers |" in out and "| minillm eval |" in out
+
+
+def test_a_short_text_under_dynamic_ntk_is_transformers_loss(tmp_path: Path) -> None:
+    """Issue 50, defect 3: dynamic NTK's scaling depends on the forward's length, so a text
+    shorter than the context is one forward of all its tokens, as transformers'
+    model(ids, labels=ids) is (not of ids[:-1]): past the original length the two differ."""
+    from minillm.checkpoint.hf_export import hf_config_dict
+    from minillm.config import ModelConfig
+    from tests.helpers import spread_weights_
+
+    tok = tiny_tokenizer()
+    eot = tok.token_to_id("<|endoftext|>")
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size() + 20, d_model=64, n_layer=2, n_head=4,
+                      n_kv_head=2, ffn_hidden=96, max_seq_len=64, rope_theta=500.0,
+                      rope_scaling={"type": "dynamic", "factor": 4.0,
+                                    "original_max_position_embeddings": 16})  # fmt: skip
+    hf_cfg = hf_config_dict(cfg, bos_id=eot, eos_id=eot)
+    for key in ("architectures", "model_type", "torch_dtype"):
+        hf_cfg.pop(key, None)
+    torch.manual_seed(3)
+    import transformers
+
+    hf = spread_weights_(transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg)).eval())
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    text = TEXT[:60]
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert 16 < len(ids) < 64  # past the original length, inside the context
+    data = tmp_path / "short.txt"
+    data.write_text(text, encoding="utf-8")
+    got = evaluate_checkpoint(load_checkpoint(folder), data=data)
+    x = torch.tensor([ids])
+    # Fresh models each: transformers' dynamic NTK keeps the longest length it has seen.
+    fresh = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want = hf(x, labels=x).loss.item()
+        shorter = fresh(x[:, :-1], labels=x[:, 1:], shift_labels=x[:, 1:]).loss.item()
+    assert abs(shorter - want) > 1e-6 * abs(want)  # the case tells the two forwards apart
+    assert got["loss"] == pytest.approx(want, rel=1e-6, abs=0)

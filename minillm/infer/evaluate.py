@@ -88,9 +88,14 @@ def evaluate_tokens(
     total, count = torch.zeros((), dtype=sum_dtype(device), device=device), 0
     bar = Progress("eval", n_batches, enabled=progress, stderr=True)
     try:
-        for x, y in batches:
+        # The text's last window also forwards the text's last token (its prediction unused),
+        # as transformers' model(ids, labels=ids) does: under dynamic NTK the RoPE scaling
+        # depends on the forward's length. Where the context allows it, one rank alone.
+        context = getattr(getattr(model, "cfg", None), "max_seq_len", 0)
+        for b, (x, y) in enumerate(batches):
             count += int((y != -100).sum())  # counted on the host: no device sync per batch
-            for xs, ys in _unpadded(x, y) if windows else [(x, y)]:
+            final = windows and world_size == 1 and b == n_batches - 1
+            for xs, ys in _unpadded(x, y, context if final else 0) if windows else [(x, y)]:
                 with autocast or contextlib.nullcontext():
                     _, loss_sum = model(xs.to(device), ys.to(device), reduction="sum")
                 total += loss_sum.to(total.dtype)
@@ -101,18 +106,27 @@ def evaluate_tokens(
     return float(total), count
 
 
-def _unpadded(x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _unpadded(
+    x: torch.Tensor, y: torch.Tensor, context: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A batch of eval windows (B, T) as forwards without padding: eval_batches pads only the
     last window of the text, which is then forwarded alone at its length n (its inputs and
     targets are the first n columns). The padded batch's sums to float rounding (the model is
     causal: the padding comes after every target), without the padding's cost: the 2,047
     targets of a 2,048-token text in an 8,192-token context were an 8,192-token forward. A
-    batch whose last row predicts nothing is a distributed rank's placeholder, kept whole."""
+    batch whose last row predicts nothing is a distributed rank's placeholder, kept whole.
+    With `context` (the text's last batch), the last window's forward also takes its last
+    target token as an input where n + 1 <= context, predicting nothing after it."""
     n = int((y[-1] != -100).sum())
-    if n in (0, y.shape[1]):
+    extend = 0 < n and n + 1 <= context
+    if n == 0 or (n == y.shape[1] and not extend):
         return [(x, y)]
     pieces = [(x[:-1], y[:-1])] if len(x) > 1 else []
-    return [*pieces, (x[-1:, :n], y[-1:, :n])]
+    xs, ys = x[-1:, :n], y[-1:, :n]
+    if extend:
+        xs = torch.cat((xs, ys[:, -1:]), dim=1)
+        ys = torch.cat((ys, torch.full_like(ys[:, -1:], -100)), dim=1)
+    return [*pieces, (xs, ys)]
 
 
 def metrics(total_nll: float, n_predicted: int, n_bytes: float) -> dict[str, Any]:
