@@ -256,3 +256,25 @@ def test_chat_with_a_folder_without_chat_tokens_says_so(tmp_path: Path) -> None:
         "and no chat template: `minillm chat` has no template to talk in; `minillm sample` "
         "continues text"
     )
+
+
+def test_a_tied_config_with_a_stored_head_computes_with_that_head(tmp_path: Path) -> None:
+    """Issue 50, defect 6: tie_word_embeddings true and an lm_head.weight stored as well (and
+    different): transformers leaves them untied and uses the stored head; so does minillm."""
+    from safetensors.torch import load_file, save_file
+
+    folder, hf = llama_folder(tmp_path, tie=True)
+    weights = folder / "model.safetensors"
+    sd = load_file(str(weights))
+    assert "lm_head.weight" not in sd
+    torch.manual_seed(5)
+    sd["lm_head.weight"] = torch.randn_like(sd["model.embed_tokens.weight"])
+    save_file(sd, str(weights), metadata={"format": "pt"})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours = load_checkpoint(folder).model
+    assert not ours.cfg.tie_embeddings
+    x = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert not torch.allclose(want, hf(x).logits, atol=1e-3)  # the stored head matters
+        torch.testing.assert_close(ours(x)[0], want, rtol=1e-5, atol=1e-5)

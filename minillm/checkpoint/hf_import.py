@@ -17,6 +17,7 @@ one CheckpointError or ConfigError naming the file and the key.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from pathlib import Path
@@ -72,6 +73,21 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no {HF_WEIGHTS_FILE} (nor {HF_WEIGHTS_INDEX})")
 
 
+def _stores_head(folder: Path) -> bool:
+    """Whether the folder's weights hold an `lm_head.weight` (names only: the index's map or the
+    file's header; False for a folder without weights, which loading then reports)."""
+    from safetensors import safe_open
+
+    index = folder / HF_WEIGHTS_INDEX
+    try:
+        if not (folder / HF_WEIGHTS_FILE).is_file() and index.is_file():
+            return "lm_head.weight" in json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        with safe_open(str(folder / HF_WEIGHTS_FILE), framework="pt") as f:
+            return "lm_head.weight" in f.keys()
+    except Exception:  # unreadable: import_hf_folder names the file at fault
+        return False
+
+
 def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -94,7 +110,13 @@ def hf_model_config(folder: str | Path) -> ModelConfig:
     hf = _read_hf_config(folder)
     cfg_path = str(folder / HF_CONFIG_FILE)
     try:
-        return model_config_from_hf(hf, where=cfg_path)
+        cfg = model_config_from_hf(hf, where=cfg_path)
+        if cfg.tie_embeddings and _stores_head(folder):
+            # tie_word_embeddings with an lm_head.weight stored too: transformers computes with
+            # the stored head, untied, where it differs from the embedding (where it equals it,
+            # untied gives the same numbers).
+            cfg = dataclasses.replace(cfg, tie_embeddings=False)
+        return cfg
     except ConfigError as e:
         e.file = e.file or cfg_path
         raise
