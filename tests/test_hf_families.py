@@ -206,3 +206,27 @@ def test_what_a_family_has_beyond_our_options_is_refused_by_key(changes: dict, k
     with pytest.raises(ConfigError) as e:
         model_config_from_hf(values)
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3"])
+def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) -> None:
+    """Issue 50, defect 5: a config.json without rope_theta, rms_norm_eps, the context, the
+    window or the key/value heads reads as transformers' class of that family reads it (a
+    Mixtral without rope_theta rotates at 1e6, not Llama's 10,000)."""
+    from minillm.model.hf_names import model_config_from_hf
+
+    sizes = {"model_type": model_type, "vocab_size": 320, "hidden_size": 128,
+             "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 32}  # fmt: skip
+    theirs = transformers.AutoConfig.for_model(**sizes)
+    ours = model_config_from_hf(dict(sizes))
+    rope = getattr(theirs, "rope_parameters", None) or {}
+    assert ours.rope_theta == rope.get("rope_theta", getattr(theirs, "rope_theta", None))
+    assert ours.norm_eps == theirs.rms_norm_eps
+    assert ours.max_seq_len == theirs.max_position_embeddings
+    assert ours.n_kv_head == theirs.num_key_value_heads
+    window = getattr(theirs, "sliding_window", None) if model_type == "mistral" else None
+    assert ours.sliding_window == window
+    if model_type == "mixtral":
+        assert (ours.n_experts, ours.n_experts_per_token) == (
+            theirs.num_local_experts, theirs.num_experts_per_tok)  # fmt: skip

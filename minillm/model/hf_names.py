@@ -202,9 +202,25 @@ def _window_from_hf(hf: dict[str, Any], where: str) -> int | None:
     return window if hf.get("model_type") in ("mistral", "mixtral") else None
 
 
+# What transformers' config classes (4.x and 5.x) give a key config.json leaves out, per family
+# where it is not Llama's (tests/test_hf_families.py checks them against the classes): a
+# Mixtral folder without rope_theta rotates at 1e6, not Llama's 10,000.
+_LLAMA_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA_DEFAULTS,
+    "mistral": {**_LLAMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096,
+                "num_key_value_heads": 8},
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+}  # fmt: skip
+
+
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """Our ModelConfig from an HF config.json of a family minillm reads (READABLE); refuses, one
-    key named, what our model cannot express."""
+    key named, what our model cannot express. A key config.json leaves out is the family's
+    default in transformers (FAMILY_DEFAULTS), not Llama's."""
 
     if not is_llama_config(hf):
         archs = hf.get("architectures") or []
@@ -215,6 +231,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             where,
         )
     model_type = hf["model_type"]
+    hf = {**FAMILY_DEFAULTS.get(model_type, _LLAMA_DEFAULTS), **hf}
     refused: list[tuple[str, Any]] = [("mlp_bias", False), ("hidden_act", "silu")]
     if model_type in ("llama", "qwen3", "mistral", "mixtral"):  # biases o_proj too
         refused.append(("attention_bias", False))
