@@ -479,3 +479,38 @@ def test_cli_path_that_is_no_run_is_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "not a minillm run directory" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("policy", ["PASSIVE", "ACTIVE"])
+def test_one_row_steps_run_on_one_thread_while_openmp_threads_sleep(
+    tiny_model_cfg: ModelConfig, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    """Issue 49: under OMP_WAIT_POLICY=PASSIVE (minillm's default) each small op of a one-row
+    step would wake the sleeping workers, so one-row steps run on one thread; several rows (and
+    ACTIVE, spinning workers) keep torch's threads, restored after every step."""
+    from minillm.infer import engine as engine_mod
+    from minillm.model import Transformer
+    from minillm.model.decode import Decoder
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    seen: list[tuple[int, int]] = []
+
+    class Recording(Decoder):
+        def step(self, tokens: torch.Tensor) -> torch.Tensor:
+            seen.append((len(tokens), torch.get_num_threads()))
+            return super().step(tokens)
+
+    model = Transformer(tiny_model_cfg).eval()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        one = engine_mod.generate(model, [[1, 2, 3]], SamplingParams.greedy(4), decoder=Recording)
+        assert torch.get_num_threads() == 2
+        engine_mod.generate(model, [[1, 2], [4, 5, 6]], SamplingParams.greedy(4), decoder=Recording)
+        alone = engine_mod.generate(model, [[1, 2, 3]], SamplingParams.greedy(4))
+    finally:
+        torch.set_num_threads(before)
+    assert one == alone
+    single = {t for n, t in seen if n == 1}
+    several = {t for n, t in seen if n > 1}
+    assert single == ({1} if policy == "PASSIVE" else {2}) and several == {2}

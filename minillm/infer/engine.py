@@ -45,6 +45,7 @@ from minillm.infer.sampling import check_sampling, fresh_seed, row_seed, sample_
 from minillm.infer.text_stream import StopText
 from minillm.model import KVCache
 from minillm.model.decode import Decoder
+from minillm.runtime.device import one_row_threads, threads
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class Engine:
         self.cache = KVCache(model.cfg, device=param.device, dtype=param.dtype)
         self.decoder = decoder(model, self.cache)
         self.device = param.device
+        self.step_threads = one_row_threads(self.device)  # for steps of one row
         self.active: list[Row] = []  # row i lives in row i of the cache
         self.waiting: collections.deque[Row] = collections.deque()
         self.steps = 0  # batched forwards run
@@ -292,7 +294,8 @@ class Engine:
                     self.cache.clear_row(i)
             row.cached = w
         last = torch.tensor([row.tokens[-1] for row in rows], device=self.device)
-        return self.decoder.step(last)
+        with threads(self.step_threads if len(rows) == 1 else None):
+            return self.decoder.step(last)
 
     def _admit(
         self, events: list[Event], chosen: list[Row], logits: list[torch.Tensor]

@@ -1,7 +1,8 @@
 """Where and how the math runs: device and precision choice, autocast, RNG state.
 
-Offers `resolve_device`, `sum_dtype`, `resolve_precision`, `autocast_context`, `make_grad_scaler`,
-`enable_tf32`, `rng_state`, `set_rng_state`, `seed_everything` and `StopSignal`.
+Offers `resolve_device`, `sum_dtype`, `one_row_threads`, `threads`, `resolve_precision`,
+`autocast_context`, `make_grad_scaler`, `enable_tf32`, `rng_state`, `set_rng_state`,
+`seed_everything` and `StopSignal`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,31 @@ def sum_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype of running sums of losses on `device`: float64 (exact enough over millions of
     tokens), float32 where the device has no float64 (MPS)."""
     return torch.float32 if torch.device(device).type in NO_FLOAT64 else torch.float64
+
+
+def one_row_threads(device: torch.device) -> int | None:
+    """The threads a one-row decode step runs on: 1 on the CPU while OpenMP's threads sleep
+    between parallel regions (OMP_WAIT_POLICY=PASSIVE, minillm's default: minillm/__init__.py),
+    else None (torch's own). A one-row step is ~40 small ops a layer: each would wake the
+    sleeping workers for microseconds of work, which cost a quiet machine more than a second
+    core gives (issue 49: batch-1 steps 1.35x slower after PASSIVE became the default).
+    OMP_WAIT_POLICY=ACTIVE (spinning workers) keeps every thread on it."""
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+    return 1 if device.type == "cpu" and passive else None
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to n inside (None: unchanged), restored after."""
+    if n is None or n == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
