@@ -537,3 +537,39 @@ def test_mistral_chat_data_warns_that_its_eos_ends_turns_and_documents(
     )
     assert result.exit_code == 0, result.output
     assert "</s> ends each reply in this model's chat template" in result.stderr
+
+
+def test_a_gpt2_style_folder_is_a_published_models_not_minillms(tmp_path: Path) -> None:
+    """Issue 50, defect 7: a byte-level BPE whose only special token is <|endoftext|>, with no
+    chat template (GPT-2's style), is recognised by its folder, not by its special tokens:
+    prompts are `tokenizer(text)`, with no <|endoftext|> put before them as for minillm's own;
+    minillm's own export of such a tokenizer stays minillm's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(["Hello there, friend. " * 50], trainer=trainer)
+    folder = tmp_path / "gpt2-style"
+    transformers.GPT2TokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    ).save_pretrained(folder)
+    conv = conventions(folder)
+    hf = hf_tokenizer(folder)
+    assert not conv.own
+    for text in PLAIN:
+        assert conv.prompt_ids(text) == hf(text)["input_ids"]
+    # The same tokenizer with the tokenizer_config.json minillm's export writes: minillm's own.
+    from minillm.checkpoint.hf_export import hf_tokenizer_config
+
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    tok.save(str(ours / "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    config = hf_tokenizer_config("<|endoftext|>", eot, 256)
+    (ours / "tokenizer_config.json").write_text(json.dumps(config))
+    assert conventions(ours).own
+    assert conventions(ours).prompt_ids("Hello")[0] == eot

@@ -86,6 +86,25 @@ def copy_companions(src_folder: Path, dst_folder: Path) -> None:
             copy_if_changed(src_folder / name, dst_folder / name)
 
 
+def _minillms_companions(folder: Path) -> bool:
+    """Whether the files beside a tokenizer are minillm's own: none (a run or a checkpoint of a
+    tokenizer minillm trained), or the tokenizer_config.json minillm's export writes (end-of-
+    text as bos, eos and pad, a fast tokenizer padding on the left). A published folder whose
+    only special token is <|endoftext|> (GPT-2's style) writes its own config and is a
+    published model's, used as transformers uses it."""
+    config = jinja_chat.read_tokenizer_config(folder)
+    if not config:
+        return not (folder / SPECIAL_TOKENS_MAP_FILE).is_file()
+    return (
+        config.get("tokenizer_class") == "PreTrainedTokenizerFast"
+        and config.get("padding_side") == "left"
+        and config.get("add_bos_token") is False
+        and all(
+            _token_string(config.get(k)) == EOT for k in ("bos_token", "eos_token", "pad_token")
+        )
+    )
+
+
 def _token_string(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(value, dict):
@@ -136,9 +155,10 @@ class Conventions:
         folder = Path(folder)
         template = jinja_chat.read_chat_template(folder)
         specials = special_tokens(tok)
-        if specials in (list(SPECIAL_TOKENS), list(LEGACY_SPECIAL_TOKENS)) and template in (
-            None,
-            HF_CHAT_TEMPLATE,
+        if (
+            specials in (list(SPECIAL_TOKENS), list(LEGACY_SPECIAL_TOKENS))
+            and template in (None, HF_CHAT_TEMPLATE)
+            and _minillms_companions(folder)
         ):
             return cls.of_own(tok)
         return cls._published(tok, folder, template)
