@@ -255,3 +255,24 @@ def test_a_models_tokenizer_of_another_size_names_the_size_not_retrain(
         f"data.vocab_size is 2048; it belongs to the checkpoint in {tok.parent}: set "
         "data.vocab_size to 300 (or leave it out with train.init_from)"
     )
+
+
+def test_naming_the_init_from_folders_own_tokenizer_needs_no_vocab_size(
+    exported, tmp_path: Path
+) -> None:
+    """Issue 50, defect 8: data.tokenizer naming train.init_from's own tokenizer.json is the same
+    as leaving it out: data.vocab_size is its size (it asked for data.vocab_size, then said
+    "leave it out with train.init_from", which the user had done); a wrong size is named."""
+    _, hf = exported
+    data = {"source": str(corpus(tmp_path)), "out_dir": str(tmp_path / "tok"),
+            "tokenizer": str(hf / "tokenizer.json")}  # fmt: skip
+    cfg = write_config(tmp_path / "sft.yaml", {
+        "data": data, "train": {"init_from": str(hf), "out_dir": str(tmp_path / "run"), **TRAIN},
+    })  # fmt: skip
+    result = runner.invoke(app, ["tokenize", str(cfg)])
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
+    assert meta["vocab_size"] == 300
+    result = runner.invoke(app, ["tokenize", str(cfg), "--set", "data.vocab_size=512"])
+    assert result.exit_code == 2
+    assert "data.vocab_size: 512, but the tokenizer of train.init_from" in error_line(result)

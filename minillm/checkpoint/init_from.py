@@ -168,19 +168,9 @@ def _apply_init_from(raw: dict[str, Any], source: InitSource, vocab_from: str = 
     data = raw.setdefault("data", {})
     if data is None:
         data = raw["data"] = {}
-    if isinstance(data, dict) and not data.get("tokenizer"):
-        data["tokenizer"] = str(source.tokenizer_file)
-        given = data.setdefault("vocab_size", source.vocab_size)  # the size of that tokenizer
-        if given != source.vocab_size and str(given) != str(source.vocab_size):
-            raise ConfigError(
-                "data.vocab_size",
-                f"{given}, but the tokenizer of train.init_from ({source.path}: "
-                f"{source.tokenizer_file}) has {source.vocab_size} tokens, the ids its model was "
-                f"trained on: leave data.vocab_size out (with train.init_from it is that "
-                f"tokenizer's size) or set it to {source.vocab_size}",
-                vocab_from,
-            )
-    elif isinstance(data, dict):
+    if not isinstance(data, dict):
+        return
+    if data.get("tokenizer"):
         own, theirs = Path(str(data["tokenizer"])), source.tokenizer_file
         if own.is_file() and theirs.is_file() and tokenizer_sha256(own) != tokenizer_sha256(theirs):
             raise ConfigError(
@@ -188,6 +178,21 @@ def _apply_init_from(raw: dict[str, Any], source: InitSource, vocab_from: str = 
                 f"{own} is another tokenizer than train.init_from's {theirs}: the model's ids "
                 "would mean other tokens; leave data.tokenizer empty (the model's is used)",
             )
+        if not own.is_file():
+            return  # tokenize trains it or says what is missing
+    else:
+        data["tokenizer"] = str(source.tokenizer_file)
+    # The model's own tokenizer (taken, or named in data.tokenizer): data.vocab_size is its size.
+    given = data.setdefault("vocab_size", source.vocab_size)
+    if given != source.vocab_size and str(given) != str(source.vocab_size):
+        raise ConfigError(
+            "data.vocab_size",
+            f"{given}, but the tokenizer of train.init_from ({source.path}: "
+            f"{source.tokenizer_file}) has {source.vocab_size} tokens, the ids its model was "
+            f"trained on: leave data.vocab_size out (with train.init_from it is that "
+            f"tokenizer's size) or set it to {source.vocab_size}",
+            vocab_from,
+        )
 
 
 def load_run_config(
