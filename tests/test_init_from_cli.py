@@ -234,9 +234,11 @@ def test_a_model_value_from_init_from_is_named_as_such(exported, tmp_path: Path)
     )
     cfg.write_text(cfg.read_text().replace("seq_len: 256", "seq_len: 16"))
     line = error_line(runner.invoke(app, ["info", str(cfg), "--set", "data.vocab_size=4096"]))
+    # data.tokenizer is init_from's own: the size is checked against it, the --set named.
     assert line == (
-        f"error: {cfg}: model.vocab_size: 320 is smaller than data.vocab_size=4096 (model.* "
-        f"from train.init_from {run_dir}; data.vocab_size from --set)"
+        f"error: --set: data.vocab_size: 4096, but the tokenizer of train.init_from ({run_dir}: "
+        f"{tok}) has 300 tokens, the ids its model was trained on: leave data.vocab_size out "
+        "(with train.init_from it is that tokenizer's size) or set it to 300"
     )
 
 

@@ -86,7 +86,9 @@ def test_logits_within_bound_and_argmax_on_held_out_text(shape: str) -> None:
     ids = held_out_ids()
     with torch.inference_mode():
         want, got = fp32(ids)[0], int8(ids)[0]
-    assert rel(got, want) < 0.10
+    # x86 without VNNI rounds activations to 7 bits (Q._reduce_range: its 16-bit sums would
+    # saturate), about twice the error: the MoE shape measured 0.129 on such an AMD EPYC.
+    assert rel(got, want) < (0.15 if Q._reduce_range() else 0.10)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.90
     linears = [m for m in int8.modules() if isinstance(m, torch.nn.Linear)]
     assert [type(m).__name__ for m in linears] == ["Linear"] * (
