@@ -230,3 +230,23 @@ def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) 
     if model_type == "mixtral":
         assert (ours.n_experts, ours.n_experts_per_token) == (
             theirs.num_local_experts, theirs.num_experts_per_tok)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["yarn", "llama3"])
+def test_a_top_level_original_length_wins_as_in_transformers(kind: str) -> None:
+    """Issue 50, defect 4: config.json's top-level original_max_position_embeddings is what
+    transformers 5 uses for yarn and llama3 (over rope_scaling's): the frequencies agree."""
+    from minillm.model.hf_names import model_config_from_hf
+    from minillm.model.rope import inv_frequencies
+
+    scaling = {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 64}
+    if kind == "llama3":
+        scaling.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    hf = {"model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 1024,
+          "original_max_position_embeddings": 256, "rope_scaling": scaling}  # fmt: skip
+    theirs = transformers.LlamaConfig(**hf)
+    ours = model_config_from_hf(dict(hf))
+    assert ours.rope_scaling.original_max_position_embeddings == 256
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(theirs)
+    torch.testing.assert_close(inv_frequencies(ours)[0].float(), rotary.inv_freq.float())

@@ -172,6 +172,10 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
     if kind == "dynamic":  # transformers scales past max_position_embeddings
         scaling["original_max_position_embeddings"] = max_len
     elif kind in ("yarn", "llama3"):  # transformers' defaults where the file has none
+        # transformers 5 prefers a top-level original_max_position_embeddings (Phi-3's place
+        # for it) to rope_scaling's own.
+        if hf.get("original_max_position_embeddings") is not None:
+            scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
         scaling.setdefault("original_max_position_embeddings", max_len)
         if "factor" not in scaling:
             scaling["factor"] = max_len / scaling["original_max_position_embeddings"]
