@@ -238,19 +238,11 @@ def test_a_python_reward_is_loaded_from_the_config_folder_and_used(
         trainer.close()
 
 
-def test_grpo_under_fsdp_is_refused_in_one_line_before_any_shard(
-    base: Path, tmp_path: Path
-) -> None:
+def test_grpo_under_fsdp_is_refused_in_one_line(base: Path, tmp_path: Path) -> None:
     # GRPO decodes its rollouts with the model's own parameters; FSDP2 would hand the decoder
-    # DTensor shards. Refused where the model is wrapped, before a process group is touched.
-    from minillm.errors import ConfigError
-    from minillm.train.distributed import DistInfo
-    from minillm.train.parallel import wrap_model
-
-    cfg = load_run_config(grpo_yaml(base, tmp_path / "run", parallel="fsdp"), [])
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ConfigError, match="train.parallel: fsdp cannot run train.objective: grpo"):
-        wrap_model(model, cfg, torch.device("cpu"), "fp32", DistInfo(world_size=2))
-    assert type(model.weight) is torch.nn.Parameter  # nothing sharded
-    # One process (no torchrun) never shards: the setting does not matter there.
-    assert wrap_model(model, cfg, torch.device("cpu"), "fp32", DistInfo()) is model
+    # DTensor shards. Refused when the config is read, naming the key.
+    path = grpo_yaml(base, tmp_path / "run", parallel="fsdp")
+    result = CliRunner().invoke(app, ["train", str(path)])
+    assert result.exit_code == 2
+    assert "train.parallel: fsdp cannot run train.objective: grpo" in error_line(result)
+    assert not (tmp_path / "run").exists()

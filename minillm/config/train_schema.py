@@ -347,6 +347,14 @@ class TrainConfig(Section):
                 f"{self.lora.rank} needs train.init_from (the model the adapters are trained "
                 "on); rank 0 trains every weight",
             )
+        if self.objective == "grpo" and self.parallel == "fsdp":
+            # GRPO's rollouts run the decoding core on the model's own parameters, which FSDP2
+            # turns into shards (DTensors): each rank would decode with a part of each matrix.
+            self._fail(
+                "parallel",
+                "fsdp cannot run train.objective: grpo (its rollouts decode with whole weight "
+                "matrices, FSDP2 leaves each rank a shard); use parallel: ddp",
+            )
         if self.objective != "lm" and not self.init_from:
             self._fail(
                 "objective",

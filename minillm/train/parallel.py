@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from minillm.config import Config
-from minillm.errors import ConfigError
 from minillm.runtime.device import PRECISION_DTYPES
 from minillm.train.distributed import DistInfo
 
@@ -36,14 +35,6 @@ def wrap_model(
 
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     elif dist.enabled and cfg.train.parallel == "fsdp":
-        if cfg.train.objective == "grpo":
-            # GRPO's rollouts run the decoding core on the model's own parameters, which FSDP2
-            # turns into shards (DTensors): each rank would decode with a part of each matrix.
-            raise ConfigError(
-                "train.parallel",
-                "fsdp cannot run train.objective: grpo (its rollouts decode with whole weight "
-                "matrices, FSDP2 leaves each rank a shard); use parallel: ddp",
-            )
         shard_model(model, precision)
     if cfg.train.compile:
         wrapped = torch.compile(wrapped)
