@@ -133,6 +133,35 @@ def pinned_ratio(
     return ratio, ms["today"], ms["pinned"]
 
 
+def step_threads(shape: ModelConfig, int8: bool, new: int, pairs: int) -> tuple[float, float]:
+    """minillm's batch-1 decode with one-row steps on one thread (the decoding core's choice
+    under OMP_WAIT_POLICY=PASSIVE, minillm.runtime.device.one_row_threads) against torch's
+    threads, alternating in this process: (ms per token on one thread, on torch's)."""
+    import minillm.infer.engine as engine
+
+    model, _ = build_pair(shape)
+    if int8:
+        model = int8_copy(model)
+    prompt = list(range(1, 17))
+    chosen = engine.one_row_threads
+
+    def run(one: bool) -> float:
+        engine.one_row_threads = (lambda device: 1) if one else (lambda device: None)
+        start = time.perf_counter()
+        generate(model, [prompt], SamplingParams.greedy(new))
+        return (time.perf_counter() - start) / new * 1e3
+
+    try:
+        run(True), run(False)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(pairs):
+            for one in (True, False):
+                times[one].append(run(one))
+    finally:
+        engine.one_row_threads = chosen
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def build_pair(shape: ModelConfig) -> tuple[Transformer, transformers.LlamaForCausalLM]:
     """Ours and HF's Llama with the same weights, as bench_train.py builds them, in eval mode."""
     ours, hf = build_models(shape, torch.device("cpu"))
@@ -390,6 +419,12 @@ def main() -> None:
         help=f"also minillm at this commit, same process and weights (default {PINNED})",
     )
     parser.add_argument(
+        "--step-threads",
+        action="store_true",
+        help="also one-row steps on one thread against torch's threads (fp32, and int8 with "
+        "--int8)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -411,6 +446,7 @@ def main() -> None:
     rows = []
     batched = {}
     pinned: dict[str, tuple[float, float, float]] = {}
+    threaded: dict[str, tuple[float, float]] = {}
     for name in args.shapes.split(","):
         row = bench_shape(
             name,
@@ -430,6 +466,10 @@ def main() -> None:
                 batched[f"{name} int8"] = bench_rows(
                     SHAPES[name], args.prompt_len, args.new_tokens, args.repeats, args.rows, True
                 )
+        if args.step_threads:
+            for int8 in (False, True) if args.int8 else (False,):
+                label = f"{name} int8" if int8 else name
+                threaded[label] = step_threads(SHAPES[name], int8, args.new_tokens, args.repeats)
         if args.pinned:
             pinned[name] = pinned_ratio(
                 SHAPES[name], args.pinned, args.prompt_len, args.new_tokens, max(args.repeats, 5)
@@ -482,6 +522,15 @@ def main() -> None:
                 "{:.0f} / {:.0f}".format(*r["prefill_ms"]) if i8 else "-",
             ]
             print(f"| {r['shape']} | " + " | ".join(cells) + " |")
+    if threaded:
+        print(
+            f"\none-row steps on one thread against {threads} (batch 1, greedy, "
+            f"{args.new_tokens} tokens, median of {args.repeats} alternating pairs):\n"
+        )
+        print(f"| shape | 1 thread ms/token | {threads} threads ms/token | 1 / {threads} |")
+        print("|---|---:|---:|---:|")
+        for label, (one, many) in threaded.items():
+            print(f"| {label} | {one:.3f} | {many:.3f} | {one / many:.2f}x |")
     if pinned:
         print(
             f"\ntoday's decode against commit {args.pinned}'s, same weights, alternating in this "
