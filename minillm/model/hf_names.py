@@ -146,12 +146,13 @@ def is_llama_config(hf: dict[str, Any]) -> bool:
 
 def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
     """rope_theta and model.rope_scaling's values from config.json's rope_scaling (transformers
-    4) or rope_parameters (5); what minillm does not compute is a ConfigError naming the key."""
+    4) or rope_parameters (5), `hf` with its family's defaults filled in (FAMILY_DEFAULTS);
+    what minillm does not compute is a ConfigError naming the key."""
     key, params = "rope_parameters", hf.get("rope_parameters")
     if isinstance(hf.get("rope_scaling"), dict):
         key, params = "rope_scaling", hf["rope_scaling"]
     params = params if isinstance(params, dict) else {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf["rope_theta"])
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), {}
@@ -168,7 +169,7 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
         "type": kind,
         **{k: params[k] for k in _ROPE_KEYS[kind] if params.get(k) is not None},
     }
-    max_len = hf.get("max_position_embeddings", 2048)
+    max_len = hf["max_position_embeddings"]
     if kind == "dynamic":  # transformers scales past max_position_embeddings
         scaling["original_max_position_embeddings"] = max_len
     elif kind in ("yarn", "llama3"):  # transformers' defaults where the file has none
@@ -248,11 +249,11 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     moe = {}
     if model_type == "mixtral":
         moe = dict(
-            n_experts=hf.get("num_local_experts", 8),
-            n_experts_per_token=hf.get("num_experts_per_tok", 2),
+            n_experts=hf["num_local_experts"],
+            n_experts_per_token=hf["num_experts_per_tok"],
             moe_ffn_hidden=hf["intermediate_size"],
         )
-    max_len = hf.get("max_position_embeddings", 2048)
+    max_len = hf["max_position_embeddings"]
     if scaling.get("type") == "dynamic":  # reads past it: the length its factor reaches
         max_len = int(max_len * scaling["factor"])
     return ModelConfig(
@@ -269,7 +270,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         ffn_hidden=hf["intermediate_size"],
         max_seq_len=max_len,
         rope_theta=rope_theta,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **moe,
     )
