@@ -74,18 +74,18 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _stores_head(folder: Path) -> bool:
-    """Whether the folder's weights hold an `lm_head.weight` (names only: the index's map or the
-    file's header; False for a folder without weights, which loading then reports)."""
-    from safetensors import safe_open
+    """Whether the folder's weights hold an `lm_head.weight` (the files' headers only; False
+    for weights that cannot be read, which loading then reports naming the file)."""
+    from safetensors import SafetensorError, safe_open
 
-    index = folder / HF_WEIGHTS_INDEX
     try:
-        if not (folder / HF_WEIGHTS_FILE).is_file() and index.is_file():
-            return "lm_head.weight" in json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        with safe_open(str(folder / HF_WEIGHTS_FILE), framework="pt") as f:
-            return "lm_head.weight" in f.keys()
-    except Exception:  # unreadable: import_hf_folder names the file at fault
+        for path in _weight_files(folder):
+            with safe_open(str(path), framework="pt") as f:
+                if "lm_head.weight" in f.keys():
+                    return True
+    except (CheckpointError, SafetensorError, OSError, ValueError):
         return False
+    return False
 
 
 def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
