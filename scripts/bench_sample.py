@@ -47,7 +47,6 @@ import dataclasses
 import itertools
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -85,6 +84,18 @@ SHAPES = {
 }
 
 
+def alternate(sides: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall seconds of each side's call, `repeats` rounds of one call per side in turn, so that
+    the machine's drift falls on every side alike."""
+    wall: dict[str, list[float]] = {label: [] for label in sides}
+    for _ in range(repeats):
+        for label, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            wall[label].append(time.perf_counter() - start)
+    return wall
+
+
 # The commit the decode-speed guard compares with: the decode step of issue 49 (the head's
 # transposed copy). Move it forward only on purpose, after measuring that a slower step is
 # the price of something (and say so in the commit).
@@ -110,24 +121,18 @@ def pinned_ratio(
     today's ms per token, pinned's), the token times the medians."""
     ours, _ = build_pair(shape)
     old = pinned_copy(ours, commit)
-    old_generate = sys.modules[f"minillm_{commit}.infer.engine"].generate
-    old_params = sys.modules[f"minillm_{commit}.infer.engine"].SamplingParams.greedy(new)
+    old_engine = pinned_minillm(commit).infer.engine
     prompt = torch.randint(
         1, shape.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(1)
     ).tolist()
     sides = {
-        "pinned": lambda: old_generate(old, [prompt], old_params),
+        "pinned": lambda: old_engine.generate(old, [prompt], old_engine.SamplingParams.greedy(new)),
         "today": lambda: generate(ours, [prompt], SamplingParams.greedy(new)),
     }
     outs = {label: fn() for label, fn in sides.items()}  # warm-up
     if outs["pinned"] != outs["today"]:
         raise AssertionError(f"commit {commit} and today's code decode different greedy tokens")
-    wall: dict[str, list[float]] = {label: [] for label in sides}
-    for _ in range(pairs):
-        for label, fn in sides.items():
-            start = time.perf_counter()
-            fn()
-            wall[label].append(time.perf_counter() - start)
+    wall = alternate(sides, pairs)
     ratio = statistics.median(t / p for t, p in zip(wall["today"], wall["pinned"]))
     ms = {k: statistics.median(v) / new * 1e3 for k, v in wall.items()}
     return ratio, ms["today"], ms["pinned"]
@@ -145,21 +150,19 @@ def step_threads(shape: ModelConfig, int8: bool, new: int, pairs: int) -> tuple[
     prompt = list(range(1, 17))
     chosen = engine.one_row_threads
 
-    def run(one: bool) -> float:
-        engine.one_row_threads = (lambda device: 1) if one else (lambda device: None)
-        start = time.perf_counter()
+    def run(threads: int | None) -> None:
+        engine.one_row_threads = lambda device: threads
         generate(model, [prompt], SamplingParams.greedy(new))
-        return (time.perf_counter() - start) / new * 1e3
 
+    sides = {"one": lambda: run(1), "torch's": lambda: run(None)}
     try:
-        run(True), run(False)
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(pairs):
-            for one in (True, False):
-                times[one].append(run(one))
+        for fn in sides.values():
+            fn()  # warm-up
+        wall = alternate(sides, pairs)
     finally:
         engine.one_row_threads = chosen
-    return statistics.median(times[True]), statistics.median(times[False])
+    one, many = (statistics.median(wall[k]) / new * 1e3 for k in sides)
+    return one, many
 
 
 def build_pair(shape: ModelConfig) -> tuple[Transformer, transformers.LlamaForCausalLM]:
@@ -372,12 +375,7 @@ def bench_rows(
         "many": lambda: generate(ours, prompts, SamplingParams.greedy(new)),
     }
     outs = {label: fn() for label, fn in sides.items()}  # warm-up, and the equality check
-    wall: dict[str, list[float]] = {label: [] for label in sides}
-    for _ in range(repeats):
-        for label, fn in sides.items():
-            start = time.perf_counter()
-            fn()
-            wall[label].append(time.perf_counter() - start)
+    wall = alternate(sides, repeats)
     one, many = (statistics.median(wall[k]) for k in ("one", "many"))
     return {
         "one": new / one,
