@@ -86,10 +86,29 @@ MISTRAL = (
     "{% endif %}{% endfor %}"
 )
 
+# Llama 2's chat format (its tokenizer_config.json's template): the system prompt in <<SYS>> inside
+# the first user turn, each user turn after the BOS, each reply ended by the eos.
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}"
+    "{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 # name -> special tokens, tokenizer_config values, BOS the post-processor adds, template,
 #         generation_config eos names
@@ -113,6 +132,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL,
                     config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
                     eos=["</s>"]),
+    # Sentencepiece-style tokenizers (`spm`): Llama 2's (a normalizer puts "▁" for spaces and
+    # before the text, the decoder strips it) and Mistral v0.3's (a Metaspace pre-tokenizer).
+    "llama2": dict(specials=SPM_SPECIALS, bos="<s>", template=LLAMA2, spm="normalizer",
+                   config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
+                   eos=["</s>"]),
+    "mistral-spm": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL, spm="metaspace",
+                        config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
+                        eos=["</s>"]),
 }  # fmt: skip
 # Model shapes: `tiny` for the tests, `small` (about 2M parameters) for the demo.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -124,10 +151,13 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
-    """The family's byte-level BPE, trained on the first `text_chars` of the shipped texts."""
+    """The family's BPE (byte-level, or sentencepiece-style for `spm` families), trained on the
+    first `text_chars` of the shipped texts."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     family = FAMILIES[name]
+    if "spm" in family:
+        return _sentencepiece_json(name, vocab_size, text_chars)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -155,6 +185,57 @@ def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
             else template
         )
     return tok.to_str()
+
+
+def _sentencepiece_json(name: str, vocab_size: int, text_chars: int) -> str:
+    """A sentencepiece-style BPE as Llama 2's and Mistral's tokenizer.json hold it: the specials
+    first, then the 256 byte-fallback tokens <0x00>..<0xFF> (ordinary vocabulary, not added
+    tokens), then the learned pieces, "▁" for a space; the BOS added by the post-processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    family = FAMILIES[name]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[*family["specials"], *byte_tokens],
+        show_progress=False,
+    )
+    text = "".join(p.read_text(encoding="utf-8")[:text_chars] for p in TEXTS)
+    tok.train_from_iterator([text], trainer=trainer)
+    spec = json.loads(tok.to_str())
+    # The byte tokens are vocabulary, not added tokens (as in the published files).
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in byte_tokens]
+    space, bos = "\u2581", family["bos"]
+    replace_space = {"type": "Replace", "pattern": {"String": space}, "content": " "}
+    fallback = [replace_space, {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if family["spm"] == "normalizer":  # Llama 2, TinyLlama, Mistral v0.1
+        spec["normalizer"] = {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": space},
+                {"type": "Replace", "pattern": {"String": " "}, "content": space},
+            ],
+        }
+        spec["pre_tokenizer"] = None
+    else:  # Mistral v0.3: no normalizer, Metaspace puts the first "▁"
+        spec["pre_tokenizer"] = {
+            "type": "Metaspace",
+            "replacement": space,
+            "prepend_scheme": "first",
+            "split": False,
+        }
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [*fallback, {"type": "Strip", "content": " ", "start": 1, "stop": 0}],
+    }
+    out = Tokenizer.from_str(json.dumps(spec))
+    bos_id = out.token_to_id(bos)
+    out.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
+    return out.to_str()
 
 
 def build(

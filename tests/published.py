@@ -82,4 +82,4 @@ CONVERSATIONS = [
 
 def usable(name: str, messages: list[dict[str, str]]) -> bool:
     """Mistral's [INST] template has no system role."""
-    return not (name == "mistral" and messages[0]["role"] == "system")
+    return not (name.startswith("mistral") and messages[0]["role"] == "system")

@@ -28,11 +28,11 @@ from minillm.checkpoint.gguf_file import export_gguf, modelfile_path
 from minillm.checkpoint.gguf_tokens import llama_cpp_pre_tokenizer
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat_template import END
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import EOT, eot_id, train_tokenizer
 from minillm.errors import CheckpointError
 from minillm.infer.engine import SamplingParams, generate
+from minillm.tokenizer.bpe import EOT, eot_id, train_tokenizer
+from minillm.tokenizer.chat_template import END
+from minillm.tokenizer.conventions import Conventions
 from tests.helpers import SHAKESPEARE, make_run, tiny_tokenizer
 
 needs_llama_cpp = pytest.mark.skipif(
@@ -158,7 +158,7 @@ def test_a_tokenizer_without_chat_tokens_exports_plain_text_only(tmp_path: Path)
     from gguf import GGUFReader
     from tokenizers import Tokenizer, pre_tokenizers, trainers
 
-    from minillm.data.tokenizer import new_tokenizer
+    from minillm.tokenizer.bpe import new_tokenizer
     from tests.helpers import legacy_tokenizer_json
 
     no_bytes = Tokenizer.from_str(legacy_tokenizer_json())
@@ -376,7 +376,7 @@ def test_llama_cpps_template_guesser_mistakes_ours_for_phi3() -> None:
 
     import llama_cpp
 
-    from minillm.data.chat_template import HF_CHAT_TEMPLATE
+    from minillm.tokenizer.chat_template import HF_CHAT_TEMPLATE
 
     chat = (llama_cpp.llama_chat_message * 2)(
         llama_cpp.llama_chat_message(b"system", b"Be terse."),

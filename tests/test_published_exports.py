@@ -373,7 +373,7 @@ def _drop_non_utf8_bytes(spec: dict[str, Any]) -> None:
     """Remove the tokens of the 13 bytes UTF-8 never has (0xC0, 0xC1, 0xF5-0xFF): the ids of
     the rest are kept (a vocabulary with holes, as real ones trained without them)."""
     from minillm.checkpoint.gguf_tokens import NOT_UTF8_BYTES
-    from minillm.data.tokenizer import byte_alphabet
+    from minillm.tokenizer.bpe import byte_alphabet
 
     gone = {byte_alphabet()[b] for b in NOT_UTF8_BYTES}
     vocab = spec["model"]["vocab"]
@@ -415,7 +415,7 @@ def _unk_after(spec: dict[str, Any]) -> None:
 
 def _bytes_gone(spec: dict[str, Any], byte: int = 0x5E) -> None:
     """The byte's token gone from the vocabulary ("^" by default: in no merge of the stand-in)."""
-    from minillm.data.tokenizer import byte_alphabet
+    from minillm.tokenizer.bpe import byte_alphabet
 
     char = byte_alphabet()[byte]
     merges = spec["model"]["merges"]

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from minillm.data.tokenizer import byte_alphabet
 from minillm.errors import CheckpointError, warn
+from minillm.tokenizer.bpe import byte_alphabet
 
 # llama.cpp's name for GPT-2's pre-tokenizer regex, the one minillm's ByteLevel(use_regex=True)
 # applies (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
@@ -185,17 +185,11 @@ def gguf_specials(ckpt: Any, where: str) -> GgufSpecials:
     """The special ids, flags, template and stops of a LoadedCheckpoint's tokenizer; what the
     post-processor adds that llama.cpp cannot is a CheckpointError (added_specials)."""
     from minillm.checkpoint.model_tokens import model_tokens
-    from minillm.data.tokenizer import EOT
 
     conv, tok = ckpt.conventions, ckpt.tokenizer
     tokens = model_tokens(ckpt)
-    if conv.own:
-        # End-of-text separates documents: it is what a fresh document follows (bos), what ends
-        # one (eos) and the padding, as in the HF export. Nothing is added to a prompt itself:
-        # `minillm chat` adds nothing, `minillm sample` puts end-of-text first by id.
-        stops = [tok.id_to_token(tokens.eot), EOT] if tokens.eot is not None else [EOT]
-        return GgufSpecials(tokens.bos, tokens.bos, tokens.eot, tokens.pad, False, False,
-                            conv.template, stops)  # fmt: skip
+    # minillm's own tokenizer adds nothing to a text (`minillm sample` puts end-of-text first by
+    # id, `minillm chat` adds nothing): no add_bos; end-of-text is its bos, eos and padding.
     before, after = added_specials(conv, where)
     eos = tokens.eos_token
     if after is not None and eos is not None and after != eos:

@@ -1,5 +1,5 @@
 """`minillm chat`: a conversation with a chat-tuned checkpoint, in its chat template (minillm's
-own, or a published model's: minillm.data.conventions).
+own, or a published model's: minillm.tokenizer.conventions).
 
 Offers `Conversation` (the history and one reply at a time), `warn_if_text_model` and
 `chat_checkpoint`, what the command runs: one reply to `--message`, an interactive conversation

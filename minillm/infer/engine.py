@@ -106,7 +106,7 @@ class Row:
         if params.temperature:  # uniforms on the CPU: a seed gives the same text on any device
             seed = fresh_seed() if params.seed is None else row_seed(params.seed, k)
             self.generator = torch.Generator().manual_seed(seed)
-        self.text = StopText(tokenizer, params.stop) if tokenizer is not None else None
+        self.text = StopText(tokenizer, params.stop, prompt) if tokenizer is not None else None
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.cancelled = False
         self.cached = 0  # tokens of this row's window in the KV cache
