@@ -12,6 +12,11 @@ tokenizer_config.json and generation_config.json (Llama 3: two eos ids). Familie
 assistant mask), `qwen2.5` (ChatML whose system prompt is a default), `llama3` (headers and
 `<|eot_id|>`), `llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`).
 
+The tokenizer splits text with GPT-2's byte-level regex unless `--split` names a published
+model's own pre-tokenizer, written as its tokenizer.json has it: `qwen2` (an NFC normalizer and
+Qwen2's Split regex, one digit per piece), `llama3` (Llama 3's Split regex, up to three digits per
+piece, and `ignore_merges`), `smollm` (each digit alone, then GPT-2's regex).
+
 The tests build their folders with `build` (tests/published.py); `make published-demo`
 (README, "Fine-tune a published model") fine-tunes one.
 """
@@ -26,6 +31,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = (ROOT / "data" / "tinyshakespeare.txt", ROOT / "data" / "tiny_chat.jsonl")
 EXTRA = "Grüße aus Köln — naïve café, 日本語のテキスト, emoji 🙂🚀, Ελληνικά.\n"
+# Trained on too with a published model's split: digit runs, contractions and whitespace runs
+# often enough that the vocabulary has tokens one split makes and another does not.
+SPLIT_EXTRA = (
+    "In 2024, 1999 and 365 days; it's 10:30, don't, you've, they'll, I'M, O'Neil's 123456789 "
+    "0042 3.14159 (x2024y)\n\n\n    indented\t\ttabs  two  spaces,word.Word!?\r\n 2024 — "
+    "Grüße 2024 東京2024 🙂2024\n"
+)
 
 CHATML = (
     "{% for message in messages %}"
@@ -150,25 +162,77 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
-    """The family's BPE (byte-level, or sentencepiece-style for `spm` families), trained on the
-    first `text_chars` of the shipped texts."""
+# The regexes of Qwen2's and Llama 3's tokenizer.json (their `pre_tokenizer`'s Split pattern).
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS = ("gpt2", "qwen2", "llama3", "smollm")
+
+
+def _split(tok: Any, split: str) -> None:
+    """Give `tok` the normalizer and pre-tokenizer of `split` (one of SPLITS)."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    regex = {"qwen2": QWEN2_SPLIT, "llama3": LLAMA3_SPLIT}.get(split)
+    if split == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )  # fmt: skip
+    elif regex is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
+                                      use_regex=False)]
+        )  # fmt: skip
+    else:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+    if split == "qwen2":
+        tok.normalizer = normalizers.NFC()
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> character table (byte b is the b-th), the one ByteLevel maps bytes with:
+    printable Latin-1 bytes stand for themselves, the others for U+0100 on, in order."""
+    kept = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = iter(range(0x100, 0x200))
+    return [chr(b) if b in kept else chr(next(others)) for b in range(256)]
+
+
+def tokenizer_json(
+    name: str, vocab_size: int, text_chars: int, split: str = "gpt2", without: tuple[int, ...] = ()
+) -> str:
+    """The family's BPE (byte-level, or sentencepiece-style for `spm` families: then `split` and
+    `without` do not apply), trained on the first `text_chars` of the shipped texts,
+    splitting text as `split` (one of SPLITS) does, without the tokens of the bytes `without`
+    (as published vocabularies whose training text never held them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     family = FAMILIES[name]
     if "spm" in family:
         return _sentencepiece_json(name, vocab_size, text_chars)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    lacking = [_byte_chars()[b] for b in without]
+    tok = Tokenizer(models.BPE(ignore_merges=split == "llama3"))  # Llama 3's takes a word whole
+    _split(tok, split)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=family["specials"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=sorted(set(pre_tokenizers.ByteLevel.alphabet()) - set(lacking)),
         show_progress=False,
     )
     text = "".join(p.read_text(encoding="utf-8")[:text_chars] for p in TEXTS) + EXTRA * 3
+    text += SPLIT_EXTRA * 30 if split != "gpt2" else ""
     tok.train_from_iterator([text], trainer=trainer)
+    if any(char in tok.get_vocab() for char in lacking):
+        raise ValueError(f"the shipped texts hold one of the bytes {without}")
     bos = family["bos"]
     if bos is None:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -290,10 +354,12 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(FAMILIES), default="chatml")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--split", choices=SPLITS, default="gpt2",
+                        help="the pre-tokenizer: GPT-2's regex or a published model's")  # fmt: skip
     args = parser.parse_args()
     if args.out.exists():
         parser.error(f"{args.out}: exists; a published model's folder is never overwritten")
-    tokenizer = tokenizer_json(args.family, args.vocab_size, 200_000)
+    tokenizer = tokenizer_json(args.family, args.vocab_size, 200_000, args.split)
     build(args.out, args.family, tokenizer, shape=args.shape)
     print(f"wrote {args.out} ({args.family}, {args.shape})")
 

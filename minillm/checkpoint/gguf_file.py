@@ -8,8 +8,10 @@ The file is written with gguf-py, the llama.cpp project's own writer, the way it
 `convert_hf_to_gguf.py` writes a `LlamaForCausalLM`, except that the tokenizer is described
 from what we know rather than guessed: that converter recognises a BPE pre-tokenizer by hashing
 the ids of a test string, so it refuses every freshly trained vocabulary. Ours splits text with
-GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; any other pre-tokenizer is refused in one
-line rather than exported with a split that would silently differ.
+GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; a published model's Qwen2, Llama 3 or
+SmolLM split is recognised by its tokenizer.json (gguf_tokens.LLAMA_CPP_SPLITS); any other
+pre-tokenizer is refused in one line rather than exported with a split that would silently
+differ.
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
 The architecture is llama.cpp's own for the family (`gguf_arch`): `qwen3` (model.qk_norm),
@@ -303,7 +305,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         _add_rope_scaling(w, m)
         w.add_layer_norm_rms_eps(m.norm_eps)
         w.add_vocab_size(m.vocab_size)
-        # The tokenizer: byte-level BPE with the split named above, and minillm's special ids.
+        # The tokenizer: byte-level BPE with the split gguf_vocab recognised.
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(vocab.pre)
         w.add_token_list(vocab.tokens)
