@@ -11,7 +11,7 @@ the ids of a test string, so it refuses every freshly trained vocabulary. Ours s
 GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; a published model's Qwen2, Llama 3 or
 SmolLM split is recognised by its tokenizer.json (gguf_tokens.LLAMA_CPP_SPLITS); any other
 pre-tokenizer is refused in one line rather than exported with a split that would silently
-differ.
+differ. A sentencepiece-style BPE is llama.cpp's SPM (`llama`) model (gguf_spm).
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
 The architecture is llama.cpp's own for the family (`gguf_arch`): `qwen3` (model.qk_norm),

@@ -9,7 +9,8 @@ template and the stop tokens of a checkpoint).
 The splits llama.cpp has for a byte-level BPE are recognised by the exact shape of
 tokenizer.json (`LLAMA_CPP_SPLITS`): GPT-2's (minillm's own, `gpt-2`), Qwen2's (`qwen2`),
 Llama 3's (`llama-bpe`) and SmolLM's (`smollm`), each the regex llama-vocab.cpp applies for that
-`tokenizer.ggml.pre`; any other is refused in one line naming the key.
+`tokenizer.ggml.pre`; any other is refused in one line naming the key. A sentencepiece-style
+BPE (byte fallback, "▁" for a space) is llama.cpp's SPM model instead (gguf_spm).
 
 minillm's own tokenizer: end-of-text is bos, eos and pad, nothing is added to a prompt, and a
 chat turn ends at `<|end|>`. A published model's: its post-processor's BOS as add_bos_token
