@@ -21,6 +21,7 @@ from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.errors import CheckpointError
 from tests.published import _script, family_tokenizer, hf_tokenizer
+from tests.test_gguf import _one_error_line
 from tests.test_gguf_vocabularies import (
     CHATS,
     HELD_OUT,
@@ -107,12 +108,23 @@ def test_a_larger_vocabulary_tokenizes_as_the_tokenizer_by_its_scores(
     """2,000 tokens, most of them merges: the score order carries llama.cpp through the same
     merges on texts it was not trained on. gguf-py's LlamaHfVocab scores every token -1000:
     llama.cpp then merges leftmost first, which gives other ids."""
+    from tokenizers import Tokenizer
+
     script = _script()
     text = script.tokenizer_json("llama2", 2000, 60000)
     assert len(json.loads(text)["model"]["merges"]) > 1000
     folder = script.build(tmp_path / "big", "llama2", text)
     path = export_gguf(load_checkpoint(folder), tmp_path / "big.gguf")
-    _tokenizes_as_the_model(_llama(path, vocab_only=True), folder, HELD_OUT + SPACES)
+    llm = _llama(path, vocab_only=True)
+    _tokenizes_as_the_model(llm, folder, HELD_OUT + SPACES)
+    # Every word of the shipped texts, most past the 60,000 characters it was trained on: some
+    # 650 pairs of tokens join into a token that no merge makes, which llama.cpp would merge and
+    # tokenizers would not; no word reaches one (the merges' order makes the same pieces first).
+    tok = Tokenizer.from_str(text)
+    words = sorted({w for p in script.TEXTS for w in p.read_text(encoding="utf-8").split()})
+    assert len(words) > 25000
+    ids = [e.ids for e in tok.encode_batch(words, add_special_tokens=False)]
+    assert [llm.tokenize(w.encode(), add_bos=False, special=False) for w in words] == ids
     real = gguf_spm.sentencepiece_vocab
 
     def flat(*args: Any) -> Any:
@@ -226,3 +238,21 @@ def test_prepend_schemes_and_a_missing_byte_token() -> None:
     tok = Tokenizer.from_str(json.dumps(spec))
     with pytest.raises(CheckpointError, match=r"^t: model.vocab: lacks 1 byte tokens \(<0x41>\)"):
         sentencepiece_vocab(tok, spec, tok.get_vocab_size(), "t")
+
+
+def test_a_refused_shape_is_one_error_line_from_the_cli_and_nothing_written(
+    spm_export, tmp_path: Path
+) -> None:
+    name, folder, _, _ = spm_export
+    if name != "mistral-spm":
+        pytest.skip("one refusal through the CLI is enough")
+    split = tmp_path / "split"
+    shutil.copytree(folder, split)
+    spec = json.loads((split / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["split"] = True
+    (split / "tokenizer.json").write_text(json.dumps(spec))
+    out = tmp_path / "out.gguf"
+    args = ["export", "--ckpt", str(split), "--format", "gguf", "--out", str(out)]
+    line = _one_error_line(runner.invoke(app, args))
+    assert "tokenizer.json: pre_tokenizer.split: true" in line
+    assert not out.exists() and not out.with_suffix(".Modelfile").exists()
