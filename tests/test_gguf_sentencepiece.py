@@ -138,20 +138,45 @@ def test_a_larger_vocabulary_tokenizes_as_the_tokenizer_by_its_scores(
         _tokenizes_as_the_model(_llama(path, vocab_only=True), folder, HELD_OUT)
 
 
+def _edited(folder: Path, out: Path, edit: Any) -> Path:
+    """A copy of `folder` whose tokenizer.json `edit` (a function of the parsed spec) changed."""
+    shutil.copytree(folder, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    edit(spec)
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    return out
+
+
 @needs_llama_cpp
-def test_gemmas_replace_normalizer_is_no_space_prefix(spm_export, tmp_path: Path) -> None:
+def test_gemmas_normalizer_and_metaspaces_always(spm_export, tmp_path: Path) -> None:
+    """Gemma's Replace(" ", "▁") alone is add_space_prefix false and the same ids; Metaspace's
+    `always` differs only where a text starts with a space (its warning)."""
     name, folder, _, _ = spm_export
-    if name != "llama2":
-        pytest.skip("one normalizer shape is enough")
-    gemma = tmp_path / "gemma"
-    shutil.copytree(folder, gemma)
-    spec = json.loads((gemma / "tokenizer.json").read_text())
-    spec["normalizer"] = spec["normalizer"]["normalizers"][1]  # Replace(" ", "▁") alone
-    spec["decoder"]["decoders"] = spec["decoder"]["decoders"][:-1]  # no Strip: nothing put
-    (gemma / "tokenizer.json").write_text(json.dumps(spec))
-    path = export_gguf(load_checkpoint(gemma), tmp_path / "gemma.gguf")
-    assert _kv(path)["tokenizer.ggml.add_space_prefix"] is False
-    _tokenizes_as_the_model(_llama(path, vocab_only=True), gemma, HELD_OUT + SPACES)
+
+    def gemma(spec: dict[str, Any]) -> None:
+        spec["normalizer"] = spec["normalizer"]["normalizers"][1]  # Replace(" ", "▁") alone
+        spec["decoder"]["decoders"] = spec["decoder"]["decoders"][:-1]  # no Strip: none put
+
+    def always(spec: dict[str, Any]) -> None:
+        spec["pre_tokenizer"]["prepend_scheme"] = "always"
+
+    edited = _edited(folder, tmp_path / "edited", gemma if name == "llama2" else always)
+    path = export_gguf(load_checkpoint(edited), tmp_path / "edited.gguf")
+    assert _kv(path)["tokenizer.ggml.add_space_prefix"] is (name != "llama2")
+    llm = _llama(path, vocab_only=True)
+    if name == "llama2":
+        _tokenizes_as_the_model(llm, edited, HELD_OUT + SPACES)
+        return
+    _tokenizes_as_the_model(llm, edited, HELD_OUT + [t for t in SPACES if t[0] != " "])
+    hf = hf_tokenizer(edited)
+    prompt = "<s>[INST]Who[/INST]x</s>[INST]y"  # a ▁ after each special token, as tokenizers
+    assert (
+        llm.tokenize(prompt.encode(), False, True) == hf(prompt, add_special_tokens=False).input_ids
+    )
+    for text in (" lead", "<s>[INST] Who"):
+        got = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert got == hf(text.replace(" ", "  "), add_special_tokens=False).input_ids
+        assert got != hf(text, add_special_tokens=False).input_ids
 
 
 @pytest.mark.slow
@@ -227,11 +252,18 @@ def test_a_shape_llama_cpp_cannot_follow_is_refused_by_key(
     assert "\n" not in str(e.value)
 
 
-def test_prepend_schemes_and_a_missing_byte_token() -> None:
+def test_prepend_schemes_and_a_missing_byte_token(capsys: pytest.CaptureFixture) -> None:
     from tokenizers import Tokenizer
 
     assert space_prefix(_spec("mistral-spm", pre_tokenizer__prepend_scheme="never"), "t") is False
+    assert capsys.readouterr().err == ""
+    # `always` puts its ▁ after special tokens too: only a text starting with a space differs
+    # (test_gemmas_normalizer_and_metaspaces_always).
     assert space_prefix(_spec("mistral-spm", pre_tokenizer__prepend_scheme="always"), "t") is True
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: t: pre_tokenizer.prepend_scheme: always: llama.cpp puts a ")
+    assert "second ▁ before a text that starts with a space" in line
+    assert "where tokenizers puts none" not in line
     spec = _spec()
     byte = spec["model"]["vocab"].pop("<0x41>")
     spec["model"]["vocab"]["<0x41>x"] = byte  # the row stays, the byte's token is gone

@@ -85,12 +85,17 @@ def space_prefix(spec: dict[str, Any], where: str) -> bool:
         return False
     if scheme not in ("first", "always"):
         raise _refuse(where, "pre_tokenizer.prepend_scheme", f"{scheme!r}")
-    after = "after a special token, " if scheme == "first" else ""
+    differs = (
+        "puts a ▁ before a text after a special token, where tokenizers puts none, and a second "
+        "one before a text that starts with a space"
+        if scheme == "first"
+        else "puts a second ▁ before a text that starts with a space, after a special token too"
+    )
+    chat = ", a chat's text after a special token among them" if scheme == "first" else ""
     warn(
-        f"{where}: pre_tokenizer.prepend_scheme: {scheme}: llama.cpp puts a ▁ before a text "
-        f"{after}where tokenizers puts none, and a second one before a text that starts with a "
-        "space (add_space_prefix, llama.cpp issue 23840): such texts get other ids there, a "
-        "chat's text after a special token among them (exported all the same)"
+        f"{where}: pre_tokenizer.prepend_scheme: {scheme}: llama.cpp {differs} "
+        f"(add_space_prefix, llama.cpp issue 23840): such texts get other ids there{chat} "
+        "(exported all the same)"
     )
     return True
 
