@@ -108,6 +108,7 @@ def test_a_larger_vocabulary_tokenizes_as_the_tokenizer_by_its_scores(
     """2,000 tokens, most of them merges: the score order carries llama.cpp through the same
     merges on texts it was not trained on. gguf-py's LlamaHfVocab scores every token -1000:
     llama.cpp then merges leftmost first, which gives other ids."""
+    from gguf import TokenType
     from tokenizers import Tokenizer
 
     script = _script()
@@ -115,6 +116,10 @@ def test_a_larger_vocabulary_tokenizes_as_the_tokenizer_by_its_scores(
     assert len(json.loads(text)["model"]["merges"]) > 1000
     folder = script.build(tmp_path / "big", "llama2", text)
     path = export_gguf(load_checkpoint(folder), tmp_path / "big.gguf")
+    kv, rows = _kv(path), json.loads((folder / "config.json").read_text())["vocab_size"]
+    pads = range(Tokenizer.from_str(text).get_vocab_size(), rows)  # build() pads 16 rows
+    assert kv["tokenizer.ggml.tokens"][pads.start :] == [f"[PAD{i}]" for i in pads]
+    assert set(kv["tokenizer.ggml.token_type"][pads.start :]) == {int(TokenType.UNUSED)}
     llm = _llama(path, vocab_only=True)
     _tokenizes_as_the_model(llm, folder, HELD_OUT + SPACES)
     # Every word of the shipped texts, most past the 60,000 characters it was trained on: some
