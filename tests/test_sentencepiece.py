@@ -161,3 +161,67 @@ def test_a_replys_first_word_keeps_its_space_after_the_prompt(folders: dict) -> 
     assert hf.decode(reply) == "was here"  # decoded alone, the space is gone
     assert continuation(conv.tok, prompt, reply) == " was here"
     assert _streamed(hf, prompt, reply) == " was here"
+
+
+@pytest.mark.slow
+def test_chat_sft_lora_eval_and_exports_through_the_cli(folders: dict, tmp_path: Path) -> None:
+    """A Llama 2-style folder through tokenize (chat SFT, transformers' masks), train (LoRA),
+    eval, chat and export hf/peft; the published folder is never written."""
+    import hashlib
+
+    import numpy as np
+    import yaml
+
+    from tests.published import CONVERSATIONS
+
+    folder = folders["llama2"]
+    before = {p.name: hashlib.sha256(p.read_bytes()).digest() for p in folder.iterdir()}
+    rows = [m for m in CONVERSATIONS if m[-1]["role"] == "assistant"] * 6
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    cfg = {
+        "data": {"source": str(source), "text_field": "messages", "out_dir": str(tmp_path / "t"),
+                 "val_fraction": 0.25},
+        "train": {"init_from": str(folder), "device": "cpu", "precision": "fp32",
+                  "batch_size": 2, "seq_len": 64, "max_steps": 3, "eval_every": 3,
+                  "eval_steps": 1, "ckpt_every": 3, "log_every": 1, "lr": 1e-2,
+                  "out_dir": str(tmp_path / "run"), "lora": {"rank": 2, "alpha": 4}},
+    }  # fmt: skip
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    for command in (["tokenize", str(config)], ["train", str(config)]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+    # The shards hold apply_chat_template's ids, the targets its replies and their </s>.
+    hf = hf_tokenizer(folder)
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text())
+    expected = [hf.apply_chat_template(m, return_dict=False) for m in rows]
+    end = conventions(folder).doc_end
+    for split in ("train", "val"):
+        files = sorted((tmp_path / "t").glob(f"{split}_*.bin"))
+        ids = np.concatenate([np.fromfile(f, dtype=meta["dtype"]) for f in files]).tolist()
+        at, seen = 0, 0
+        while at < len(ids):  # one whole conversation after another (its </s> ends it)
+            match = next(e for e in expected if ids[at : at + len(e)] == e)
+            at += len(match) + (match[-1] != end)
+            seen += 1
+        assert seen >= 1
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["eval", "--ckpt", str(run), "--data", str(source)])
+    assert result.exit_code == 0, result.output
+    args = ["chat", "--ckpt", str(run), "--message", "Speak.", "--max-new-tokens", "4"]
+    assert runner.invoke(app, args).exit_code == 0
+    out = tmp_path / "hf"
+    result = runner.invoke(app, ["export", "--ckpt", str(run), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    ours = hf_tokenizer(out)
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == hf(text)["input_ids"]
+    for m in rows[:2]:
+        want = hf.apply_chat_template(m, return_dict=False)
+        assert ours.apply_chat_template(m, return_dict=False) == want
+    adapter = tmp_path / "adapter"
+    args = ["export", "--ckpt", str(run), "--format", "peft", "--out", str(adapter)]
+    assert runner.invoke(app, args).exit_code == 0
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert {p.name: hashlib.sha256(p.read_bytes()).digest() for p in folder.iterdir()} == before
