@@ -225,3 +225,46 @@ def test_chat_sft_lora_eval_and_exports_through_the_cli(folders: dict, tmp_path:
     assert runner.invoke(app, args).exit_code == 0
     assert (adapter / "adapter_model.safetensors").is_file()
     assert {p.name: hashlib.sha256(p.read_bytes()).digest() for p in folder.iterdir()} == before
+
+
+def test_serve_replies_keep_bytes_and_spaces_as_transformers_decodes(
+    folders: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the API a chat reply is `decode(reply)` (as `minillm chat`), a completion the
+    prompt's continuation (its first space kept), and each token's logprob bytes spell it:
+    byte-fallback tokens one byte each."""
+    import asyncio
+
+    from minillm.checkpoint.store import load_checkpoint
+    from minillm.serve import protocol as P
+    from minillm.serve.handlers import Handler
+    from minillm.serve.worker import EngineThread
+    from tests.helpers import script_tokens
+    from tests.test_serve import Connected
+
+    folder = folders["llama2"]
+    ckpt = load_checkpoint(folder)
+    hf = hf_tokenizer(folder)
+    engine = EngineThread(ckpt.model, ckpt.tokenizer, max_batch=2, max_queue=4)
+    handler = Handler(ckpt, "spm", engine, 1 << 20, None)
+    words = hf("I see 日本 🙂 now", add_special_tokens=False)["input_ids"]
+    assert hf.convert_ids_to_tokens(words)[:2] == ["▁", "I"]  # the first word's space
+    script_tokens(monkeypatch, [*words, hf.eos_token_id, *words, hf.eos_token_id])
+    messages = [{"role": "user", "content": "Speak."}]
+    body = {"messages": messages, "max_tokens": 30, "logprobs": True}
+    chat = P.parse_chat(body, handler.limits, handler.encode_chat)
+    body = {"prompt": "The king", "max_tokens": 30, "logprobs": 0}
+    completion = P.parse_completion(body, handler.limits, handler.encode_text, hf.decode)
+    engine.start()
+    try:
+        answer = asyncio.run(handler.complete(Connected(), chat))
+        text = asyncio.run(handler.complete(Connected(), completion))
+    finally:
+        engine.close()
+    (choice,) = answer["choices"]
+    assert choice["message"]["content"] == hf.decode(words) == "I see 日本 🙂 now"
+    spelled = b"".join(bytes(e["bytes"]) for e in choice["logprobs"]["content"])
+    assert spelled == b" I see \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82 now"
+    (choice,) = text["choices"]
+    full = hf.decode(hf("The king")["input_ids"] + words, skip_special_tokens=True)
+    assert "The king" + choice["text"] == full == "The king I see 日本 🙂 now"
