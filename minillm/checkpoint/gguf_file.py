@@ -42,6 +42,7 @@ from minillm.checkpoint.gguf_tokens import (
 from minillm.checkpoint.hf_export import check_not_over_source
 from minillm.config import ModelConfig, SampleConfig
 from minillm.errors import CheckpointError, UserError
+from minillm.model.hf_names import hf_model_type
 from minillm.runtime.files import StagedFile, fsync_dir, fsync_file
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
@@ -110,6 +111,8 @@ def gguf_arch(cfg: ModelConfig) -> Any:
                 raise refuse(f"rope_scaling.{key}", f"{value} (llama.cpp's YaRN uses {want:g})")
         if not s.truncate:
             raise refuse("rope_scaling.truncate", "false (llama.cpp rounds the correction range)")
+    if hf_model_type(cfg) == "gemma3_text":
+        return _gemma3_arch(cfg, refuse)
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
         raise refuse(
             "sliding_window", f"{cfg.sliding_window} (its llama, qwen2 and qwen3 see it all)"
@@ -121,6 +124,19 @@ def gguf_arch(cfg: ModelConfig) -> Any:
             raise refuse("rope_scaling.type", "llama3 in a qwen2 or qwen3 model")
         return gguf.MODEL_ARCH.QWEN3 if cfg.qk_norm else gguf.MODEL_ARCH.QWEN2
     return gguf.MODEL_ARCH.LLAMA
+
+
+def _gemma3_arch(cfg: ModelConfig, refuse: Any) -> Any:
+    """llama.cpp's gemma3, for what its graph computes: Gemma's softmax scale (1/sqrt(head_dim);
+    27B's d_model/n_head), plain or linear RoPE."""
+    import gguf
+
+    if cfg.rope_scaling.type not in ("none", "linear"):
+        raise refuse("rope_scaling.type", f"{cfg.rope_scaling.type} in a gemma3 model")
+    scalar = cfg.query_pre_attn_scalar
+    if scalar is not None and scalar not in (cfg.head_dim, cfg.d_model // cfg.n_head):
+        raise refuse("query_pre_attn_scalar", f"{scalar} (llama.cpp's gemma3: head_dim)")
+    return gguf.MODEL_ARCH.GEMMA3
 
 
 def llama3_rope_freqs(cfg: ModelConfig) -> torch.Tensor:
@@ -153,6 +169,8 @@ def gguf_tensors(
     arch = gguf_arch(cfg)
     names = gguf.get_tensor_name_map(arch, cfg.n_layer)
     pairs = arch == gguf.MODEL_ARCH.LLAMA  # qwen2/qwen3 rotate halves, as we do
+    # gemma3 takes Gemma's norms as (1 + w), as its converter writes them: ours as they are
+    norm_shift = 1.0 if arch == gguf.MODEL_ARCH.GEMMA3 else 0.0
     named: list[tuple[str, torch.Tensor]] = []
     if cfg.rope_scaling.type == "llama3":
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
@@ -167,6 +185,8 @@ def gguf_tensors(
             w = rope_pairs_permute(w, cfg.n_head)
         elif pairs and hf_name.endswith("k_proj.weight"):
             w = rope_pairs_permute(w, cfg.n_kv_head)
+        elif norm_shift and hf_name.endswith("norm.weight"):
+            w = w + norm_shift
         named.append((name, w))
     for i in range(cfg.n_layer if cfg.n_experts else 0):
         gate, up = state[f"blocks.{i}.ffn.w_gate_up"].chunk(2, dim=1)  # (E, F, C) each
@@ -302,6 +322,11 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_rope_freq_base(m.rope_theta)
         w.add_rope_dimension_count(m.head_dim)
         _add_rope_scaling(w, m)
+        if arch == gguf.MODEL_ARCH.GEMMA3:  # its local layers: window, which ones, their base
+            w.add_sliding_window(m.sliding_window or m.max_seq_len)
+            w.add_sliding_window_pattern([m.local_layer(i) for i in range(m.n_layer)])
+            local_theta = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
+            w.add_rope_freq_base_swa(local_theta)
         w.add_layer_norm_rms_eps(m.norm_eps)
         w.add_vocab_size(m.vocab_size)
         # The tokenizer: byte-level BPE with the split named above, and minillm's special ids.
