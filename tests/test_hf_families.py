@@ -323,3 +323,24 @@ def test_a_top_level_original_length_wins_as_in_transformers(kind: str) -> None:
     assert ours.rope_scaling.original_max_position_embeddings == 256
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(theirs)
     torch.testing.assert_close(inv_frequencies(ours)[0].float(), rotary.inv_freq.float())
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        (dict(sandwich_norm=True, embed_scale=True, ffn_activation="gelu_tanh"), "model.qk_norm"),
+        (dict(qk_norm=True, sandwich_norm=True, embed_scale=True), "model.ffn_activation"),
+        (dict(qk_norm=True, embed_scale=True, ffn_activation="gelu_tanh"), "model.sandwich_norm"),
+    ],
+)
+def test_an_export_without_all_of_gemmas_block_names_the_missing_option(
+    options: dict, key: str
+) -> None:
+    """Gemma 3's options come together: a model with some of them has no transformers class."""
+    from minillm.config import ModelConfig
+    from minillm.model.hf_names import hf_model_type
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, **options)
+    with pytest.raises(ConfigError) as e:
+        hf_model_type(cfg)
+    assert e.value.key == key
