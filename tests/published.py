@@ -31,6 +31,8 @@ def _script() -> Any:
 
 FAMILIES: dict[str, dict[str, Any]] = _script().FAMILIES
 VOCAB = 400
+# The transformers class of a family's folder where it is not a Llama.
+MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=8)
@@ -44,13 +46,12 @@ def family_tokenizer(name: str) -> Any:
     return Tokenizer.from_str(_tokenizer_json(name))
 
 
-def family_folder(
-    root: Path, name: str, model_class: str = "LlamaForCausalLM", **config: Any
-) -> Path:
-    """A published model's folder of family `name` (a Llama unless `model_class` says), its
-    random weights spread wide (norms off their init)."""
+def family_folder(root: Path, name: str, model_class: str | None = None, **config: Any) -> Path:
+    """A published model's folder of family `name` (a Llama unless `model_class` or
+    MODEL_CLASSES says), its random weights spread wide (norms off their init)."""
     import torch
 
+    model_class = model_class or MODEL_CLASSES.get(name, "LlamaForCausalLM")
     folder = _script().build(root / name, name, _tokenizer_json(name), model_class, **config)
     # Spread the weights as the other parity tests do: init's ones and zeros hide mistakes.
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
