@@ -62,6 +62,8 @@ def test_sample_and_chat_equal_transformers_past_the_window(folder: Path) -> Non
     result = runner.invoke(app, [*args, "--temperature", "0"])
     assert result.exit_code == 0, result.output
     assert result.stdout == want + "\n"
+    result = runner.invoke(app, [*args, "--temperature", "0", "--quantize", "int8"])
+    assert result.exit_code == 0 and result.stdout.startswith(LONG), result.output
     prompt = hf_ids(tok, CHAT, True)
     assert tok.decode(prompt).startswith("<bos><start_of_turn>user\nBe brief.\n\nFirst")
     reply = _greedy(model, prompt, 12)  # generation_config stops at <eos> or <end_of_turn>
@@ -151,3 +153,25 @@ def test_chat_sft_with_lora_then_eval_and_every_export(folder: Path, tmp_path: P
     assert llm.tokenize(LONG.encode(), add_bos=True, special=False) == tok(LONG)["input_ids"]
     cpp = list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), 20))
     assert cpp == mine
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+     ("layer_types", ["full_attention", "sliding_attention"])],
+)  # fmt: skip
+def test_what_minillm_cannot_honour_is_one_line_naming_the_key(
+    folder: Path, tmp_path: Path, key: str, value: object
+) -> None:
+    import shutil
+
+    from tests.helpers import error_line
+
+    copy = tmp_path / "gemma3"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config[key] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    for args in (["sample", "--prompt", "x"], ["info"]):
+        result = runner.invoke(app, [args[0], "--ckpt", str(copy), *args[1:]])
+        assert error_line(result).startswith(f"error: {copy / 'config.json'}: {key}: ")

@@ -253,6 +253,8 @@ class Transformer(nn.Module):
         self.register_buffer("rope_rotate_half", rotate_half_matrix(cfg.head_dim), persistent=False)
         # model.rope_local_theta: the sliding layers' own plain RoPE tables (Gemma 3)
         self.local_layers = [cfg.local_layer(i) for i in range(cfg.n_layer)]
+        # Some layers local and others global: each kind its own mask (once here, not per forward)
+        self.local_window = cfg.sliding_window if cfg.mixed_layers else None
         if cfg.rope_local_theta is not None:
             local = plain_frequencies(cfg.head_dim, cfg.rope_local_theta)
             cos, sin = cos_sin(local, torch.arange(cfg.max_seq_len))
@@ -347,8 +349,8 @@ class Transformer(nn.Module):
             position_ids,
             kv_cache,
             self.cfg.max_seq_len,
-            None if self.cfg.mixed_layers else self.cfg.sliding_window,
-            self.cfg.sliding_window if self.cfg.mixed_layers else None,
+            None if self.local_window else self.cfg.sliding_window,
+            self.local_window,
         )
         rope = self.rope(positions, write)
         local_rope = rope
