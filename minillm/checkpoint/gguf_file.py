@@ -12,14 +12,15 @@ GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; any other pre-tokenizer
 line rather than exported with a split that would silently differ.
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
-The architecture is llama.cpp's own for the family (`gguf_arch`): `qwen3` (model.qk_norm),
-`qwen2` (model.attention_bias) or `llama`. llama.cpp's `llama` RoPE rotates adjacent pairs (x0,
-x1), (x2, x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so for it the rows of wq
-and wk are permuted per head as the converter does; `qwen2` and `qwen3` rotate halves (NEOX) and
-take them as they are. RoPE scaling: linear and yarn as llama.cpp's rope.scaling keys, llama3 as
-the `rope_freqs` tensor of per-frequency divisors; what llama.cpp cannot compute (dynamic NTK, a
-sliding window shorter than the context, YaRN without truncation) is one error line naming the
-key, and nothing written.
+The architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block:
+norms as (1 + w), the local layers' window, pattern and RoPE base as keys), `qwen3`
+(model.qk_norm), `qwen2` (model.attention_bias) or `llama`. llama.cpp's `llama` RoPE rotates
+adjacent pairs (x0, x1), (x2, x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so
+for it the rows of wq and wk are permuted per head as the converter does; `qwen2`, `qwen3` and
+`gemma3` rotate halves (NEOX) and take them as they are. RoPE scaling: linear and yarn as
+llama.cpp's rope.scaling keys, llama3 as the `rope_freqs` tensor of per-frequency divisors; what
+llama.cpp cannot compute (dynamic NTK, a sliding window shorter than the context outside
+gemma3, YaRN without truncation) is one error line naming the key, and nothing written.
 Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries minillm's chat template in Go
 form (a published model's Jinja template Ollama takes from the file) and the stop tokens.
 """
@@ -128,14 +129,17 @@ def gguf_arch(cfg: ModelConfig) -> Any:
 
 def _gemma3_arch(cfg: ModelConfig, refuse: Any) -> Any:
     """llama.cpp's gemma3, for what its graph computes: Gemma's softmax scale (1/sqrt(head_dim);
-    27B's d_model/n_head), plain or linear RoPE."""
+    27B's d_model/n_head), plain or linear RoPE on the global layers."""
     import gguf
 
     if cfg.rope_scaling.type not in ("none", "linear"):
         raise refuse("rope_scaling.type", f"{cfg.rope_scaling.type} in a gemma3 model")
-    scalar = cfg.query_pre_attn_scalar
-    if scalar is not None and scalar not in (cfg.head_dim, cfg.d_model // cfg.n_head):
-        raise refuse("query_pre_attn_scalar", f"{scalar} (llama.cpp's gemma3: head_dim)")
+    # llama.cpp's gemma3 scales by head_dim, or by d_model / n_head when it takes the model for
+    # Gemma 3 27B (62 layers); it reads no key for it.
+    theirs = cfg.d_model // cfg.n_head if cfg.n_layer == 62 else cfg.head_dim
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    if scalar != theirs:
+        raise refuse("query_pre_attn_scalar", f"{scalar} (llama.cpp's gemma3 here: {theirs})")
     return gguf.MODEL_ARCH.GEMMA3
 
 
