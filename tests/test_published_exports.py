@@ -1,6 +1,6 @@
 """Exports of a published model's tokenizer (issue 41, item 5): a folder built by tests.published
-(ChatML, Llama 3, Mistral) and a LoRA fine-tune of one, exported as a Hugging Face folder, peft
-adapters and a GGUF file.
+(ChatML, Llama 3, Mistral, Gemma 3: a Gemma3ForCausalLM) and a LoRA fine-tune of one, exported as
+a Hugging Face folder, peft adapters and a GGUF file.
 
 hf: the exported folder's AutoTokenizer gives the original's `apply_chat_template` and
 `tokenizer(text)` ids and special tokens, its generation_config.json the original's eos list, its
@@ -47,7 +47,7 @@ needs_llama_cpp = pytest.mark.skipif(
     reason="llama-cpp-python is not installed; `make interop` builds it from source",
 )
 runner = CliRunner()
-NAMES = ["chatml", "llama3", "mistral"]
+NAMES = ["chatml", "llama3", "mistral", "gemma3"]
 TEXTS = ["Who art thou?", "First Citizen:\n  Grüße 🙂 1234 — end", ""]
 # Single-turn prompts for `minillm chat --message` (Mistral's template has no system role).
 CHATS = [
@@ -264,6 +264,7 @@ def test_gguf_holds_the_models_special_ids_template_and_add_bos(family) -> None:
         "chatml": ("<|endoftext|>", "<|im_end|>", "<|im_end|>"),
         "llama3": ("<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
         "mistral": ("<s>", "</s>", "</s>"),
+        "gemma3": ("<bos>", "<eos>", "<end_of_turn>"),
     }[name]
     want = (ids[bos], ids[eos], ids[eot], FAMILIES[name]["bos"] is not None)
     keys = ("bos_token_id", "eos_token_id", "eot_token_id", "add_bos_token")
