@@ -3,14 +3,17 @@ here (nothing can be downloaded in tests, CI or the demos).
 
     python scripts/make_published_folder.py models/standin-chatml --family chatml
 
-A transformers model with random weights (Qwen2ForCausalLM for the ChatML families, else
-LlamaForCausalLM), saved by transformers, and a byte-level BPE tokenizer trained with `tokenizers`
-on the shipped text that carries the family's real special tokens, its post-processor (Llama 3
-and Mistral add their BOS), its chat template (written from the families' documented formats),
-tokenizer_config.json and generation_config.json (Llama 3: two eos ids). Families: `chatml`
-(Qwen2's ChatML), `chatml-marked` (the same with `{% generation %}` markers, for transformers'
-assistant mask), `qwen2.5` (ChatML whose system prompt is a default), `llama3` (headers and
-`<|eot_id|>`), `llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`).
+A transformers model with random weights (Qwen2ForCausalLM for the ChatML families,
+Gemma3ForCausalLM for gemma3, else LlamaForCausalLM), saved by transformers, and a byte-level
+BPE tokenizer trained with `tokenizers` on the shipped text that carries the family's real
+special tokens, its post-processor (Llama 3, Mistral and Gemma add their BOS), its chat
+template (written from the families' documented formats), tokenizer_config.json and
+generation_config.json (Llama 3: two eos ids). Families: `chatml` (Qwen2's ChatML),
+`chatml-marked` (the same with `{% generation %}` markers, for transformers' assistant mask),
+`qwen2.5` (ChatML whose system prompt is a default), `llama3` (headers and `<|eot_id|>`),
+`llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`), `gemma3` (`<start_of_turn>user`
+/ `model` turns ended by `<end_of_turn>`, a system prompt prepended to the first user turn; its
+model a Gemma3ForCausalLM with local and global layers).
 
 The tokenizer splits text with GPT-2's byte-level regex unless `--split` names a published
 model's own pre-tokenizer, written as its tokenizer.json has it: `qwen2` (an NFC normalizer and
@@ -97,6 +100,27 @@ MISTRAL = (
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
     "{% endif %}{% endfor %}"
 )
+# Gemma 3's (google/gemma-3-1b-it), less its image branch: the system prompt opens the first
+# user turn, the assistant's role is `model`, each content trimmed.
+GEMMA3 = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 # Llama 2's chat format (its tokenizer_config.json's template): the system prompt in <<SYS>> inside
 # the first user turn, each user turn after the BOS, each reply ended by the eos.
@@ -120,6 +144,7 @@ QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 # name -> special tokens, tokenizer_config values, BOS the post-processor adds, template,
@@ -144,6 +169,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL,
                     config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
                     eos=["</s>"]),
+    "gemma3": dict(specials=GEMMA3_SPECIALS, bos="<bos>", template=GEMMA3,
+                   config=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                               unk_token="<unk>"),
+                   eos=["<eos>", "<end_of_turn>"]),
     # Sentencepiece-style tokenizers (`spm`): Llama 2's (a normalizer puts "▁" for spaces and
     # before the text, the decoder strips it) and Mistral v0.3's (a Metaspace pre-tokenizer).
     "llama2": dict(specials=SPM_SPECIALS, bos="<s>", template=LLAMA2, spm="normalizer",
@@ -153,6 +182,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
                         eos=["</s>"]),
 }  # fmt: skip
+# A model class's own config values where the shapes are not all it needs: Gemma 3's head_dim
+# is 256 unless set, and its layers alternate local (a window of 16) and global.
+MODEL_VALUES: dict[str, dict[str, Any]] = {
+    "Gemma3ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+                              sliding_window_pattern=2, rope_local_base_freq=10000.0),
+}  # fmt: skip
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 # Model shapes: `tiny` for the tests, `small` (about 2M parameters) for the demo.
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -319,15 +355,19 @@ def build(
     from tokenizers import Tokenizer
 
     family = FAMILIES[name]
-    model_class = model_class or (
-        "Qwen2ForCausalLM" if name.startswith(("chatml", "qwen")) else "LlamaForCausalLM"
-    )
+    if model_class is None:
+        model_class = "LlamaForCausalLM"
+        if name.startswith(("chatml", "qwen")):
+            model_class = "Qwen2ForCausalLM"
+        elif name == "gemma3":
+            model_class = "Gemma3ForCausalLM"
     tok = Tokenizer.from_str(tokenizer)
     eos_ids = [tok.token_to_id(t) for t in family["eos"]]
     bos = family["bos"] or family["specials"][0]
-    config_class = getattr(transformers, model_class.replace("ForCausalLM", "Config"))
+    config_name = CONFIG_CLASSES.get(model_class, model_class.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, config_name)
     values = dict(vocab_size=tok.get_vocab_size() + 16, tie_word_embeddings=False,
-                  **SHAPES[shape])  # fmt: skip
+                  **SHAPES[shape], **MODEL_VALUES.get(model_class, {}))  # fmt: skip
     hf_cfg = config_class(
         **{**values, **config}, bos_token_id=tok.token_to_id(bos), eos_token_id=eos_ids
     )

@@ -31,6 +31,8 @@ def _script() -> Any:
 
 FAMILIES: dict[str, dict[str, Any]] = _script().FAMILIES
 VOCAB = 400
+# The transformers class of a family's folder where it is not a Llama.
+MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=8)
@@ -49,16 +51,17 @@ def family_tokenizer(name: str, split: str = "gpt2", without: tuple[int, ...] = 
 def family_folder(
     root: Path,
     name: str,
-    model_class: str = "LlamaForCausalLM",
+    model_class: str | None = None,
     split: str = "gpt2",
     without: tuple[int, ...] = (),
     **config: Any,
 ) -> Path:
-    """A published model's folder of family `name` (a Llama unless `model_class` says; its
-    tokenizer family_tokenizer(name, split, without)), its random weights spread wide (norms
-    off their init)."""
+    """A published model's folder of family `name` (a Llama unless `model_class` or
+    MODEL_CLASSES says; its tokenizer family_tokenizer(name, split, without)), its random
+    weights spread wide (norms off their init)."""
     import torch
 
+    model_class = model_class or MODEL_CLASSES.get(name, "LlamaForCausalLM")
     tokenizer = _tokenizer_json(name, split, without)
     folder = _script().build(root / name, name, tokenizer, model_class, **config)
     # Spread the weights as the other parity tests do: init's ones and zeros hide mistakes.

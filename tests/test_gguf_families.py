@@ -1,6 +1,7 @@
 """GGUF export of the families (issue 42): Llama with linear, YaRN and Llama 3 RoPE scaling
-(another head_dim), Qwen2 (biases) and Qwen3 (qk_norm) as llama.cpp's own `llama`, `qwen2` and
-`qwen3`, verified in llama.cpp (logits and greedy text at lengths past the original context);
+(another head_dim), Qwen2 (biases), Qwen3 (qk_norm) and Gemma 3 (local layers every third, their
+own RoPE base, linear scaling on the global ones) as llama.cpp's own `llama`, `qwen2`, `qwen3`
+and `gemma3`, verified in llama.cpp (logits and greedy text at lengths past the original context);
 what llama.cpp cannot compute is one error line naming the option, nothing written."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ ARCH = {
     "qwen2-tied": "qwen2",
     "qwen2-untied-yarn": "qwen2",
     "qwen3": "qwen3",
+    "gemma3-linear-untied": "gemma3",
 }
 
 
@@ -59,7 +61,10 @@ def test_llama_cpp_computes_our_logits_and_greedy_text(tmp_path: Path, case: str
         ours = loaded.model(torch.tensor([ids]))[0][0].numpy()
     rel = np.abs(theirs - ours).max() / (ours.max() - ours.min())
     print(f"\n{case}: max |diff| {rel:.2e} of the logit range")
-    assert rel <= 1e-4  # test_gguf.py's bound for f32 weights and an f32 KV cache
+    # test_gguf.py's bound for f32 weights and an f32 KV cache; ggml's CPU GELU (Gemma's GeGLU)
+    # reads a table of float16 inputs, 5e-4 of the range here (6.9e-5 with our GELU's input
+    # rounded to float16 too).
+    assert rel <= (1e-3 if ARCH[case] == "gemma3" else 1e-4)
     prompt = ids[:30]
     mine = generate(loaded.model, [prompt], SamplingParams.greedy(40))[0]
     llm = _llama(path)
@@ -73,6 +78,7 @@ def test_llama_cpp_computes_our_logits_and_greedy_text(tmp_path: Path, case: str
         ("llama-dynamic", "model.rope_scaling.type: dynamic"),
         ("mistral", "model.sliding_window: 16"),
         ("llama-yarn-attention", "model.rope_scaling.attention_factor: 1.3"),
+        ("gemma3", "model.query_pre_attn_scalar: 20"),
     ],
 )
 def test_what_llama_cpp_cannot_compute_is_refused_by_name(

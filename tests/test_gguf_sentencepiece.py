@@ -23,7 +23,6 @@ from minillm.errors import CheckpointError
 from tests.published import _script, family_tokenizer, hf_tokenizer
 from tests.test_gguf import _one_error_line
 from tests.test_gguf_vocabularies import (
-    CHATS,
     HELD_OUT,
     _export,
     _tokenizes_as_the_model,
@@ -31,7 +30,7 @@ from tests.test_gguf_vocabularies import (
     needs_llama_cpp,
     runner,
 )
-from tests.test_published_exports import _kv, _llama, published
+from tests.test_published_exports import CHATS, _kv, _llama, published
 
 SHAPES = ("llama2", "mistral-spm")  # Prepend + Replace normalizer; Metaspace prepend "first"
 # More texts where spaces sit apart: leading, doubled, trailing, around line breaks.

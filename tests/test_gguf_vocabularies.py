@@ -28,7 +28,7 @@ from minillm.data.tokenize_pass import write_shards
 from minillm.errors import CheckpointError
 from tests.helpers import QUICK_TRAIN, run_trainer
 from tests.published import CONVERSATIONS, family_tokenizer, hf_tokenizer
-from tests.test_published_exports import _kv, _llama, published
+from tests.test_published_exports import _chats_as_minillm, _kv, _llama, published
 
 needs_llama_cpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
@@ -50,12 +50,6 @@ HELD_OUT = [
 # Byte tokens the issue's vocabulary lacks: 21 of them, as there: the 13 bytes UTF-8 never has,
 # six control characters, and the lead bytes of U+40000 to U+BFFFF (unassigned planes).
 LACKING = (0xC0, 0xC1, *range(0xF5, 0x100), *range(0x0E, 0x14), 0xF1, 0xF2)
-CHATS = [
-    [{"role": "user", "content": "Who art thou?"}],
-    [{"role": "user", "content": "Speak."}],
-    [{"role": "user", "content": "What news?"}],
-    [{"role": "system", "content": "Speak as a herald."}, {"role": "user", "content": "Hail"}],
-]
 
 
 def _export(folder: Path, out: Path) -> Any:
@@ -74,28 +68,6 @@ def _tokenizes_as_the_model(llm: Any, folder: Path, texts: list[str]) -> None:
     for text in texts:
         got = llm.tokenize(text.encode(), add_bos=True, special=False)
         assert got == theirs(text).input_ids, text
-
-
-def _chats_as_minillm(llm: Any, ckpt: Path, stops: int = 1) -> None:
-    """llama-cpp-python's chat through the file's template replies as `minillm chat`, at least
-    `stops` replies ending at the end of turn."""
-    stopped = 0
-    for messages in CHATS:
-        got = llm.create_chat_completion(messages, temperature=0.0, max_tokens=30)["choices"][0]
-        args = ["chat", "--ckpt", str(ckpt), "--temperature", "0", "--max-new-tokens", "30"]
-        if messages[0]["role"] == "system":
-            args += ["--system", messages[0]["content"]]
-        result = runner.invoke(app, [*args, "--message", messages[-1]["content"]])
-        assert result.exit_code == 0, result.output
-        # Random weights emit bytes that are no UTF-8: minillm prints U+FFFD for each such
-        # sequence, llama-cpp-python drops them; the tokens are the same.
-        ours, theirs = result.stdout.replace("\ufffd", "")[:-1], got["message"]["content"]
-        if got["finish_reason"] == "stop":
-            assert ours == theirs, messages
-            stopped += 1
-        else:  # out of tokens: llama-cpp-python goes on until a split character is whole
-            assert theirs.startswith(ours), messages
-    assert stopped >= stops  # published()'s head ends the first reply at the end of turn
 
 
 # ----------------------------------------------------------------------------- splits (issue 50)

@@ -64,6 +64,21 @@ CASES = {
     "mistral": ("MistralForCausalLM", "MistralConfig",
                 dict(max_position_embeddings=96, sliding_window=16, tie_word_embeddings=False,
                      rope_parameters=_rope("default"))),
+    # Gemma 3: local layers (window 16, their own base) then global ones, head_dim and the
+    # softmax scale of their own; transformers 5's rope_parameters, then the published keys.
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               dict(num_hidden_layers=4, max_position_embeddings=96, head_dim=24,
+                    query_pre_attn_scalar=20, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"full_attention": _rope("default"),
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 50.0}})),
+    "gemma3-linear-untied": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+                             dict(num_hidden_layers=3, max_position_embeddings=96, head_dim=16,
+                                  query_pre_attn_scalar=16, sliding_window=16,
+                                  sliding_window_pattern=3, rope_theta=500.0,
+                                  rope_local_base_freq=50.0, tie_word_embeddings=False,
+                                  rope_scaling={"rope_type": "linear", "factor": 4.0})),
 }  # fmt: skip
 
 
@@ -73,7 +88,7 @@ def family_folder(root: Path, case: str) -> tuple[Path, torch.nn.Module]:
     model_class, config_class, values = CASES[case]
     tok = tiny_tokenizer()
     eot = tok.token_to_id(EOT)
-    hf_cfg = getattr(transformers, config_class)(**SIZES, **values, bos_token_id=eot,
+    hf_cfg = getattr(transformers, config_class)(**{**SIZES, **values}, bos_token_id=eot,
                                                  eos_token_id=eot)  # fmt: skip
     torch.manual_seed(5)
     hf = spread_weights_(getattr(transformers, model_class)(hf_cfg).eval())
@@ -98,7 +113,7 @@ def test_logits_and_gradients_equal_transformers(tmp_path: Path, case: str) -> N
     targets = torch.cat((idx[:, 1:], torch.full((2, 1), -100)), dim=1)  # as transformers shifts
     logits, loss = model(idx, targets)
     ref = hf(idx, labels=idx)
-    torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, ref.logits, atol=2e-6 if "gemma" in case else 1e-5, rtol=0)
     torch.testing.assert_close(loss, ref.loss, atol=1e-5, rtol=0)
     loss.backward()
     ref.loss.backward()
@@ -117,6 +132,15 @@ def test_logits_and_gradients_equal_transformers(tmp_path: Path, case: str) -> N
     if hasattr(layer, "q_norm"):
         want["blocks.1.attn.q_norm.weight"] = layer.q_norm.weight.grad
         want["blocks.1.attn.k_norm.weight"] = layer.k_norm.weight.grad
+    block = hf.model.layers[1]
+    want["blocks.1.ffn.w_down.weight"] = block.mlp.down_proj.weight.grad
+    if hasattr(block, "post_feedforward_layernorm"):  # Gemma's sandwich: each norm's own name
+        want["blocks.1.attn_post_norm.weight"] = block.post_attention_layernorm.weight.grad
+        want["blocks.1.ffn_norm.weight"] = block.pre_feedforward_layernorm.weight.grad
+        want["blocks.1.ffn_post_norm.weight"] = block.post_feedforward_layernorm.weight.grad
+        want["norm.weight"] = hf.model.norm.weight.grad
+    else:
+        want["blocks.1.ffn_norm.weight"] = block.post_attention_layernorm.weight.grad
     grads = dict(model.named_parameters())
     for name, g in want.items():
         torch.testing.assert_close(grads[name].grad, g, atol=1e-5, rtol=1e-4, msg=name)
@@ -175,6 +199,24 @@ PUBLISHED = {
         rope_theta=1000000.0, sliding_window=None, use_sliding_window=False,
         max_window_layers=36, tie_word_embeddings=False, attention_bias=False,
         hidden_act="silu", rope_scaling=None)),
+    "gemma-3-1b-it": (999_885_952, dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+        query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000,
+        rope_local_base_freq=10000, rope_scaling=None, sliding_window=512,
+        sliding_window_pattern=6, hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=None, final_logit_softcapping=None, attention_bias=False)),
+    "gemma-3-270m": (268_098_176, dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144,
+        hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+        query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling=None, sliding_window=512,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"]
+        + (["sliding_attention"] * 5 + ["full_attention"]) * 2,
+        hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=None,
+        final_logit_softcapping=None, use_bidirectional_attention=False)),
 }  # fmt: skip
 
 
@@ -208,7 +250,28 @@ def test_what_a_family_has_beyond_our_options_is_refused_by_key(changes: dict, k
     assert e.value.key == key
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        (dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        (dict(hidden_activation="gelu"), "hidden_activation"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        (dict(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention",
+                                                "sliding_attention"]), "layer_types"),
+        (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "rope_scaling"),
+    ],
+)  # fmt: skip
+def test_what_gemma3_has_beyond_our_options_is_refused_by_key(changes: dict, key: str) -> None:
+    values = {**PUBLISHED["gemma-3-1b-it"][1], "num_hidden_layers": 2, **changes}
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(values)
+    assert e.value.key == key
+
+
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text"]
+)
 def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) -> None:
     """Issue 50, defect 5: a config.json without rope_theta, rms_norm_eps, the context, the
     window or the key/value heads reads as transformers' class of that family reads it (a
@@ -221,11 +284,21 @@ def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) 
     theirs = transformers.AutoConfig.for_model(**sizes)
     ours = model_config_from_hf(dict(sizes))
     rope = getattr(theirs, "rope_parameters", None) or {}
+    if model_type == "gemma3_text":  # one RoPE per layer type, local layers from the pattern
+        assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+        assert [ours.local_layer(i) for i in range(2)] == [
+            t == "sliding_attention" for t in theirs.layer_types
+        ]
+        assert ours.query_pre_attn_scalar == theirs.query_pre_attn_scalar
+        assert ours.head_dim == theirs.head_dim
+        assert ours.tie_embeddings == theirs.tie_word_embeddings
     assert ours.rope_theta == rope.get("rope_theta", getattr(theirs, "rope_theta", None))
     assert ours.norm_eps == theirs.rms_norm_eps
     assert ours.max_seq_len == theirs.max_position_embeddings
     assert ours.n_kv_head == theirs.num_key_value_heads
-    window = getattr(theirs, "sliding_window", None) if model_type == "mistral" else None
+    has_window = model_type in ("mistral", "gemma3_text")
+    window = getattr(theirs, "sliding_window", None) if has_window else None
     assert ours.sliding_window == window
     if model_type == "mixtral":
         assert (ours.n_experts, ours.n_experts_per_token) == (
@@ -250,3 +323,24 @@ def test_a_top_level_original_length_wins_as_in_transformers(kind: str) -> None:
     assert ours.rope_scaling.original_max_position_embeddings == 256
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(theirs)
     torch.testing.assert_close(inv_frequencies(ours)[0].float(), rotary.inv_freq.float())
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        (dict(sandwich_norm=True, embed_scale=True, ffn_activation="gelu_tanh"), "model.qk_norm"),
+        (dict(qk_norm=True, sandwich_norm=True, embed_scale=True), "model.ffn_activation"),
+        (dict(qk_norm=True, embed_scale=True, ffn_activation="gelu_tanh"), "model.sandwich_norm"),
+    ],
+)
+def test_an_export_without_all_of_gemmas_block_names_the_missing_option(
+    options: dict, key: str
+) -> None:
+    """Gemma 3's options come together: a model with some of them has no transformers class."""
+    from minillm.config import ModelConfig
+    from minillm.model.hf_names import hf_model_type
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, **options)
+    with pytest.raises(ConfigError) as e:
+        hf_model_type(cfg)
+    assert e.value.key == key

@@ -1,4 +1,5 @@
-"""The model's family options (head_dim, attention_bias, qk_norm, sliding_window, rope_scaling):
+"""The model's family options (head_dim, attention_bias, qk_norm, sliding_window, rope_scaling,
+and Gemma 3's sandwich_norm, ffn_activation, embed_scale, query_pre_attn_scalar, local layers):
 RoPE frequencies equal to transformers' init functions, the sliding window's mask, and the KV
 cache (and the decoding fast path) equal to a full forward with every option."""
 
@@ -92,6 +93,13 @@ OPTIONS = {
     "window+moe": dict(sliding_window=5, n_experts=4, n_experts_per_token=2),
     **{f"rope-{k}": dict(rope_scaling=v) for k, v in SCALINGS.items()},
 }
+# Gemma 3's block: local layers (window 7, their own RoPE base) between global ones (linear
+# scaling), in a model of four layers.
+GEMMA = dict(n_layer=4, qk_norm=True, sandwich_norm=True, ffn_activation="gelu_tanh",
+             embed_scale=True, query_pre_attn_scalar=10, head_dim=12, sliding_window=7,
+             sliding_window_pattern=2, rope_local_theta=50.0,
+             rope_scaling={"type": "linear", "factor": 2.0})  # fmt: skip
+OPTIONS["gemma3"] = GEMMA
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -164,6 +172,24 @@ def test_dynamic_ntk_rows_at_different_lengths_equal_each_row_alone() -> None:
     torch.testing.assert_close(got, torch.stack([want_a, want_b]), atol=1e-5, rtol=0)
 
 
+def test_local_layers_of_rows_at_different_lengths_equal_each_row_alone() -> None:
+    """Gemma's cache keeps every key and bands the local layers' (CacheWrite.band_mask): a
+    batched step of rows at different lengths, past the window or not, is each row alone."""
+    model = random_model(tiny(**GEMMA))
+    a, b = torch.randint(0, 97, (1, 40)), torch.randint(0, 97, (1, 5))
+    with torch.inference_mode():
+        cache = KVCache(model.cfg, batch_size=2)
+        decoder = Decoder(model, cache)
+        decoder.prefill(0, a[0])
+        decoder.prefill(1, b[0])
+        nxt = torch.tensor([5, 6])
+        got = decoder.step(nxt)
+        want_a = model(torch.cat([a, nxt[None, :1]], 1))[0][0, -1]
+        want_b = model(torch.cat([b, nxt[None, 1:]], 1))[0][0, -1]
+    torch.testing.assert_close(got, torch.stack([want_a, want_b]), atol=1e-5, rtol=0)
+    assert cache.ring is None
+
+
 def test_sliding_window_sees_exactly_the_last_window_tokens() -> None:
     """A token's logits depend on the `window` tokens ending at it and on nothing earlier in a
     one-layer model; packed documents keep their own windows."""
@@ -182,13 +208,16 @@ def test_sliding_window_sees_exactly_the_last_window_tokens() -> None:
         torch.testing.assert_close(packed[0, 12:], model(ids[:, 12:])[0][0], atol=1e-5, rtol=0)
 
 
-def test_lora_and_cpu_kernels_keep_every_option() -> None:
+@pytest.mark.parametrize("options", ["llama-qwen-mistral", "gemma3"])
+def test_lora_and_cpu_kernels_keep_every_option(options: str) -> None:
     from minillm.config import LoRAConfig
     from minillm.model import use_cpu_kernels
     from minillm.model.lora import add_lora, merge_lora
 
     cfg = tiny(attention_bias=True, qk_norm=True, head_dim=16, sliding_window=9,
                rope_scaling=SCALINGS["yarn"])  # fmt: skip
+    if options == "gemma3":
+        cfg = tiny(**GEMMA)
     model = random_model(cfg)
     ids = torch.randint(0, 97, (2, 40))
     want, loss = model(ids, ids)
@@ -223,6 +252,10 @@ def test_lora_and_cpu_kernels_keep_every_option() -> None:
             "model.rope_scaling.original_max_position_embeddings",
         ),  # fmt: skip
         (dict(rope_scaling={"type": "linear", "factor": 0.5}), "model.rope_scaling.factor"),
+        (dict(sliding_window_pattern=6), "model.sliding_window_pattern"),
+        (dict(ffn_activation="gelu_tanh", n_experts=4), "model.ffn_activation"),
+        (dict(query_pre_attn_scalar=0), "model.query_pre_attn_scalar"),
+        (dict(rope_local_theta=10.0, rope_scaling=SCALINGS["dynamic"]), "model.rope_local_theta"),
         (
             dict(
                 rope_scaling={

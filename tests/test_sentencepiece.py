@@ -161,3 +161,110 @@ def test_a_replys_first_word_keeps_its_space_after_the_prompt(folders: dict) -> 
     assert hf.decode(reply) == "was here"  # decoded alone, the space is gone
     assert continuation(conv.tok, prompt, reply) == " was here"
     assert _streamed(hf, prompt, reply) == " was here"
+
+
+@pytest.mark.slow
+def test_chat_sft_lora_eval_and_exports_through_the_cli(folders: dict, tmp_path: Path) -> None:
+    """A Llama 2-style folder through tokenize (chat SFT, transformers' masks), train (LoRA),
+    eval, chat and export hf/peft; the published folder is never written."""
+    import hashlib
+
+    import numpy as np
+    import yaml
+
+    from tests.published import CONVERSATIONS
+
+    folder = folders["llama2"]
+    before = {p.name: hashlib.sha256(p.read_bytes()).digest() for p in folder.iterdir()}
+    rows = [m for m in CONVERSATIONS if m[-1]["role"] == "assistant"] * 6
+    source = tmp_path / "chat.jsonl"
+    source.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    cfg = {
+        "data": {"source": str(source), "text_field": "messages", "out_dir": str(tmp_path / "t"),
+                 "val_fraction": 0.25},
+        "train": {"init_from": str(folder), "device": "cpu", "precision": "fp32",
+                  "batch_size": 2, "seq_len": 64, "max_steps": 3, "eval_every": 3,
+                  "eval_steps": 1, "ckpt_every": 3, "log_every": 1, "lr": 1e-2,
+                  "out_dir": str(tmp_path / "run"), "lora": {"rank": 2, "alpha": 4}},
+    }  # fmt: skip
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    for command in (["tokenize", str(config)], ["train", str(config)]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+    # The shards hold apply_chat_template's ids, the targets its replies and their </s>.
+    hf = hf_tokenizer(folder)
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text())
+    expected = [hf.apply_chat_template(m, return_dict=False) for m in rows]
+    end = conventions(folder).doc_end
+    for split in ("train", "val"):
+        files = sorted((tmp_path / "t").glob(f"{split}_*.bin"))
+        ids = np.concatenate([np.fromfile(f, dtype=meta["dtype"]) for f in files]).tolist()
+        at, seen = 0, 0
+        while at < len(ids):  # one whole conversation after another (its </s> ends it)
+            match = next(e for e in expected if ids[at : at + len(e)] == e)
+            at += len(match) + (match[-1] != end)
+            seen += 1
+        assert seen >= 1
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["eval", "--ckpt", str(run), "--data", str(source)])
+    assert result.exit_code == 0, result.output
+    args = ["chat", "--ckpt", str(run), "--message", "Speak.", "--max-new-tokens", "4"]
+    assert runner.invoke(app, args).exit_code == 0
+    out = tmp_path / "hf"
+    result = runner.invoke(app, ["export", "--ckpt", str(run), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    ours = hf_tokenizer(out)
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == hf(text)["input_ids"]
+    for m in rows[:2]:
+        want = hf.apply_chat_template(m, return_dict=False)
+        assert ours.apply_chat_template(m, return_dict=False) == want
+    adapter = tmp_path / "adapter"
+    args = ["export", "--ckpt", str(run), "--format", "peft", "--out", str(adapter)]
+    assert runner.invoke(app, args).exit_code == 0
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert {p.name: hashlib.sha256(p.read_bytes()).digest() for p in folder.iterdir()} == before
+
+
+def test_serve_replies_keep_bytes_and_spaces_as_transformers_decodes(
+    folders: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the API a chat reply is `decode(reply)` (as `minillm chat`), a completion the
+    prompt's continuation (its first space kept), and each token's logprob bytes spell it:
+    byte-fallback tokens one byte each."""
+    import asyncio
+
+    from minillm.checkpoint.store import load_checkpoint
+    from minillm.serve import protocol as P
+    from minillm.serve.handlers import Handler
+    from minillm.serve.worker import EngineThread
+    from tests.helpers import script_tokens
+    from tests.test_serve import Connected
+
+    folder = folders["llama2"]
+    ckpt = load_checkpoint(folder)
+    hf = hf_tokenizer(folder)
+    engine = EngineThread(ckpt.model, ckpt.tokenizer, max_batch=2, max_queue=4)
+    handler = Handler(ckpt, "spm", engine, 1 << 20, None)
+    words = hf("I see 日本 🙂 now", add_special_tokens=False)["input_ids"]
+    assert hf.convert_ids_to_tokens(words)[:2] == ["▁", "I"]  # the first word's space
+    script_tokens(monkeypatch, [*words, hf.eos_token_id, *words, hf.eos_token_id])
+    messages = [{"role": "user", "content": "Speak."}]
+    body = {"messages": messages, "max_tokens": 30, "logprobs": True}
+    chat = P.parse_chat(body, handler.limits, handler.encode_chat)
+    body = {"prompt": "The king", "max_tokens": 30, "logprobs": 0}
+    completion = P.parse_completion(body, handler.limits, handler.encode_text, hf.decode)
+    engine.start()
+    try:
+        answer = asyncio.run(handler.complete(Connected(), chat))
+        text = asyncio.run(handler.complete(Connected(), completion))
+    finally:
+        engine.close()
+    (choice,) = answer["choices"]
+    assert choice["message"]["content"] == hf.decode(words) == "I see 日本 🙂 now"
+    spelled = b"".join(bytes(e["bytes"]) for e in choice["logprobs"]["content"])
+    assert spelled == b" I see \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82 now"
+    (choice,) = text["choices"]
+    full = hf.decode(hf("The king")["input_ids"] + words, skip_special_tokens=True)
+    assert "The king" + choice["text"] == full == "The king I see 日本 🙂 now"

@@ -14,14 +14,15 @@ pre-tokenizer is refused in one line rather than exported with a split that woul
 differ. A sentencepiece-style BPE is llama.cpp's SPM (`llama`) model (gguf_spm).
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
-The architecture is llama.cpp's own for the family (`gguf_arch`): `qwen3` (model.qk_norm),
-`qwen2` (model.attention_bias) or `llama`. llama.cpp's `llama` RoPE rotates adjacent pairs (x0,
-x1), (x2, x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so for it the rows of wq
-and wk are permuted per head as the converter does; `qwen2` and `qwen3` rotate halves (NEOX) and
-take them as they are. RoPE scaling: linear and yarn as llama.cpp's rope.scaling keys, llama3 as
-the `rope_freqs` tensor of per-frequency divisors; what llama.cpp cannot compute (dynamic NTK, a
-sliding window shorter than the context, YaRN without truncation) is one error line naming the
-key, and nothing written.
+The architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block:
+norms as (1 + w), the local layers' window, pattern and RoPE base as keys), `qwen3`
+(model.qk_norm), `qwen2` (model.attention_bias) or `llama`. llama.cpp's `llama` RoPE rotates
+adjacent pairs (x0, x1), (x2, x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so
+for it the rows of wq and wk are permuted per head as the converter does; `qwen2`, `qwen3` and
+`gemma3` rotate halves (NEOX) and take them as they are. RoPE scaling: linear and yarn as
+llama.cpp's rope.scaling keys, llama3 as the `rope_freqs` tensor of per-frequency divisors; what
+llama.cpp cannot compute (dynamic NTK, a sliding window shorter than the context outside
+gemma3, YaRN without truncation) is one error line naming the key, and nothing written.
 Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries minillm's chat template in Go
 form (a published model's Jinja template Ollama takes from the file) and the stop tokens.
 """
@@ -44,6 +45,7 @@ from minillm.checkpoint.gguf_tokens import (
 from minillm.checkpoint.hf_export import check_not_over_source
 from minillm.config import ModelConfig, SampleConfig
 from minillm.errors import CheckpointError, UserError
+from minillm.model.hf_names import hf_model_type
 from minillm.runtime.files import StagedFile, fsync_dir, fsync_file
 from minillm.tokenizer.chat_template import HF_CHAT_TEMPLATE
 
@@ -113,6 +115,8 @@ def gguf_arch(cfg: ModelConfig) -> Any:
                 raise refuse(f"rope_scaling.{key}", f"{value} (llama.cpp's YaRN uses {want:g})")
         if not s.truncate:
             raise refuse("rope_scaling.truncate", "false (llama.cpp rounds the correction range)")
+    if hf_model_type(cfg) == "gemma3_text":
+        return _gemma3_arch(cfg, refuse)
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
         raise refuse(
             "sliding_window", f"{cfg.sliding_window} (its llama, qwen2 and qwen3 see it all)"
@@ -124,6 +128,22 @@ def gguf_arch(cfg: ModelConfig) -> Any:
             raise refuse("rope_scaling.type", "llama3 in a qwen2 or qwen3 model")
         return gguf.MODEL_ARCH.QWEN3 if cfg.qk_norm else gguf.MODEL_ARCH.QWEN2
     return gguf.MODEL_ARCH.LLAMA
+
+
+def _gemma3_arch(cfg: ModelConfig, refuse: Any) -> Any:
+    """llama.cpp's gemma3, for what its graph computes: Gemma's softmax scale (1/sqrt(head_dim);
+    27B's d_model/n_head), plain or linear RoPE on the global layers."""
+    import gguf
+
+    if cfg.rope_scaling.type not in ("none", "linear"):
+        raise refuse("rope_scaling.type", f"{cfg.rope_scaling.type} in a gemma3 model")
+    # llama.cpp's gemma3 scales by head_dim, or by d_model / n_head when it takes the model for
+    # Gemma 3 27B (62 layers); it reads no key for it.
+    theirs = cfg.d_model // cfg.n_head if cfg.n_layer == 62 else cfg.head_dim
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    if scalar != theirs:
+        raise refuse("query_pre_attn_scalar", f"{scalar} (llama.cpp's gemma3 here: {theirs})")
+    return gguf.MODEL_ARCH.GEMMA3
 
 
 def llama3_rope_freqs(cfg: ModelConfig) -> torch.Tensor:
@@ -156,6 +176,8 @@ def gguf_tensors(
     arch = gguf_arch(cfg)
     names = gguf.get_tensor_name_map(arch, cfg.n_layer)
     pairs = arch == gguf.MODEL_ARCH.LLAMA  # qwen2/qwen3 rotate halves, as we do
+    # gemma3 takes Gemma's norms as (1 + w), as its converter writes them: ours as they are
+    norm_shift = 1.0 if arch == gguf.MODEL_ARCH.GEMMA3 else 0.0
     named: list[tuple[str, torch.Tensor]] = []
     if cfg.rope_scaling.type == "llama3":
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
@@ -170,6 +192,8 @@ def gguf_tensors(
             w = rope_pairs_permute(w, cfg.n_head)
         elif pairs and hf_name.endswith("k_proj.weight"):
             w = rope_pairs_permute(w, cfg.n_kv_head)
+        elif norm_shift and hf_name.endswith("norm.weight"):
+            w = w + norm_shift
         named.append((name, w))
     for i in range(cfg.n_layer if cfg.n_experts else 0):
         gate, up = state[f"blocks.{i}.ffn.w_gate_up"].chunk(2, dim=1)  # (E, F, C) each
@@ -303,6 +327,11 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_rope_freq_base(m.rope_theta)
         w.add_rope_dimension_count(m.head_dim)
         _add_rope_scaling(w, m)
+        if arch == gguf.MODEL_ARCH.GEMMA3:  # its local layers: window, which ones, their base
+            w.add_sliding_window(m.sliding_window or m.max_seq_len)
+            w.add_sliding_window_pattern([m.local_layer(i) for i in range(m.n_layer)])
+            local_theta = m.rope_theta if m.rope_local_theta is None else m.rope_local_theta
+            w.add_rope_freq_base_swa(local_theta)
         w.add_layer_norm_rms_eps(m.norm_eps)
         w.add_vocab_size(m.vocab_size)
         # The tokenizer: byte-level BPE with the split gguf_vocab recognised, or llama.cpp's

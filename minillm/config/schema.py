@@ -121,6 +121,36 @@ class ModelConfig(Section):
         help="Each token attends to itself and the sliding_window - 1 tokens before it "
         "(Mistral); null = the whole causal context.",
     )
+    sliding_window_pattern: int = setting(
+        0,
+        help="With sliding_window: every N-th layer (N-1, 2N-1, ...) attends to the whole "
+        "context and the others slide (Gemma 3: 6); 0 = every layer slides.",
+    )
+    rope_local_theta: float | None = setting(
+        None,
+        help="RoPE base of the sliding layers, which then take plain RoPE while rope_scaling "
+        "applies to the others (Gemma 3's rope_local_base_freq); null = rope_theta for all.",
+    )
+    sandwich_norm: bool = setting(
+        False,
+        help="An RMSNorm also on the output of each block's attention and FFN, before the "
+        "residual add (Gemma 2 and 3).",
+    )
+    ffn_activation: Literal["silu", "gelu_tanh"] = setting(
+        "silu",
+        help="Gate activation of the FFN: silu = SwiGLU; gelu_tanh = GeGLU with the tanh "
+        "approximation of GELU (Gemma's gelu_pytorch_tanh).",
+    )
+    embed_scale: bool = setting(
+        False,
+        help="Multiply the token embeddings by sqrt(d_model), in the embedding's dtype (Gemma); "
+        "a tied head reads the unscaled table.",
+    )
+    query_pre_attn_scalar: int | None = setting(
+        None,
+        help="Attention logits are scaled by 1/sqrt(this) (Gemma 3's query_pre_attn_scalar); "
+        "null = head_dim.",
+    )
     rope_scaling: RopeScalingConfig = field(
         default_factory=RopeScalingConfig,
         metadata={"help": "RoPE scaling to read past the trained length (below)."},
@@ -163,7 +193,12 @@ class ModelConfig(Section):
                 f"{self.n_experts_per_token} is more than n_experts={self.n_experts}",
             )
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
-        self._positive("head_dim", "sliding_window")
+        self._positive("head_dim", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
+        self._non_negative("sliding_window_pattern")
+        if self.sliding_window_pattern and self.sliding_window is None:
+            self._fail("sliding_window_pattern", "needs model.sliding_window (the local layers')")
+        if self.n_experts and self.ffn_activation != "silu":
+            self._fail("ffn_activation", "the experts of model.n_experts are SwiGLUs: use silu")
         if self.head_dim is None:
             if self.d_model % self.n_head:
                 self._fail("n_head", f"{self.n_head} does not divide d_model={self.d_model}")
@@ -192,6 +227,23 @@ class ModelConfig(Section):
             self.moe_ffn_hidden = self.ffn_hidden
         if isinstance(self.rope_scaling, dict):  # ModelConfig(rope_scaling={...}) in Python
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
+        local_rope = self.rope_local_theta is not None or self.sliding_window_pattern
+        if local_rope and self.rope_scaling.type == "dynamic":
+            key = "rope_local_theta" if self.rope_local_theta else "sliding_window_pattern"
+            self._fail(key, "with rope_scaling.type dynamic: not supported")
+
+    def local_layer(self, i: int) -> bool:
+        """Whether layer i attends within sliding_window (all do unless sliding_window_pattern
+        makes every N-th one global)."""
+        if self.sliding_window is None:
+            return False
+        N = self.sliding_window_pattern
+        return not N or (i + 1) % N != 0
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether some layers slide and others do not (the KV cache then keeps every key)."""
+        return len({self.local_layer(i) for i in range(self.n_layer)}) > 1
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from minillm.config import ModelConfig
 from minillm.model.kv_cache import CacheWrite, KVCache
 from minillm.model.moe import MoE
 from minillm.model.rope import rope_rotation
@@ -79,8 +80,10 @@ class Decoder:
             for b in model.blocks
         ]
         # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
-        # model's own forward, not this path's one rotation per new token.
-        self.dynamic_rope = cfg.rope_scaling.type == "dynamic"
+        # model's own forward, not this path's one rotation per new token. Gemma's block
+        # (sandwich norms, GeGLU, scaled embeddings and attention, local layers) also steps
+        # through the model's forward, so this loop stays the Llama block's plain formulas.
+        self.by_forward = cfg.rope_scaling.type == "dynamic" or _gemma_block(cfg)
         # An int8 model (minillm.model.quantize) rounds each token's activations to an 8-bit
         # grid, so a float rounding difference that moves one across a rounding edge changes its
         # logits by a grid step, enough to flip a near-tie: rows that would read different
@@ -128,7 +131,7 @@ class Decoder:
         n = tokens.shape[0]
         if n > cache.batch_size:
             raise ValueError(f"{n} tokens for a KV cache of {cache.batch_size} rows")
-        if self.dynamic_rope:
+        if self.by_forward:
             view = cache.rows(0, n)
             return self.model(tokens[:, None].to(cache.device), kv_cache=view, last_only=True)[0][
                 :, 0
@@ -184,6 +187,18 @@ class Decoder:
             S = write.alone(i)
             out.append(attention(q[i : i + 1], keys[i : i + 1, :, :S], values[i : i + 1, :, :S]))
         return torch.cat(out)  # (n, H, 1, D)
+
+
+def _gemma_block(cfg: ModelConfig) -> bool:
+    """Whether the model has an option of Gemma's block that `Decoder.step`'s loop omits."""
+    return (
+        cfg.sandwich_norm
+        or cfg.embed_scale
+        or cfg.ffn_activation != "silu"
+        or cfg.query_pre_attn_scalar is not None
+        or cfg.rope_local_theta is not None
+        or cfg.mixed_layers
+    )
 
 
 # One copy of each model's transposed head, made anew when the weights change (an optimizer

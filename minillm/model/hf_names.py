@@ -1,10 +1,13 @@
 """The one mapping between minillm's parameters and Hugging Face `LlamaForCausalLM`'s, and the
 families that are our model with options: `Qwen2ForCausalLM` (model.attention_bias),
-`Qwen3ForCausalLM` (model.qk_norm), `MistralForCausalLM` (model.sliding_window) and, with
-experts, `MixtralForCausalLM`; each takes model.rope_scaling and model.head_dim.
+`Qwen3ForCausalLM` (model.qk_norm), `MistralForCausalLM` (model.sliding_window), with
+experts `MixtralForCausalLM`, and `Gemma3ForCausalLM` (model_type gemma3_text: model.qk_norm,
+sandwich_norm, ffn_activation gelu_tanh, embed_scale, query_pre_attn_scalar, local layers);
+each takes model.rope_scaling and model.head_dim. Gemma's RMSNorm multiplies by (1 + w) where
+HF stores w: our norms hold 1 + w, so the 1 is added on reading and taken off on writing.
 
-Offers `READABLE`, `hf_model_type`, `hf_rope_scaling`, `hf_config_dict`, `is_llama_config`,
-`model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
+Offers `READABLE`, `FAMILY_DEFAULTS`, `hf_model_type`, `hf_rope_scaling`, `hf_config_dict`,
+`is_llama_config`, `model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
 Both models use RoPE's "rotate half" layout, so q/k weights need no permutation; only our fused
 projections (wqkv, w_gate_up) are split into, or joined from, HF's separate ones. Mixtral's
 experts are written under the names of its published checkpoints (block_sparse_moe.experts.N.w1,
@@ -28,7 +31,10 @@ READABLE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# The options that make a model Gemma 3's block, each its transformers config's.
+_GEMMA_OPTIONS = ("qk_norm", "sandwich_norm", "embed_scale")
 # model.rope_scaling's keys as transformers' rope_parameters spell them (all but `type`).
 _ROPE_KEYS = {
     "linear": ("factor",),
@@ -48,7 +54,24 @@ _ROPE_KEYS = {
 def hf_model_type(cfg: ModelConfig) -> str:
     """The transformers family that computes `cfg`: Mixtral with experts, Qwen3 with qk_norm,
     Qwen2 with q/k/v biases, Mistral with a sliding window, else Llama (every one takes
-    rope_scaling and head_dim). A ConfigError names an option no family has with the others."""
+    rope_scaling and head_dim), Gemma 3 with sandwich norms. A ConfigError names an option no
+    family has with the others."""
+    gemma = cfg.sandwich_norm or cfg.embed_scale or cfg.ffn_activation != "silu"
+    gemma = gemma or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None
+    gemma = gemma or cfg.sliding_window_pattern > 0
+    if gemma:
+        for key in _GEMMA_OPTIONS:
+            if not getattr(cfg, key):
+                raise ConfigError(
+                    f"model.{key}",
+                    "false: Gemma 3, the family of this model's other options, has it",
+                )
+        if cfg.ffn_activation != "gelu_tanh":
+            raise ConfigError("model.ffn_activation", "silu: Gemma 3's FFN is a GeGLU (gelu_tanh)")
+        for key in ("attention_bias", "n_experts"):
+            if getattr(cfg, key):
+                raise ConfigError(f"model.{key}", "not in Gemma 3, the family of the others")
+        return "gemma3_text"
     if cfg.n_experts and (cfg.qk_norm or cfg.attention_bias):
         key = "qk_norm" if cfg.qk_norm else "attention_bias"
         raise ConfigError(f"model.{key}", "with model.n_experts: no transformers family has both")
@@ -80,6 +103,8 @@ def hf_config_dict(
     """A `config.json` for the transformers class of the same architecture (`hf_model_type`);
     router_aux_loss_coef is the run's train.moe_aux_loss."""
     model_type = hf_model_type(cfg)
+    if model_type == "gemma3_text":
+        return _gemma3_config(cfg, bos_id, eos_id)
     family: dict[str, Any] = {}
     if model_type == "mixtral":
         family = {
@@ -131,6 +156,61 @@ def hf_config_dict(
         # No pad id: LlamaModel hands it to nn.Embedding as padding_idx, whose row then never
         # gets a gradient, and ours is end-of-text, which a fine-tune must keep learning.
         "pad_token_id": None,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def _layer_types(cfg: ModelConfig) -> list[str]:
+    kinds = ("full_attention", "sliding_attention")
+    return [kinds[cfg.local_layer(i)] for i in range(cfg.n_layer)]
+
+
+def _gemma3_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """A Gemma3TextConfig's config.json, in the keys of the published folders (rope_theta,
+    rope_local_base_freq, rope_scaling), which transformers 4 and 5 both read."""
+    local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    if cfg.rope_local_theta is None and cfg.sliding_window is not None:
+        if cfg.rope_scaling.type != "none":  # Gemma's sliding layers take plain RoPE
+            raise ConfigError(
+                "model.rope_local_theta",
+                "null with rope_scaling: Gemma 3's sliding layers take plain RoPE at their own "
+                "base; set it",
+            )
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+        # No sliding layer reads it then; Gemma3TextConfig wants a number.
+        "sliding_window": cfg.sliding_window or cfg.max_seq_len,
+        **(
+            {"sliding_window_pattern": cfg.sliding_window_pattern}
+            if cfg.sliding_window_pattern
+            else {}
+        ),
+        "layer_types": _layer_types(cfg),
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_local_base_freq": local_theta,
+        "rope_scaling": hf_rope_scaling(cfg),
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "attention_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,  # as hf_config_dict's: no padding_idx row that never learns
         "torch_dtype": "float32",
         "use_cache": True,
     }
@@ -219,6 +299,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2},
     "qwen2": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "gemma3_text": {"rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+                    "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "rope_local_base_freq": 10000.0,
+                    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+                    "tie_word_embeddings": True},
 }  # fmt: skip
 
 
@@ -237,6 +322,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         )
     model_type = hf["model_type"]
     hf = {**FAMILY_DEFAULTS.get(model_type, _LLAMA_DEFAULTS), **hf}
+    if model_type == "gemma3_text":
+        return _gemma3_from_hf(hf, where)
     refused: list[tuple[str, Any]] = [("mlp_bias", False), ("hidden_act", "silu")]
     if model_type in ("llama", "qwen3", "mistral", "mixtral"):  # biases o_proj too
         refused.append(("attention_bias", False))
@@ -276,9 +363,101 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     )
 
 
+def _gemma3_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    """Our ModelConfig of a Gemma3TextConfig's config.json (its family defaults filled in)."""
+    refused: list[tuple[str, Any]] = [
+        ("hidden_activation", "gelu_pytorch_tanh"),
+        ("attention_bias", False),
+        ("final_logit_softcapping", None),
+        ("attn_logit_softcapping", None),
+        ("use_bidirectional_attention", False),
+    ]
+    for key, ok in refused:
+        if hf.get(key, ok) != ok:
+            raise ConfigError(key, f"{hf[key]!r} is not supported (minillm needs {ok!r})", where)
+    params = hf.get("rope_parameters")
+    local_theta = hf["rope_local_base_freq"]
+    if isinstance(params, dict) and "full_attention" in params:  # transformers 5's own
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(
+                "rope_parameters.sliding_attention.rope_type",
+                f"{local['rope_type']!r} is not supported (minillm: default)",
+                where,
+            )
+        local_theta = local.get("rope_theta", local_theta)
+        hf = {**hf, "rope_parameters": params["full_attention"], "rope_scaling": None}
+    rope_theta, scaling = _rope_from_hf(hf, where)
+    if scaling.get("type") == "dynamic":
+        raise ConfigError(
+            "rope_scaling", "dynamic with Gemma 3's local layers is not supported", where
+        )
+    n_layer, window = hf["num_hidden_layers"], hf["sliding_window"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        N = hf["sliding_window_pattern"]
+        layer_types = [
+            "sliding_attention" if (i + 1) % N else "full_attention" for i in range(n_layer)
+        ]
+    window, pattern = _gemma3_layers(layer_types, window, n_layer, where)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layer=n_layer,
+        n_head=hf["num_attention_heads"],
+        n_kv_head=hf["num_key_value_heads"],
+        head_dim=hf["head_dim"],
+        qk_norm=True,
+        sandwich_norm=True,
+        ffn_activation="gelu_tanh",
+        embed_scale=True,
+        query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]),
+        sliding_window=window,
+        sliding_window_pattern=pattern,
+        rope_local_theta=float(local_theta),
+        rope_scaling=scaling,
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        rope_theta=rope_theta,
+        norm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
+    )
+
+
+def _gemma3_layers(
+    layer_types: list[str], window: int, n_layer: int, where: str
+) -> tuple[int | None, int]:
+    """model.sliding_window and sliding_window_pattern of Gemma 3's layer_types: none sliding,
+    all, or all but every N-th; another arrangement is a ConfigError naming layer_types."""
+    kinds = {"sliding_attention": True, "full_attention": False}
+    if len(layer_types) != n_layer or any(t not in kinds for t in layer_types):
+        raise ConfigError("layer_types", f"{layer_types!r}: want {n_layer} of {list(kinds)}", where)
+    local = [kinds[t] for t in layer_types]
+    if not any(local):
+        return None, 0
+    if all(local):
+        return window, 0
+    for N in range(2, n_layer + 1):
+        if local == [bool((i + 1) % N) for i in range(n_layer)]:
+            return window, N
+    raise ConfigError("layer_types", "global layers other than every N-th are not supported", where)
+
+
+def _norm_offset(cfg: ModelConfig) -> float:
+    """What our norm weights hold more than HF's: Gemma's 1 of (1 + w), else 0."""
+    return 1.0 if hf_model_type(cfg) == "gemma3_text" else 0.0
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
 def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state_dict -> HF names, splitting fused projections. Tensors are made contiguous."""
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    offset = _norm_offset(cfg)
+    if offset:
+        sd = {k: v - offset if _is_norm(k) else v for k, v in sd.items()}
     out = {
         "model.embed_tokens.weight": sd["tok_emb.weight"],
         "model.norm.weight": sd["norm.weight"],
@@ -295,9 +474,14 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
                 theirs + "self_attn.k_proj.weight": k,
                 theirs + "self_attn.v_proj.weight": v,
                 theirs + "self_attn.o_proj.weight": sd[ours + "attn.wo.weight"],
-                theirs + "post_attention_layernorm.weight": sd[ours + "ffn_norm.weight"],
             }
         )
+        if cfg.sandwich_norm:  # Gemma's names: post_attention_layernorm is the attention's own
+            out[theirs + "post_attention_layernorm.weight"] = sd[ours + "attn_post_norm.weight"]
+            out[theirs + "pre_feedforward_layernorm.weight"] = sd[ours + "ffn_norm.weight"]
+            out[theirs + "post_feedforward_layernorm.weight"] = sd[ours + "ffn_post_norm.weight"]
+        else:
+            out[theirs + "post_attention_layernorm.weight"] = sd[ours + "ffn_norm.weight"]
         if cfg.attention_bias:  # Qwen2's q/k/v biases, split as the rows are
             for name, b in zip("qkv", sd[ours + "attn.wqkv.bias"].split((H * D, K * D, K * D))):
                 out[theirs + f"self_attn.{name}_proj.bias"] = b
@@ -339,9 +523,14 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
                     [sd[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")], dim=0
                 ),
                 ours + "attn.wo.weight": sd[attn + "o_proj.weight"],
-                ours + "ffn_norm.weight": sd[theirs + "post_attention_layernorm.weight"],
             }
         )
+        if cfg.sandwich_norm:
+            out[ours + "attn_post_norm.weight"] = sd[theirs + "post_attention_layernorm.weight"]
+            out[ours + "ffn_norm.weight"] = sd[theirs + "pre_feedforward_layernorm.weight"]
+            out[ours + "ffn_post_norm.weight"] = sd[theirs + "post_feedforward_layernorm.weight"]
+        else:
+            out[ours + "ffn_norm.weight"] = sd[theirs + "post_attention_layernorm.weight"]
         if cfg.attention_bias:
             out[ours + "attn.wqkv.bias"] = torch.cat(
                 [sd[attn + f"{n}_proj.bias"] for n in ("q", "k", "v")], dim=0
@@ -356,6 +545,9 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
                 [sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]], dim=0
             )
             out[ours + "ffn.w_down.weight"] = sd[mlp + "down_proj.weight"]
+    offset = _norm_offset(cfg)
+    if offset:  # in float32: a bfloat16 1 + w would round w away
+        out = {k: v.float() + offset if _is_norm(k) else v for k, v in out.items()}
     return out
 
 

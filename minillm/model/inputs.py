@@ -71,7 +71,11 @@ class AttentionMask:
 
     bool_mask: (B, 1, T, S) True = may attend, or None when plain causality (or nothing) suffices.
     empty_rows: (B, 1, T, 1) True where a query may see no key; those outputs are set to zero.
+    local: the mask of the layers that slide when others do not (model.sliding_window_pattern),
+    else None.
     """
+
+    local: AttentionMask | None = None
 
     def __init__(
         self,
@@ -136,6 +140,7 @@ def forward_inputs(
     kv_cache: KVCache | None,
     max_seq_len: int,
     window: int | None = None,
+    local_window: int | None = None,
 ) -> tuple[slice | torch.Tensor, AttentionMask, CacheWrite | None]:
     """Check the arguments of `Transformer.forward`; return the RoPE positions, the mask and,
     with a KV cache, the write that places this forward's keys and values in it.
@@ -143,7 +148,8 @@ def forward_inputs(
     The positions index the RoPE tables: a slice while every row counts from one start (0, or
     the cache's length), else a (B, T) or (1, T) tensor (left padding, documents, the caller's
     position_ids, cached rows at different lengths). `window`: model.sliding_window (a KV
-    cache applies its own, the model's).
+    cache applies its own, the model's). `local_window`: the window of the local layers when
+    other layers see the whole context, as the mask's `local`.
     """
     check_inputs(idx, attention_mask, doc_ids, position_ids, max_seq_len)
     B, T = idx.shape
@@ -161,6 +167,10 @@ def forward_inputs(
             raise ValueError(f"idx has {B} rows, the KV cache {kv_cache.batch_size}")
         write = kv_cache.append(T)
         mask = AttentionMask(write.key_mask, is_causal=write.is_causal)
+        if local_window is not None:
+            band = write.band_mask(local_window)
+            if band is not None:
+                mask.local = AttentionMask(band)
         return write.positions, mask, write
     if T > max_seq_len:
         raise ValueError(f"sequence of {T} tokens exceeds max_seq_len")
@@ -171,4 +181,6 @@ def forward_inputs(
     if position_ids is None:
         position_ids = _positions(B, T, attention_mask, doc_ids)
     mask = AttentionMask.build(T, attention_mask, doc_ids, idx.device, window)
+    if local_window is not None:
+        mask.local = AttentionMask.build(T, attention_mask, doc_ids, idx.device, local_window)
     return (slice(0, T) if position_ids is None else position_ids), mask, None

@@ -111,6 +111,18 @@ class CacheWrite:
         keys[batch, :, self.slots] = k[:, :, self.T - kept :].transpose(1, 2)
         values[batch, :, self.slots] = v[:, :, self.T - kept :].transpose(1, 2)
 
+    def band_mask(self, window: int) -> torch.Tensor | None:
+        """The mask (n, 1, T, S) of a local layer that sees `window` keys (itself and the
+        window - 1 before it) in a cache that keeps every key (model.sliding_window_pattern);
+        None where no query reaches that far back (key_mask serves)."""
+        if self.end <= window:
+            return None
+        dev = self.cache.device
+        first = torch.tensor(self.starts, device=dev)[:, None]  # (n, 1)
+        queries = (first + torch.arange(self.T, device=dev))[:, :, None]  # (n, T, 1)
+        keys = torch.arange(self.end, device=dev)  # (S,)
+        return ((keys <= queries) & (keys > queries - window))[:, None]
+
     def alone(self, i: int) -> int:
         """For a one-token write: how many keys row i reads were it alone, with no mask (the
         decoder's batched == alone)."""
@@ -137,7 +149,9 @@ class KVCache:
         if max_len > cfg.max_seq_len:
             raise ValueError(f"KV cache of {max_len} exceeds max_seq_len={cfg.max_seq_len}")
         self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, torch.device(device), dtype
-        window = cfg.sliding_window
+        # A ring only where every layer slides: with model.sliding_window_pattern the global
+        # layers read every key, and the local ones a band of them (CacheWrite.band_mask).
+        window = None if cfg.mixed_layers else cfg.sliding_window
         self.ring = window if window is not None and window < max_len else None
         self.max_slots = self.ring or max_len
         self.lengths: list[int] = []  # host-side: read every step, a tensor would cost a sync

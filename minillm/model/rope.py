@@ -1,8 +1,9 @@
 """RoPE's frequencies, plain and scaled (`model.rope_scaling`), and their cos/sin tables.
 
-Offers `rope_tables`, `apply_rope`, `rotate_half_matrix`, `rope_rotation` (plain RoPE in the
-"rotate half" layout of Hugging Face's Llama), `Rope` (RoPE at one forward's positions, for every
-layer), `inv_frequencies(cfg, seq_len)`, `cos_sin` (the tables of given positions) and
+Offers `rope_tables`, `plain_frequencies`, `apply_rope`, `rotate_half_matrix`, `rope_rotation`
+(plain RoPE in the "rotate half" layout of Hugging Face's Llama), `Rope` (RoPE at one forward's
+positions, for every layer), `inv_frequencies(cfg, seq_len)`, `cos_sin` (the tables of given
+positions) and
 `dynamic_rope`. For `model.rope_scaling` each type
 computes what transformers' `ROPE_INIT_FUNCTIONS` compute for its `rope_type`, formula for
 formula and in the same float32 order, so that logits match `LlamaForCausalLM` with that
@@ -33,10 +34,13 @@ from minillm.model.kv_cache import CacheWrite
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # apply_rope's kind
 
 
-def _plain(head_dim: int, base: float | torch.Tensor) -> torch.Tensor:
+def plain_frequencies(head_dim: int, base: float | torch.Tensor) -> torch.Tensor:
     """1 / base^(2i/D), i = 0 .. D/2 - 1; base a float, or (n, 1) bases giving (n, D/2)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     return 1.0 / (base**exponents)
+
+
+_plain = plain_frequencies
 
 
 def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -6,7 +6,10 @@ Offers `RMSNorm`, `rms_norm`, `attention`, `cross_entropy`, `Attention`, `SwiGLU
 the same weights (RoPE in its "rotate half" layout; `minillm.model.hf_names` maps the parameter
 names), and its options are the other families' differences: `head_dim`, `attention_bias`
 (Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral) and `rope_scaling` (Llama 3.1 and the
-long-context methods).
+long-context methods); Gemma 3 adds `sandwich_norm`, `ffn_activation` (GeGLU), `embed_scale`,
+`query_pre_attn_scalar` and local layers (`sliding_window_pattern`, `rope_local_theta`). Gemma's
+RMSNorm gain (1 + w) is held as the one number 1 + w (`minillm.model.hf_names` adds and removes
+the 1), so its norms are these.
 
 Everything here is the plain PyTorch of the formulas. The fast paths sit on top and are chosen by
 their callers: `minillm.model.kernels_cpu.use_cpu_kernels(model)` swaps in hand-written autograd
@@ -42,6 +45,7 @@ from minillm.model.rope import (
     cos_sin,
     dynamic_rope,
     inv_frequencies,
+    plain_frequencies,
     rotate_half_matrix,
 )
 
@@ -81,8 +85,10 @@ def attention(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """SDPA of q (B, H, T, D) over k, v (B, K, S, D), K dividing H (grouped-query heads)."""
+    """SDPA of q (B, H, T, D) over k, v (B, K, S, D), K dividing H (grouped-query heads); the
+    logits scaled by `scale` (None: 1/sqrt(D))."""
     extra = {}
     if k.shape[1] != q.shape[1]:
         if _SDPA_HAS_GQA:
@@ -91,7 +97,7 @@ def attention(
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **extra
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
     )
 
 
@@ -112,6 +118,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # model.query_pre_attn_scalar (Gemma 3): logits / sqrt(it) instead of / sqrt(D)
+        scalar = cfg.query_pre_attn_scalar
+        self.scale = None if scalar is None else scalar**-0.5
 
     def forward(
         self,
@@ -136,7 +145,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, K, S, D): the cached keys and these
         dropout = self.dropout if self.training else 0.0
-        y = attention(q, k, v, mask.bool_mask, mask.is_causal, dropout)  # (B, H, T, D)
+        y = attention(q, k, v, mask.bool_mask, mask.is_causal, dropout, self.scale)  # (B, H, T, D)
         if mask.empty_rows is not None:
             # A query that may see no key at all (a left pad) outputs zeros, not an average.
             y = y.masked_fill(mask.empty_rows, 0.0)
@@ -163,19 +172,39 @@ class SwiGLU(nn.Module):
         return self.drop(self.w_down(self.activation(self.w_gate_up(x))))  # (B, T, 2F) -> (B, T, C)
 
 
+def geglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate, up] (..., 2F): Gemma's gelu_pytorch_tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeGLU(SwiGLU):
+    """w_down(gelu_tanh(x W_gate) * x W_up): model.ffn_activation gelu_tanh (Gemma)."""
+
+    activation = staticmethod(geglu)
+
+
 # ----------------------------------------------------------------------------- the model
 
 
 class Block(nn.Module):
     """Pre-norm residual block: x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)), the FFN a SwiGLU
-    or, with model.n_experts, a mixture of SwiGLU experts (minillm.model.moe)."""
+    (a GeGLU with model.ffn_activation gelu_tanh) or, with model.n_experts, a mixture of SwiGLU
+    experts (minillm.model.moe). With model.sandwich_norm each branch's output is normalised
+    too before it is added: x + RMSNorm(Attn(RMSNorm(x))) (Gemma)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoE(cfg) if cfg.n_experts else SwiGLU(cfg)
+        if cfg.n_experts:
+            self.ffn = MoE(cfg)
+        else:
+            self.ffn = GeGLU(cfg) if cfg.ffn_activation == "gelu_tanh" else SwiGLU(cfg)
+        sandwich = cfg.sandwich_norm
+        self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if sandwich else None
+        self.ffn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if sandwich else None
 
     def forward(
         self,
@@ -185,6 +214,9 @@ class Block(nn.Module):
         cache: CacheWrite | None = None,
         layer: int = 0,
     ) -> torch.Tensor:
+        if self.attn_post_norm is not None:  # model.sandwich_norm
+            x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope, mask, cache, layer))
+            return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x)))
         x = x + self.attn(self.attn_norm(x), rope, mask, cache, layer)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -219,6 +251,18 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("rope_rotate_half", rotate_half_matrix(cfg.head_dim), persistent=False)
+        # model.rope_local_theta: the sliding layers' own plain RoPE tables (Gemma 3)
+        self.local_layers = [cfg.local_layer(i) for i in range(cfg.n_layer)]
+        # Some layers local and others global: each kind its own mask (once here, not per forward)
+        self.local_window = cfg.sliding_window if cfg.mixed_layers else None
+        if cfg.rope_local_theta is not None:
+            local = plain_frequencies(cfg.head_dim, cfg.rope_local_theta)
+            cos, sin = cos_sin(local, torch.arange(cfg.max_seq_len))
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
+        if cfg.embed_scale:  # sqrt(d_model) rounded to the embedding's dtype, as Gemma's
+            scale = torch.tensor(cfg.d_model**0.5)
+            self.register_buffer("embed_multiplier", scale, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -251,9 +295,15 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
-    def rope(self, positions: slice | torch.Tensor, write: CacheWrite | None = None) -> Rope:
-        """RoPE at positions (a slice of the tables, or (B, T) indices) for every layer; `write`
-        places this forward in a KV cache (dynamic NTK rotates the cached keys too)."""
+    def rope(
+        self, positions: slice | torch.Tensor, write: CacheWrite | None = None, local: bool = False
+    ) -> Rope:
+        """RoPE at positions (a slice of the tables, or (B, T) indices) for every layer (with
+        `local`, the sliding layers' of model.rope_local_theta); `write` places this forward in a
+        KV cache (dynamic NTK rotates the cached keys too)."""
+        if local:
+            cos = self.rope_local_cos[positions][..., None, :]
+            return Rope(cos, self.rope_local_sin[positions][..., None, :], self.rotate)
         if self.cfg.rope_scaling.type == "dynamic":
             scaled = dynamic_rope(self.cfg, positions, write, self.rotate, self.rope_cos.device)
             if scaled is not None:
@@ -299,16 +349,26 @@ class Transformer(nn.Module):
             position_ids,
             kv_cache,
             self.cfg.max_seq_len,
-            self.cfg.sliding_window,
+            None if self.local_window else self.cfg.sliding_window,
+            self.local_window,
         )
         rope = self.rope(positions, write)
-        x = self.drop(self.tok_emb(idx))  # (B, T, C)
+        local_rope = rope
+        if self.cfg.rope_local_theta is not None:
+            local_rope = self.rope(positions, write, local=True)
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.cfg.embed_scale:
+            x = x * self.embed_multiplier.to(x.dtype)
+        x = self.drop(x)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
+            block_rope, block_mask = rope, mask
+            if self.local_layers[i]:  # model.sliding_window_pattern's local layers
+                block_rope, block_mask = local_rope, mask.local or mask
             if recompute and write is None:  # non-reentrant: replays dropout's RNG exactly
-                x = checkpoint(block, x, rope, mask, None, i, use_reentrant=False)
+                x = checkpoint(block, x, block_rope, block_mask, None, i, use_reentrant=False)
             else:
-                x = block(x, rope, mask, write, i)
+                x = block(x, block_rope, block_mask, write, i)
         x = self.norm(x[:, -1:] if last_only else x)
         # lm_head: an untied head, or an int8 model's (tied or not: minillm.model.quantize)
         tied = self.lm_head is None
@@ -386,8 +446,9 @@ class Transformer(nn.Module):
         matmul -= self._inactive_expert_params()
         if self.lm_head is None:
             matmul += self.tok_emb.weight.numel()
-        keys = min(seq_len, cfg.sliding_window or seq_len)
-        return 6 * matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * keys
+        window = cfg.sliding_window or seq_len
+        keys = sum(min(seq_len, window) if local else seq_len for local in self.local_layers)
+        return 6 * matmul + 12 * cfg.n_head * cfg.head_dim * keys
 
 
 @contextlib.contextmanager
