@@ -11,7 +11,7 @@ the ids of a test string, so it refuses every freshly trained vocabulary. Ours s
 GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; a published model's Qwen2, Llama 3 or
 SmolLM split is recognised by its tokenizer.json (gguf_tokens.LLAMA_CPP_SPLITS); any other
 pre-tokenizer is refused in one line rather than exported with a split that would silently
-differ.
+differ. A sentencepiece-style BPE is llama.cpp's SPM (`llama`) model (gguf_spm).
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
 The architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block:
@@ -334,12 +334,17 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
             w.add_rope_freq_base_swa(local_theta)
         w.add_layer_norm_rms_eps(m.norm_eps)
         w.add_vocab_size(m.vocab_size)
-        # The tokenizer: byte-level BPE with the split gguf_vocab recognised.
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(vocab.pre)
+        # The tokenizer: byte-level BPE with the split gguf_vocab recognised, or llama.cpp's
+        # SPM for a sentencepiece-style one (scores in place of merges).
+        w.add_tokenizer_model(vocab.model)
         w.add_token_list(vocab.tokens)
         w.add_token_types(vocab.types)
-        w.add_token_merges(vocab.merges)
+        if vocab.scores is not None:
+            w.add_token_scores(vocab.scores)
+            w.add_add_space_prefix(bool(vocab.add_space_prefix))
+        else:
+            w.add_tokenizer_pre(vocab.pre)
+            w.add_token_merges(vocab.merges)
         # The model's special ids (gguf_tokens.gguf_specials): minillm's own end-of-text as bos,
         # eos and pad, or a published model's own, and its BOS added where its tokenizer adds it.
         for add, value in (
@@ -347,6 +352,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
             (w.add_eos_token_id, ids.eos),
             (w.add_pad_token_id, ids.pad),
             (w.add_eot_token_id, ids.eot),
+            (w.add_unk_token_id, vocab.unk),
         ):
             if value is not None:
                 add(value)

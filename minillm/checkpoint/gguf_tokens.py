@@ -9,7 +9,8 @@ template and the stop tokens of a checkpoint).
 The splits llama.cpp has for a byte-level BPE are recognised by the exact shape of
 tokenizer.json (`LLAMA_CPP_SPLITS`): GPT-2's (minillm's own, `gpt-2`), Qwen2's (`qwen2`),
 Llama 3's (`llama-bpe`) and SmolLM's (`smollm`), each the regex llama-vocab.cpp applies for that
-`tokenizer.ggml.pre`; any other is refused in one line naming the key.
+`tokenizer.ggml.pre`; any other is refused in one line naming the key. A sentencepiece-style
+BPE (byte fallback, "▁" for a space) is llama.cpp's SPM model instead (gguf_spm).
 
 minillm's own tokenizer: end-of-text is bos, eos and pad, nothing is added to a prompt, and a
 chat turn ends at `<|end|>`. A published model's: its post-processor's BOS as add_bos_token
@@ -26,8 +27,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from minillm.checkpoint.gguf_spm import sentencepiece_vocab
 from minillm.errors import CheckpointError, warn
 from minillm.tokenizer.bpe import byte_alphabet
+from minillm.tokenizer.pieces import tokenizer_kind
+
+SPM = "sentencepiece"  # pieces.tokenizer_kind's name for a byte-fallback "▁" BPE
 
 # llama.cpp's name for GPT-2's pre-tokenizer regex, the one minillm's ByteLevel(use_regex=True)
 # applies (llama-vocab.cpp: LLAMA_VOCAB_PRE_TYPE_GPT2).
@@ -166,7 +171,11 @@ class GgufVocab:
     tokens: list[str]
     types: list[int]  # gguf.TokenType values
     merges: list[str]  # "left right", in priority order
-    pre: str  # tokenizer.ggml.pre
+    pre: str | None  # tokenizer.ggml.pre (None for llama.cpp's SPM, which has one split)
+    model: str = "gpt2"  # tokenizer.ggml.model: gpt2 (byte-level BPE) or llama (SPM)
+    scores: list[float] | None = None  # llama: per token (minillm.checkpoint.gguf_spm)
+    add_space_prefix: bool | None = None  # llama: a space before the text
+    unk: int | None = None  # llama: the unk token's id
 
 
 def gguf_vocab(tok: Any, vocab_size: int, where: str) -> GgufVocab:
@@ -175,10 +184,16 @@ def gguf_vocab(tok: Any, vocab_size: int, where: str) -> GgufVocab:
     Special tokens are CONTROL (llama.cpp never produces them from text unless asked to parse
     specials, as ours never does), other added tokens USER_DEFINED, and the rows past the
     tokenizer (a padded embedding table) unused `[PAD<i>]` tokens, as convert_hf_to_gguf.py does.
+    A sentencepiece-style BPE is llama.cpp's `llama` model, scored to merge as its merges do
+    (minillm.checkpoint.gguf_spm).
     """
     from gguf import TokenType
 
     spec = json.loads(tok.to_str())
+    if (spec.get("model") or {}).get("byte_fallback") and tokenizer_kind(tok, where) == SPM:
+        spm = sentencepiece_vocab(tok, spec, vocab_size, where)
+        return GgufVocab(spm.tokens, spm.types, [], None, "llama", spm.scores,
+                         spm.add_space_prefix, spm.unk)  # fmt: skip
     pre = llama_cpp_pre_tokenizer(spec, where)
     vocab = tok.get_vocab(with_added_tokens=True)
     _warn_missing_bytes(spec, vocab, where)
