@@ -29,6 +29,9 @@ SIZES = dict(vocab_size=VOCAB + 20, hidden_size=64, intermediate_size=96, num_hi
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)  # fmt: skip
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
 def _rope(kind: str, **kw) -> dict:
     return {"rope_type": kind, "rope_theta": 500.0, **kw}
 
@@ -64,6 +67,22 @@ CASES = {
     "mistral": ("MistralForCausalLM", "MistralConfig",
                 dict(max_position_embeddings=96, sliding_window=16, tie_word_embeddings=False,
                      rope_parameters=_rope("default"))),
+    # Qwen1.5-MoE's shape: softmax weights not renormalised, a gated shared expert, q/k/v
+    # biases, here block 0 dense (mlp_only_layers).
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(max_position_embeddings=96, tie_word_embeddings=False, **MOE,
+                       shared_expert_intermediate_size=48, norm_topk_prob=False,
+                       mlp_only_layers=[0], rope_parameters=_rope("default"))),
+    # Qwen3-30B-A3B's: qk_norm, renormalised top-k, every block sparse.
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(max_position_embeddings=96, head_dim=24, tie_word_embeddings=False,
+                       **MOE, norm_topk_prob=True, rope_parameters=_rope("default"))),
+    # every second block sparse (decoder_sparse_step), a window in every layer, tied
+    "qwen3_moe-step-window": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                              dict(max_position_embeddings=96, tie_word_embeddings=True, **MOE,
+                                   norm_topk_prob=False, decoder_sparse_step=2,
+                                   use_sliding_window=True, sliding_window=16,
+                                   rope_parameters=_rope("default"))),
 }  # fmt: skip
 
 
@@ -117,6 +136,21 @@ def test_logits_and_gradients_equal_transformers(tmp_path: Path, case: str) -> N
     if hasattr(layer, "q_norm"):
         want["blocks.1.attn.q_norm.weight"] = layer.q_norm.weight.grad
         want["blocks.1.attn.k_norm.weight"] = layer.k_norm.weight.grad
+    mlp = hf.model.layers[1].mlp
+    if hasattr(mlp, "experts"):  # the Qwen MoEs: router, stacked experts, shared expert
+        want["blocks.1.ffn.router.weight"] = mlp.gate.weight.grad
+        want["blocks.1.ffn.w_gate_up"] = mlp.experts.gate_up_proj.grad
+        want["blocks.1.ffn.w_down"] = mlp.experts.down_proj.grad
+    if hasattr(mlp, "shared_expert"):
+        shared = mlp.shared_expert
+        want["blocks.1.ffn.shared.w_gate_up.weight"] = torch.cat(
+            [shared.gate_proj.weight.grad, shared.up_proj.weight.grad]
+        )
+        want["blocks.1.ffn.shared.w_down.weight"] = shared.down_proj.weight.grad
+        want["blocks.1.ffn.shared.gate.weight"] = mlp.shared_expert_gate.weight.grad
+    dense = hf.model.layers[0].mlp
+    if hasattr(dense, "gate_proj"):
+        want["blocks.0.ffn.w_down.weight"] = dense.down_proj.weight.grad
     grads = dict(model.named_parameters())
     for name, g in want.items():
         torch.testing.assert_close(grads[name].grad, g, atol=1e-5, rtol=1e-4, msg=name)
