@@ -209,6 +209,24 @@ PUBLISHED = {
         rope_theta=1000000.0, sliding_window=None, use_sliding_window=False,
         max_window_layers=36, tie_word_embeddings=False, attention_bias=False,
         hidden_act="silu", rope_scaling=None)),
+    "Qwen3-30B-A3B": (30_532_122_624, dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=40960, max_window_layers=48,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=None, use_sliding_window=False,
+        tie_word_embeddings=False, attention_bias=False, hidden_act="silu", rope_scaling=None,
+        router_aux_loss_coef=0.001, output_router_logits=False)),
+    "Qwen1.5-MoE-A2.7B": (14_315_784_192, dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+        decoder_sparse_step=1, max_position_embeddings=8192, max_window_layers=21,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=32768, use_sliding_window=False,
+        tie_word_embeddings=False, hidden_act="silu", router_aux_loss_coef=0.001,
+        output_router_logits=False)),
 }  # fmt: skip
 
 
@@ -224,6 +242,20 @@ def test_info_counts_the_parameters_transformers_has(name: str) -> None:
     assert model_info(cfg)["params"] == theirs == published
 
 
+@pytest.mark.parametrize("name, active", [("Qwen3-30B-A3B", 3.3), ("Qwen1.5-MoE-A2.7B", 2.7)])
+def test_info_counts_the_active_parameters_of_the_qwen_moes(name: str, active: float) -> None:
+    """The activated parameters their model cards give (Qwen3-30B-A3B: 3.3B; Qwen1.5-MoE: 2.7B):
+    each token's k experts, the shared expert and everything outside the experts."""
+    total, hf = PUBLISHED[name]
+    m = model_config_from_hf(hf)
+    cfg = Config(m, train=TrainConfig(seq_len=4096, batch_size=1, device="cpu"))
+    unused = hf["num_experts"] - hf["num_experts_per_tok"]  # experts a token skips, per layer
+    skipped = hf["num_hidden_layers"] * unused * 3 * hf["hidden_size"] * hf["moe_intermediate_size"]
+    got = model_info(cfg)["params_active"]
+    assert got == total - skipped
+    assert abs(got / 1e9 - active) < 0.06  # 3.35B and 2.69B: the cards round them
+
+
 @pytest.mark.parametrize(
     "changes, key",
     [
@@ -233,6 +265,19 @@ def test_info_counts_the_parameters_transformers_has(name: str) -> None:
          "rope_scaling.mscale"),
         (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True),
          "attention_bias"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+              attention_bias=True), "attention_bias"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              use_sliding_window=True, sliding_window=16, max_window_layers=2),
+         "use_sliding_window"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              decoder_sparse_step=0), "decoder_sparse_step"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=0),
+         "num_experts"),
     ],
 )  # fmt: skip
 def test_what_a_family_has_beyond_our_options_is_refused_by_key(changes: dict, key: str) -> None:
@@ -242,7 +287,9 @@ def test_what_a_family_has_beyond_our_options_is_refused_by_key(changes: dict, k
     assert e.value.key == key
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"]
+)
 def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) -> None:
     """Issue 50, defect 5: a config.json without rope_theta, rms_norm_eps, the context, the
     window or the key/value heads reads as transformers' class of that family reads it (a
@@ -264,6 +311,14 @@ def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) 
     if model_type == "mixtral":
         assert (ours.n_experts, ours.n_experts_per_token) == (
             theirs.num_local_experts, theirs.num_experts_per_tok)  # fmt: skip
+    if model_type.endswith("_moe"):
+        assert (ours.n_experts, ours.n_experts_per_token, ours.moe_ffn_hidden,
+                ours.moe_norm_topk, ours.moe_dense_layers) == (
+            theirs.num_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size,
+            theirs.norm_topk_prob, [])  # fmt: skip
+        shared = getattr(theirs, "shared_expert_intermediate_size", 0)
+        assert ours.moe_shared_ffn_hidden == (shared if model_type == "qwen2_moe" else 0)
+        assert ours.attention_bias == getattr(theirs, "qkv_bias", False)
 
 
 @pytest.mark.parametrize("kind", ["yarn", "llama3"])
