@@ -73,6 +73,11 @@ CASES = {
                   dict(max_position_embeddings=96, tie_word_embeddings=False, **MOE,
                        shared_expert_intermediate_size=48, norm_topk_prob=False,
                        mlp_only_layers=[0], rope_parameters=_rope("default"))),
+    # every block sparse (llama.cpp's qwen2moe has no dense one), a tied head
+    "qwen2_moe-tied": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                       dict(max_position_embeddings=96, tie_word_embeddings=True, **MOE,
+                            shared_expert_intermediate_size=48, norm_topk_prob=False,
+                            rope_parameters=_rope("default"))),
     # Qwen3-30B-A3B's: qk_norm, renormalised top-k, every block sparse.
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
                   dict(max_position_embeddings=96, head_dim=24, tie_word_embeddings=False,
