@@ -3,14 +3,19 @@ here (nothing can be downloaded in tests, CI or the demos).
 
     python scripts/make_published_folder.py models/standin-chatml --family chatml
 
-A transformers model with random weights (Qwen2ForCausalLM for the ChatML families, else
+A transformers model with random weights (the family's own class where it names one:
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM; else Qwen2ForCausalLM for the ChatML families, else
 LlamaForCausalLM), saved by transformers, and a byte-level BPE tokenizer trained with `tokenizers`
 on the shipped text that carries the family's real special tokens, its post-processor (Llama 3
 and Mistral add their BOS), its chat template (written from the families' documented formats),
 tokenizer_config.json and generation_config.json (Llama 3: two eos ids). Families: `chatml`
 (Qwen2's ChatML), `chatml-marked` (the same with `{% generation %}` markers, for transformers'
 assistant mask), `qwen2.5` (ChatML whose system prompt is a default), `llama3` (headers and
-`<|eot_id|>`), `llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`).
+`<|eot_id|>`), `llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`), and two model
+families with their tokenizers: `qwen1.5-moe` (Qwen1.5-MoE-A2.7B-Chat: its ChatML with a default
+system prompt, a Qwen2MoeForCausalLM) and `qwen3-moe` (Qwen3-30B-A3B: Qwen3's template, whose
+last reply carries a `<think>` block and whose earlier replies lose theirs; `<think>` and
+`</think>` added tokens that are not special, as Qwen's; a Qwen3MoeForCausalLM).
 
 The tests build their folders with `build` (tests/published.py); `make published-demo`
 (README, "Fine-tune a published model") fine-tunes one.
@@ -86,6 +91,53 @@ MISTRAL = (
     "{% endif %}{% endfor %}"
 )
 
+# Qwen1.5-MoE-A2.7B-Chat's: ChatML, "You are a helpful assistant." where no system turn leads.
+QWEN15 = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen3's (the tool-calling branches left out): a reply after the last user turn keeps its
+# reasoning in a <think> block (the last one always has one), earlier replies lose theirs;
+# enable_thinking=false opens the reply with an empty block.
+QWEN3 = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}"
+    "{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if message.role == 'user' and ns.last_query_index == messages|length - 1 %}"
+    "{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = message.content %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\n')"
+    ".split('<think>')[-1].lstrip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n')"
+    " + '\n</think>\n\n' + content.lstrip('\n') }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
+
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
@@ -113,6 +165,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL,
                     config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
                     eos=["</s>"]),
+    # Model families: their tokenizer's and their architecture's (model: class and the keys
+    # of config.json beside the shape's; every block sparse, as the published ones).
+    "qwen1.5-moe": dict(specials=QWEN_SPECIALS, bos=None, template=QWEN15,
+                        config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                        eos=["<|im_end|>", "<|endoftext|>"],
+                        model=("Qwen2MoeForCausalLM", dict(
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, norm_topk_prob=False))),
+    "qwen3-moe": dict(specials=QWEN_SPECIALS, added=["<think>", "</think>"], bos=None,
+                      template=QWEN3,
+                      config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                      eos=["<|im_end|>", "<|endoftext|>"],
+                      model=("Qwen3MoeForCausalLM", dict(
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          head_dim=16, norm_topk_prob=True))),
 }  # fmt: skip
 # Model shapes: `tiny` for the tests, `small` (about 2M parameters) for the demo.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -125,7 +192,15 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
     """The family's byte-level BPE, trained on the first `text_chars` of the shipped texts."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     family = FAMILIES[name]
     tok = Tokenizer(models.BPE())
@@ -139,6 +214,8 @@ def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
     )
     text = "".join(p.read_text(encoding="utf-8")[:text_chars] for p in TEXTS) + EXTRA * 3
     tok.train_from_iterator([text], trainer=trainer)
+    if family.get("added"):  # Qwen3's <think> and </think>: added tokens, not special ones
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in family["added"]])
     bos = family["bos"]
     if bos is None:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -174,9 +251,14 @@ def build(
     from tokenizers import Tokenizer
 
     family = FAMILIES[name]
-    model_class = model_class or (
-        "Qwen2ForCausalLM" if name.startswith(("chatml", "qwen")) else "LlamaForCausalLM"
+    family_class, family_config = family.get("model", (None, {}))
+    model_class = (
+        model_class
+        or family_class
+        or ("Qwen2ForCausalLM" if name.startswith(("chatml", "qwen")) else "LlamaForCausalLM")
     )
+    if model_class == family_class:
+        config = {**family_config, **config}
     tok = Tokenizer.from_str(tokenizer)
     eos_ids = [tok.token_to_id(t) for t in family["eos"]]
     bos = family["bos"] or family["specials"][0]

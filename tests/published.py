@@ -44,12 +44,12 @@ def family_tokenizer(name: str) -> Any:
     return Tokenizer.from_str(_tokenizer_json(name))
 
 
-def family_folder(
-    root: Path, name: str, model_class: str = "LlamaForCausalLM", **config: Any
-) -> Path:
-    """A published model's folder of family `name` (a Llama unless `model_class` says), its
-    random weights spread wide (norms off their init)."""
+def family_folder(root: Path, name: str, model_class: str | None = None, **config: Any) -> Path:
+    """A published model's folder of family `name` (the family's own model class, or a Llama
+    unless `model_class` says), its random weights spread wide (norms off their init)."""
     import torch
+
+    model_class = model_class or FAMILIES[name].get("model", ("LlamaForCausalLM",))[0]
 
     folder = _script().build(root / name, name, _tokenizer_json(name), model_class, **config)
     # Spread the weights as the other parity tests do: init's ones and zeros hide mistakes.
@@ -78,6 +78,10 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "I will."},
     ],
 ]
+
+
+# The model families (FAMILIES with a `model`): the end-to-end CLI tests run each.
+MODEL_FAMILIES = [name for name, family in FAMILIES.items() if "model" in family]
 
 
 def usable(name: str, messages: list[dict[str, str]]) -> bool:
