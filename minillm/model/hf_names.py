@@ -371,11 +371,16 @@ def _qwen_moe_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError("decoder_sparse_step", f"{step!r} must be a whole number >= 1", where)
     if not isinstance(n_experts, int) or n_experts < 2:
         raise ConfigError("num_experts", f"{n_experts!r}: minillm needs 2 or more experts", where)
+    k = hf["num_experts_per_tok"]
+    if not isinstance(k, int) or not 1 <= k <= n_experts:
+        raise ConfigError(
+            "num_experts_per_tok", f"{k!r} must be 1 to num_experts={n_experts}", where
+        )
     only = hf.get("mlp_only_layers") or []
     dense = [i for i in range(n_layer) if i in only or (i + 1) % step]
     moe = dict(
         n_experts=n_experts,
-        n_experts_per_token=hf["num_experts_per_tok"],
+        n_experts_per_token=k,
         moe_ffn_hidden=hf["moe_intermediate_size"],
         moe_norm_topk=bool(hf["norm_topk_prob"]),
         moe_dense_layers=dense,
