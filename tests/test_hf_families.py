@@ -285,6 +285,8 @@ def test_info_counts_the_active_parameters_of_the_qwen_moes(name: str, active: f
          "num_experts"),
         (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
               num_experts_per_tok=8), "num_experts_per_tok"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+              decoder_sparse_step=3), "decoder_sparse_step"),
     ],
 )  # fmt: skip
 def test_what_a_family_has_beyond_our_options_is_refused_by_key(changes: dict, key: str) -> None:

@@ -301,6 +301,8 @@ runner = CliRunner()
          "model.moe_dense_layers: [2]: block numbers must be distinct, from 0 to n_layer - 1 = 1"),
         (["model.n_experts=4", "model.moe_dense_layers=[0, 0]"],
          "model.moe_dense_layers: [0, 0]: block numbers must be distinct"),
+        (["model.n_experts=4", "model.moe_dense_layers=[0, 1]"],
+         "model.moe_dense_layers: every block dense: that is n_experts 0"),
     ],
 )  # fmt: skip
 def test_config_errors_are_one_line(tmp_path: Path, sets: list[str], expected: str) -> None:

@@ -193,6 +193,8 @@ class ModelConfig(Section):
                 f"{self.moe_dense_layers}: block numbers must be distinct, from 0 to "
                 f"n_layer - 1 = {self.n_layer - 1}",
             )
+        if self.n_experts and len(self.moe_dense_layers) == self.n_layer:
+            self._fail("moe_dense_layers", "every block dense: that is n_experts 0")
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
         self._positive("head_dim", "sliding_window")
         if self.head_dim is None:

@@ -378,6 +378,9 @@ def _qwen_moe_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
         )
     only = hf.get("mlp_only_layers") or []
     dense = [i for i in range(n_layer) if i in only or (i + 1) % step]
+    if len(dense) == n_layer:
+        key = "mlp_only_layers" if only else "decoder_sparse_step"
+        raise ConfigError(key, "makes every block dense: no expert is used", where)
     moe = dict(
         n_experts=n_experts,
         n_experts_per_token=k,
