@@ -34,9 +34,9 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from minillm.checkpoint.store import load_checkpoint  # noqa: E402
-from minillm.data.tokenizer import EOT, train_tokenizer  # noqa: E402
 from minillm.infer.evaluate import evaluate_checkpoint  # noqa: E402
 from minillm.runtime.perf import step_peak_bytes  # noqa: E402
+from minillm.tokenizer.bpe import EOT, train_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024**2

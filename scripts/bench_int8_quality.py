@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from minillm.checkpoint.store import load_checkpoint
-from minillm.data.tokenizer import eot_id
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.evaluate import evaluate_checkpoint
 from minillm.infer.task_format import read_tasks
 from minillm.infer.task_scoring import evaluate_tasks
 from minillm.model.quantize import quantize_int8
+from minillm.tokenizer.bpe import eot_id
 
 
 def agreement(a: list[list[int]], b: list[list[int]], n: int) -> float:

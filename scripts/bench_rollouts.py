@@ -28,9 +28,9 @@ import torch
 import transformers
 
 from minillm.checkpoint.store import load_checkpoint
-from minillm.data.tokenizer import eot_id
 from minillm.infer.engine import Engine, SamplingParams
 from minillm.infer.task_format import read_task
+from minillm.tokenizer.bpe import eot_id
 
 
 def ours(model, tok, prompts, group, max_new, stops, seed) -> int:

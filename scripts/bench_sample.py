@@ -203,8 +203,8 @@ def llama_cpp_q8(model: Transformer, folder: Path, threads: int, n_ctx: int) -> 
 
     from minillm.checkpoint.gguf_file import export_gguf
     from minillm.config import Config
-    from minillm.data.conventions import Conventions
-    from minillm.data.tokenizer import train_tokenizer
+    from minillm.tokenizer.bpe import train_tokenizer
+    from minillm.tokenizer.conventions import Conventions
 
     root = Path(__file__).resolve().parent.parent
     text = (root / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:300_000]
@@ -214,6 +214,7 @@ def llama_cpp_q8(model: Transformer, folder: Path, threads: int, n_ctx: int) -> 
         config=Config(model=model.cfg),
         model=model,
         tokenizer=tokenizer,
+        tokenizer_path=None,  # not saved: the special ids come from the conventions alone
         conventions=Conventions.of_own(tokenizer),
     )
     gguf = export_gguf(loaded, folder / "model-q8_0.gguf", "q8_0", force=True)

@@ -120,8 +120,8 @@ def make_checkpoint(root: Path, shape: str = "tiny") -> Path:
 
     from minillm.checkpoint.store import save_checkpoint
     from minillm.config import config_to_dict, load_config
-    from minillm.data.tokenizer import save_tokenizer, train_tokenizer
     from minillm.model import Transformer
+    from minillm.tokenizer.bpe import save_tokenizer, train_tokenizer
 
     text = (ROOT / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:300_000]
     tok_path = root / "tokenizer.json"
@@ -463,7 +463,7 @@ def main() -> None:
         ]  # fmt: skip
         print(f"{url}: model {model}, {args.requests} prompts x {args.max_tokens} tokens, greedy")
         if args.llama_cpp:
-            from minillm.data.tokenizer import EOT
+            from minillm.tokenizer.bpe import EOT
 
             gguf = Path(tmp.name) / f"model-{args.gguf_dtype}.gguf"
             n_ctx = export_gguf(ckpt, gguf, args.gguf_dtype)

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minillm.config import Config, config_from_dict  # noqa: E402
-from minillm.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
+from minillm.tokenizer.bpe import load_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
 
 STORIES = ROOT / "data" / "grimm_stories.jsonl"
 VOCAB = 4096

@@ -23,8 +23,8 @@ import torch
 
 from minillm.checkpoint.gguf_file import export_gguf
 from minillm.checkpoint.store import load_checkpoint
-from minillm.data.tokenizer import eot_id
 from minillm.infer.engine import SamplingParams, generate
+from minillm.tokenizer.bpe import eot_id
 
 
 def main() -> int:

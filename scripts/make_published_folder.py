@@ -17,6 +17,11 @@ system prompt, a Qwen2MoeForCausalLM) and `qwen3-moe` (Qwen3-30B-A3B: Qwen3's te
 last reply carries a `<think>` block and whose earlier replies lose theirs; `<think>` and
 `</think>` added tokens that are not special, as Qwen's; a Qwen3MoeForCausalLM).
 
+The tokenizer splits text with GPT-2's byte-level regex unless `--split` names a published
+model's own pre-tokenizer, written as its tokenizer.json has it: `qwen2` (an NFC normalizer and
+Qwen2's Split regex, one digit per piece), `llama3` (Llama 3's Split regex, up to three digits per
+piece, and `ignore_merges`), `smollm` (each digit alone, then GPT-2's regex).
+
 The tests build their folders with `build` (tests/published.py); `make published-demo`
 (README, "Fine-tune a published model") fine-tunes one.
 """
@@ -31,6 +36,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 TEXTS = (ROOT / "data" / "tinyshakespeare.txt", ROOT / "data" / "tiny_chat.jsonl")
 EXTRA = "Grüße aus Köln — naïve café, 日本語のテキスト, emoji 🙂🚀, Ελληνικά.\n"
+# Trained on too with a published model's split: digit runs, contractions and whitespace runs
+# often enough that the vocabulary has tokens one split makes and another does not.
+SPLIT_EXTRA = (
+    "In 2024, 1999 and 365 days; it's 10:30, don't, you've, they'll, I'M, O'Neil's 123456789 "
+    "0042 3.14159 (x2024y)\n\n\n    indented\t\ttabs  two  spaces,word.Word!?\r\n 2024 — "
+    "Grüße 2024 東京2024 🙂2024\n"
+)
 
 CHATML = (
     "{% for message in messages %}"
@@ -142,11 +154,29 @@ QWEN3 = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
 )
+# Llama 2's chat format (its tokenizer_config.json's template): the system prompt in <<SYS>> inside
+# the first user turn, each user turn after the BOS, each reply ended by the eos.
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}"
+    "{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
 
 # name -> special tokens, tokenizer_config values, BOS the post-processor adds, template,
 #         generation_config eos names
@@ -170,6 +200,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL,
                     config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
                     eos=["</s>"]),
+    # Sentencepiece-style tokenizers (`spm`): Llama 2's (a normalizer puts "▁" for spaces and
+    # before the text, the decoder strips it) and Mistral v0.3's (a Metaspace pre-tokenizer).
+    "llama2": dict(specials=SPM_SPECIALS, bos="<s>", template=LLAMA2, spm="normalizer",
+                   config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
+                   eos=["</s>"]),
+    "mistral-spm": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL, spm="metaspace",
+                        config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
+                        eos=["</s>"]),
     # Model families: their tokenizer's and their architecture's (model: class and the keys
     # of config.json beside the shape's; every block sparse, as the published ones).
     "qwen1.5-moe": dict(specials=QWEN_SPECIALS, bos=None, template=QWEN15,
@@ -195,8 +233,57 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
-    """The family's byte-level BPE, trained on the first `text_chars` of the shipped texts."""
+# The regexes of Qwen2's and Llama 3's tokenizer.json (their `pre_tokenizer`'s Split pattern).
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS = ("gpt2", "qwen2", "llama3", "smollm")
+
+
+def _split(tok: Any, split: str) -> None:
+    """Give `tok` the normalizer and pre-tokenizer of `split` (one of SPLITS)."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    regex = {"qwen2": QWEN2_SPLIT, "llama3": LLAMA3_SPLIT}.get(split)
+    if split == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )  # fmt: skip
+    elif regex is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
+                                      use_regex=False)]
+        )  # fmt: skip
+    else:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+    if split == "qwen2":
+        tok.normalizer = normalizers.NFC()
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> character table (byte b is the b-th), the one ByteLevel maps bytes with:
+    printable Latin-1 bytes stand for themselves, the others for U+0100 on, in order."""
+    kept = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = iter(range(0x100, 0x200))
+    return [chr(b) if b in kept else chr(next(others)) for b in range(256)]
+
+
+def tokenizer_json(
+    name: str, vocab_size: int, text_chars: int, split: str = "gpt2", without: tuple[int, ...] = ()
+) -> str:
+    """The family's BPE (byte-level, or sentencepiece-style for `spm` families: then `split` and
+    `without` do not apply), trained on the first `text_chars` of the shipped texts,
+    splitting text as `split` (one of SPLITS) does, without the tokens of the bytes `without`
+    (as published vocabularies whose training text never held them)."""
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -208,17 +295,23 @@ def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
     )
 
     family = FAMILIES[name]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if "spm" in family:
+        return _sentencepiece_json(name, vocab_size, text_chars)
+    lacking = [_byte_chars()[b] for b in without]
+    tok = Tokenizer(models.BPE(ignore_merges=split == "llama3"))  # Llama 3's takes a word whole
+    _split(tok, split)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=family["specials"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=sorted(set(pre_tokenizers.ByteLevel.alphabet()) - set(lacking)),
         show_progress=False,
     )
     text = "".join(p.read_text(encoding="utf-8")[:text_chars] for p in TEXTS) + EXTRA * 3
+    text += SPLIT_EXTRA * 30 if split != "gpt2" else ""
     tok.train_from_iterator([text], trainer=trainer)
+    if any(char in tok.get_vocab() for char in lacking):
+        raise ValueError(f"the shipped texts hold one of the bytes {without}")
     if family.get("added"):  # Qwen3's <think> and </think>: added tokens, not special ones
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in family["added"]])
     bos = family["bos"]
@@ -237,6 +330,57 @@ def tokenizer_json(name: str, vocab_size: int, text_chars: int) -> str:
             else template
         )
     return tok.to_str()
+
+
+def _sentencepiece_json(name: str, vocab_size: int, text_chars: int) -> str:
+    """A sentencepiece-style BPE as Llama 2's and Mistral's tokenizer.json hold it: the specials
+    first, then the 256 byte-fallback tokens <0x00>..<0xFF> (ordinary vocabulary, not added
+    tokens), then the learned pieces, "▁" for a space; the BOS added by the post-processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    family = FAMILIES[name]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[*family["specials"], *byte_tokens],
+        show_progress=False,
+    )
+    text = "".join(p.read_text(encoding="utf-8")[:text_chars] for p in TEXTS)
+    tok.train_from_iterator([text], trainer=trainer)
+    spec = json.loads(tok.to_str())
+    # The byte tokens are vocabulary, not added tokens (as in the published files).
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] not in byte_tokens]
+    space, bos = "\u2581", family["bos"]
+    replace_space = {"type": "Replace", "pattern": {"String": space}, "content": " "}
+    fallback = [replace_space, {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if family["spm"] == "normalizer":  # Llama 2, TinyLlama, Mistral v0.1
+        spec["normalizer"] = {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": space},
+                {"type": "Replace", "pattern": {"String": " "}, "content": space},
+            ],
+        }
+        spec["pre_tokenizer"] = None
+    else:  # Mistral v0.3: no normalizer, Metaspace puts the first "▁"
+        spec["pre_tokenizer"] = {
+            "type": "Metaspace",
+            "replacement": space,
+            "prepend_scheme": "first",
+            "split": False,
+        }
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [*fallback, {"type": "Strip", "content": " ", "start": 1, "stop": 0}],
+    }
+    out = Tokenizer.from_str(json.dumps(spec))
+    bos_id = out.token_to_id(bos)
+    out.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
+    return out.to_str()
 
 
 def build(
@@ -296,10 +440,12 @@ def main() -> None:
     parser.add_argument("--family", choices=sorted(FAMILIES), default="chatml")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--split", choices=SPLITS, default="gpt2",
+                        help="the pre-tokenizer: GPT-2's regex or a published model's")  # fmt: skip
     args = parser.parse_args()
     if args.out.exists():
         parser.error(f"{args.out}: exists; a published model's folder is never overwritten")
-    tokenizer = tokenizer_json(args.family, args.vocab_size, 200_000)
+    tokenizer = tokenizer_json(args.family, args.vocab_size, 200_000, args.split)
     build(args.out, args.family, tokenizer, shape=args.shape)
     print(f"wrote {args.out} ({args.family}, {args.shape})")
 

@@ -221,7 +221,7 @@ def error_line(result) -> str:  # noqa: ANN001
 
 @functools.lru_cache(maxsize=1)
 def tokenizer_json() -> str:
-    from minillm.data.tokenizer import train_tokenizer
+    from minillm.tokenizer.bpe import train_tokenizer
 
     text = SHAKESPEARE.read_text(encoding="utf-8")[:6000] + EXTRA * 3
     return train_tokenizer([text], VOCAB).to_str()
@@ -231,7 +231,7 @@ def legacy_tokenizer_json() -> str:
     """A tokenizer from before minillm reserved the chat tokens (only <|endoftext|>)."""
     from tokenizers import trainers
 
-    from minillm.data.tokenizer import EOT, new_tokenizer
+    from minillm.tokenizer.bpe import EOT, new_tokenizer
 
     legacy = new_tokenizer()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOT], show_progress=False)

@@ -34,24 +34,34 @@ VOCAB = 400
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer_json(name: str) -> str:
-    return _script().tokenizer_json(name, VOCAB, 8000)
+def _tokenizer_json(name: str, split: str = "gpt2", without: tuple[int, ...] = ()) -> str:
+    return _script().tokenizer_json(name, VOCAB, 8000, split, without)
 
 
-def family_tokenizer(name: str) -> Any:
+def family_tokenizer(name: str, split: str = "gpt2", without: tuple[int, ...] = ()) -> Any:
+    """Family `name`'s tokenizer, splitting text as `split` (make_published_folder.SPLITS), its
+    vocabulary without the tokens of the bytes `without`."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(_tokenizer_json(name))
+    return Tokenizer.from_str(_tokenizer_json(name, split, without))
 
 
-def family_folder(root: Path, name: str, model_class: str | None = None, **config: Any) -> Path:
+def family_folder(
+    root: Path,
+    name: str,
+    model_class: str | None = None,
+    split: str = "gpt2",
+    without: tuple[int, ...] = (),
+    **config: Any,
+) -> Path:
     """A published model's folder of family `name` (the family's own model class, or a Llama
-    unless `model_class` says), its random weights spread wide (norms off their init)."""
+    unless `model_class` says; its tokenizer family_tokenizer(name, split, without)), its random
+    weights spread wide (norms off their init)."""
     import torch
 
     model_class = model_class or FAMILIES[name].get("model", ("LlamaForCausalLM",))[0]
-
-    folder = _script().build(root / name, name, _tokenizer_json(name), model_class, **config)
+    tokenizer = _tokenizer_json(name, split, without)
+    folder = _script().build(root / name, name, tokenizer, model_class, **config)
     # Spread the weights as the other parity tests do: init's ones and zeros hide mistakes.
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     torch.manual_seed(3)
@@ -86,4 +96,4 @@ MODEL_FAMILIES = [name for name, family in FAMILIES.items() if "model" in family
 
 def usable(name: str, messages: list[dict[str, str]]) -> bool:
     """Mistral's [INST] template has no system role."""
-    return not (name == "mistral" and messages[0]["role"] == "system")
+    return not (name.startswith("mistral") and messages[0]["role"] == "system")

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import load_tokenizer
+from minillm.tokenizer.bpe import load_tokenizer
+from minillm.tokenizer.conventions import Conventions
 from tests.published import family_tokenizer, hf_tokenizer
 
 # Mistral-Nemo-Instruct-2407's template as published, its tool-calling branches left out.

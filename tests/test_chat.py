@@ -19,13 +19,13 @@ from minillm.data.batches import (
     doc_starts,
     train_batch,
 )
-from minillm.data.chat_template import chat_ids, check_messages, encode_conversation
-from minillm.data.conventions import Conventions
 from minillm.data.meta import load_meta, open_mask, open_split
 from minillm.data.tokenize_pass import write_shards
-from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
+from minillm.tokenizer.bpe import load_tokenizer
+from minillm.tokenizer.chat_template import chat_ids, check_messages, encode_conversation
+from minillm.tokenizer.conventions import Conventions
 from tests.helpers import make_trainer
 
 SUM = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]

@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.chat_template import chat_ids
-from minillm.data.tokenizer import eot_id
 from minillm.infer.conversation import chat_checkpoint
 from minillm.infer.engine import SamplingParams, generate
+from minillm.tokenizer.bpe import eot_id
+from minillm.tokenizer.chat_template import chat_ids
 from tests import helpers
 from tests.helpers import make_run
 
@@ -122,8 +122,8 @@ def test_eval_on_a_chat_file_scores_each_conversation_alone(run, tmp_path: Path)
 
     import torch
 
-    from minillm.data.chat_template import encode_conversation
     from minillm.infer.evaluate import evaluate_checkpoint
+    from minillm.tokenizer.chat_template import encode_conversation
 
     _, loaded = run
     rows = [

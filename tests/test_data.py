@@ -37,9 +37,9 @@ from minillm.data.sources import _looks_like_hub, open_corpus
 from minillm.data.table import TableCorpus
 from minillm.data.text import is_cut, read_text_blocks, split_pieces
 from minillm.data.tokenize_pass import write_shards
-from minillm.data.tokenizer import load_tokenizer, train_tokenizer
 from minillm.errors import ConfigError, UserError
 from minillm.runtime import progress as progress_mod
+from minillm.tokenizer.bpe import load_tokenizer, train_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SHAKESPEARE = (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")

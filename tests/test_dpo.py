@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.init_from import load_run_config
 from minillm.cli import app
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import load_tokenizer
+from minillm.tokenizer.bpe import load_tokenizer
+from minillm.tokenizer.conventions import Conventions
 from minillm.train.objectives.common import pad_rows, token_logps
 from minillm.train.objectives.dpo import encode_pair, parse_pair
 from tests.helpers import assert_same_weights, error_line, make_run, make_trainer, resumed_runs

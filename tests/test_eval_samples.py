@@ -9,11 +9,11 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from minillm.cli import app
-from minillm.data.chat_template import chat_ids
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import eot_id, load_tokenizer
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.task_scoring import answer_matches
+from minillm.tokenizer.bpe import eot_id, load_tokenizer
+from minillm.tokenizer.chat_template import chat_ids
+from minillm.tokenizer.conventions import Conventions
 from tests.helpers import error_line, make_run
 
 runner = CliRunner()

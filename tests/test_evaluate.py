@@ -219,7 +219,7 @@ def test_eval_data_scores_chat_rows_over_the_answers(run: Path, tmp_path: Path) 
     <|end|>, bits per byte over the assistant's bytes (as a chat run's val/loss)."""
     import json
 
-    from minillm.data.chat_template import assistant_bytes
+    from minillm.tokenizer.chat_template import assistant_bytes
 
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
     chat = tmp_path / "chat.jsonl"

@@ -15,11 +15,11 @@ from minillm.checkpoint.hf_import import import_hf_folder
 from minillm.checkpoint.init_from import load_run_config
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.tokenizer import EOT, eot_id
 from minillm.errors import CheckpointError, UserError
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer
 from minillm.model.hf_names import hf_config_dict
+from minillm.tokenizer.bpe import EOT, eot_id
 from tests.helpers import make_run, tiny_tokenizer
 
 TEXT = "First Citizen:\nBefore we proceed — Grüße, 日本語 🙂 <|endoftext|> the end."
@@ -400,8 +400,8 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
 def test_shards_made_with_the_original_tokenizer_accept_its_exported_copy(tmp_path: Path) -> None:
     import copy
 
-    from minillm.data.tokenizer import tokenizer_sha256
     from minillm.runtime.files import sha256_file
+    from minillm.tokenizer.bpe import tokenizer_sha256
     from tests.helpers import make_trainer, write_shards
 
     run_dir, cfg, _ = make_run(tmp_path)

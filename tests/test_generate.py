@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.config import ModelConfig
-from minillm.data.tokenizer import eot_id
 from minillm.infer.engine import Engine, SamplingParams, generate, window_length
 from minillm.infer.sampling import (
     apply_temperature,
@@ -23,6 +22,7 @@ from minillm.infer.sampling import (
     top_p_filter,
 )
 from minillm.infer.text_stream import TextStreamer
+from minillm.tokenizer.bpe import eot_id
 from tests.helpers import make_run, tiny_tokenizer
 
 INF = math.inf

@@ -18,8 +18,8 @@ from minillm.checkpoint.hf_export import export_checkpoint
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.config import ModelConfig
-from minillm.data.tokenizer import EOT
 from minillm.model.hf_names import hf_config_dict
+from minillm.tokenizer.bpe import EOT
 from tests.helpers import (
     SHAKESPEARE,
     VOCAB,
@@ -188,7 +188,8 @@ def _trained(specials: list[str], pre: object, decoder: object, model: object) -
 
 
 def _sentencepiece_style() -> Tokenizer:
-    """A BPE as Llama 2's tokenizer.json is: Metaspace words and byte fallback, not byte-level."""
+    """A BPE with Metaspace words and byte fallback whose decoder cannot decode the byte tokens
+    (Llama 2's has ByteFallback: tests/test_sentencepiece.py)."""
     return _trained(
         [EOT], pre_tokenizers.Metaspace(), decoders.Metaspace(), models.BPE(byte_fallback=True)
     )
@@ -215,8 +216,9 @@ LONGROPE = dict(rope_type="longrope", factor=8.0, original_max_position_embeddin
          "(minillm: linear, dynamic, yarn, llama3)"),
         ("attention-bias", "config.json", "attention_bias: True is not supported (minillm needs "
          "False)"),
-        ("sentencepiece", "tokenizer.json", "pre_tokenizer: Metaspace, not ByteLevel: a BPE that "
-         "is not byte-level (sentencepiece style); minillm applies only byte-level BPE tokenizers"),
+        ("sentencepiece", "tokenizer.json", "decoder: Metaspace without ByteFallback: its <0xNN> "
+         "tokens would decode as that text, not as bytes; minillm applies only sentencepiece-style "
+         "BPEs whose decoder has ByteFallback"),
     ],
 )  # fmt: skip
 def test_what_minillm_cannot_compute_is_one_error_line(

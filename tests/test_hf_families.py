@@ -17,11 +17,11 @@ from minillm.checkpoint.hf_export import export_checkpoint
 from minillm.checkpoint.hf_import import import_hf_folder
 from minillm.checkpoint.store import load_checkpoint
 from minillm.config import Config, ConfigError, TrainConfig
-from minillm.data.tokenizer import EOT
 from minillm.infer.engine import SamplingParams, generate
 from minillm.info import model_info
 from minillm.model import Transformer
 from minillm.model.hf_names import model_config_from_hf
+from minillm.tokenizer.bpe import EOT
 from tests.helpers import VOCAB, spread_weights_, tiny_tokenizer
 
 T = 70  # tokens compared: past the window (16) and past the original context (24)

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.tokenizer import tokenizer_sha256
 from minillm.model import Transformer
+from minillm.tokenizer.bpe import tokenizer_sha256
 from tests.helpers import ROOT, SHAKESPEARE, error_line, make_run
 
 runner = CliRunner()

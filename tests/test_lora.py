@@ -263,8 +263,8 @@ def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
     peft = pytest.importorskip("peft")
     import transformers
 
-    from minillm.data.tokenizer import load_tokenizer
     from minillm.model.lora import TokenRows
+    from minillm.tokenizer.bpe import load_tokenizer
     from minillm.train.objectives.common import Reference
 
     tokens = ["<|end|>", "<|user|>"]

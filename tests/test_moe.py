@@ -541,8 +541,8 @@ def test_gguf_export_runs_in_llama_cpp_with_our_logits_and_greedy_tokens(
     from llama_cpp import Llama
 
     from minillm.checkpoint.gguf_file import export_gguf
-    from minillm.data.tokenizer import eot_id
     from minillm.infer.engine import SamplingParams, generate
+    from minillm.tokenizer.bpe import eot_id
 
     root, run_dir, loaded = moe_run
     path = export_gguf(loaded, root / f"moe-{dtype}.gguf", dtype)

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import load_tokenizer
 from minillm.infer.engine import Engine, SamplingParams
+from minillm.tokenizer.bpe import load_tokenizer
+from minillm.tokenizer.conventions import Conventions
 from tests.helpers import script_tokens
 from tests.published import (
     CONVERSATIONS,
@@ -61,7 +61,7 @@ def padding(model) -> list[int]:  # noqa: ANN001
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_conversations_encode_as_apply_chat_template(folders: dict, name: str) -> None:
     conv, hf = conventions(folders[name]), hf_tokenizer(folders[name])
-    assert not conv.own
+    assert conv.kind == ("sentencepiece" if "spm" in FAMILIES[name] else "byte-level")
     for messages in filter(lambda m: usable(name, m), CONVERSATIONS):
         for generation in (False, True):
             assert conv.chat_ids(messages, generation) == hf_ids(hf, messages, generation)
@@ -275,7 +275,7 @@ def test_tokenize_writes_template_ids_and_transformers_masks_and_leaves_the_fold
         folder / "tokenizer_config.json"
     ).read_bytes()
     loaded = load_checkpoint(run)
-    assert not loaded.conventions.own
+    assert loaded.conventions.kind == "byte-level"
     messages = [{"role": "user", "content": "Speak."}]
     assert loaded.conventions.chat_ids(messages, True) == hf_ids(hf_tok, messages, True)
     args = ["chat", "--ckpt", str(run), "--message", "Speak.", "--max-new-tokens", "4"]
@@ -579,11 +579,11 @@ def test_a_gpt2_style_folder_is_a_published_models_not_minillms(tmp_path: Path) 
     ).save_pretrained(folder)
     conv = conventions(folder)
     hf = hf_tokenizer(folder)
-    assert not conv.own
+    assert conv.kind == "byte-level"
     for text in PLAIN:
         assert conv.prompt_ids(text) == hf(text)["input_ids"]
     # The same tokenizer with the tokenizer_config.json minillm's export writes: minillm's own.
-    from minillm.checkpoint.hf_export import hf_tokenizer_config
+    from minillm.tokenizer.conventions import hf_tokenizer_config
 
     ours = tmp_path / "ours"
     ours.mkdir()
@@ -591,5 +591,5 @@ def test_a_gpt2_style_folder_is_a_published_models_not_minillms(tmp_path: Path) 
     eot = tok.token_to_id("<|endoftext|>")
     config = hf_tokenizer_config("<|endoftext|>", eot, 256)
     (ours / "tokenizer_config.json").write_text(json.dumps(config))
-    assert conventions(ours).own
+    assert conventions(ours).kind == "own"
     assert conventions(ours).prompt_ids("Hello")[0] == eot

@@ -258,8 +258,8 @@ def test_n_samples_equal_num_samples(server: Server) -> None:
 
 def test_echo_logprobs_equal_the_model(server: Server) -> None:
     from minillm.checkpoint.store import load_checkpoint
-    from minillm.data.tokenizer import eot_id
     from minillm.infer.evaluate import evaluate_tokens
+    from minillm.tokenizer.bpe import eot_id
 
     prompt = "Grüße, ROMEO: to be or not"
     done = server.client.completions.create(
@@ -451,8 +451,6 @@ def test_every_chat_reply_stops_at_one_set_end_of_turn_and_end_of_text(
     import io
 
     from minillm.checkpoint.store import load_checkpoint
-    from minillm.data.chat_template import chat_ids
-    from minillm.data.tokenizer import eot_id
     from minillm.infer.conversation import chat_checkpoint
     from minillm.infer.engine import Engine, SamplingParams
     from minillm.infer.task_format import read_task
@@ -460,6 +458,8 @@ def test_every_chat_reply_stops_at_one_set_end_of_turn_and_end_of_text(
     from minillm.serve import protocol as P
     from minillm.serve.handlers import Handler
     from minillm.serve.worker import EngineThread
+    from minillm.tokenizer.bpe import eot_id
+    from minillm.tokenizer.chat_template import chat_ids
 
     run, _, _ = make_run(tmp_path)
     ckpt = load_checkpoint(run)

@@ -342,9 +342,9 @@ import os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from tokenizers import Tokenizer
 from minillm.data.encode_pool import EncodePool, encode_text
-from minillm.data.tokenizer import train_tokenizer
+from minillm.tokenizer.bpe import train_tokenizer
 tok = train_tokenizer([open({str(ROOT / "data" / "grimm_stories.jsonl")!r}).read()], 300)
-from minillm.data.conventions import Conventions
+from minillm.tokenizer.conventions import Conventions
 pool = EncodePool(Conventions.of_own(tok), 2, lambda encoded, tag: None)
 for _ in range(4):
     pool.submit(encode_text, ["a b"], [True], 0, "<u2", tag=None)
@@ -615,7 +615,7 @@ def test_training_on_many_shards_equals_training_on_one(tmp_path: Path) -> None:
 def test_the_default_worker_count_keeps_to_the_container_cpu_quota(tmp_path: Path) -> None:
     import os
 
-    from minillm.data.encode_pool import default_num_proc
+    from minillm.runtime.cpus import default_num_proc
 
     cpus = len(os.sched_getaffinity(0))
     assert default_num_proc(tmp_path / "none") == cpus  # no cgroup files: the affinity

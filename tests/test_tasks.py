@@ -12,8 +12,6 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import eot_id
 from minillm.errors import UserError
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.task_format import ExactMatch, MultipleChoice, Task, read_task
@@ -26,6 +24,8 @@ from minillm.infer.task_scoring import (
     score_continuations,
     score_exact_match,
 )
+from minillm.tokenizer.bpe import eot_id
+from minillm.tokenizer.conventions import Conventions
 from tests.helpers import make_run, run_trainer, tiny_tokenizer
 
 runner = CliRunner()

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from minillm.data.tokenizer import (
+from minillm.errors import ConfigError, UserError
+from minillm.tokenizer.bpe import (
     EOT,
     MIN_VOCAB,
     check_tokenizer,
@@ -17,7 +18,6 @@ from minillm.data.tokenizer import (
     special_tokens,
     train_tokenizer,
 )
-from minillm.errors import ConfigError, UserError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

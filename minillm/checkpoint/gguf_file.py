@@ -8,8 +8,10 @@ The file is written with gguf-py, the llama.cpp project's own writer, the way it
 `convert_hf_to_gguf.py` writes a `LlamaForCausalLM`, except that the tokenizer is described
 from what we know rather than guessed: that converter recognises a BPE pre-tokenizer by hashing
 the ids of a test string, so it refuses every freshly trained vocabulary. Ours splits text with
-GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; any other pre-tokenizer is refused in one
-line rather than exported with a split that would silently differ.
+GPT-2's byte-level regex, which llama.cpp calls `gpt-2`; a published model's Qwen2, Llama 3 or
+SmolLM split is recognised by its tokenizer.json (gguf_tokens.LLAMA_CPP_SPLITS); any other
+pre-tokenizer is refused in one line rather than exported with a split that would silently
+differ.
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
 The architecture is llama.cpp's own for the family (`gguf_arch`): `qwen3` (model.qk_norm),
@@ -44,6 +46,7 @@ from minillm.checkpoint.hf_export import check_not_over_source
 from minillm.config import ModelConfig, SampleConfig
 from minillm.errors import CheckpointError, UserError
 from minillm.runtime.files import StagedFile, fsync_dir, fsync_file
+from minillm.tokenizer.chat_template import HF_CHAT_TEMPLATE
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 Q8_0_BLOCK = 32  # q8_0 quantises rows in blocks of 32 values
@@ -228,7 +231,7 @@ def gguf_tensors(
 # ----------------------------------------------------------------------------- Ollama
 
 
-# Our template (minillm.data.chat_template) in Ollama's Go template: each message as
+# Our template (minillm.tokenizer.chat_template) in Ollama's Go template: each message as
 # <|role|>content<|end|>, then the generation prompt. Ollama's roles are ours (system, user,
 # assistant).
 OLLAMA_CHAT_TEMPLATE = (
@@ -236,19 +239,17 @@ OLLAMA_CHAT_TEMPLATE = (
 )
 
 
-def modelfile_text(
-    gguf_name: str, ids: GgufSpecials, sample: SampleConfig, context: int, own: bool
-) -> str:
+def modelfile_text(gguf_name: str, ids: GgufSpecials, sample: SampleConfig, context: int) -> str:
     """An Ollama Modelfile for the .gguf beside it: the template, stop tokens, context and the
     run's sampling defaults (`ollama create NAME -f FILE.Modelfile`).
 
     minillm's own chat template is written in Go (OLLAMA_CHAT_TEMPLATE). A published model's
     Jinja template is not translated: the Modelfile names none, and `ollama create` takes the
     file's tokenizer.chat_template, which it matches to its own template of that family."""
-    if own:
-        template: str | None = OLLAMA_CHAT_TEMPLATE if ids.template else "{{ .Prompt }}"
-    else:
-        template = None if ids.template else "{{ .Prompt }}"
+    if ids.template is None:
+        template: str | None = "{{ .Prompt }}"
+    else:  # minillm's own, in Go; a published model's is Ollama's to match
+        template = OLLAMA_CHAT_TEMPLATE if ids.template == HF_CHAT_TEMPLATE else None
     lines = [
         "# Ollama: ollama create NAME -f THIS_FILE, then ollama run NAME (written by minillm)",
         f"FROM ./{gguf_name}",
@@ -345,7 +346,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         _add_rope_scaling(w, m)
         w.add_layer_norm_rms_eps(m.norm_eps)
         w.add_vocab_size(m.vocab_size)
-        # The tokenizer: byte-level BPE with the split named above, and minillm's special ids.
+        # The tokenizer: byte-level BPE with the split gguf_vocab recognised.
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(vocab.pre)
         w.add_token_list(vocab.tokens)
@@ -376,7 +377,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.write_tensors_to_file()
         w.close()
         fsync_file(staged.tmp)
-        text = modelfile_text(out.name, ids, cfg.sample, m.max_seq_len, own=ckpt.conventions.own)
+        text = modelfile_text(out.name, ids, cfg.sample, m.max_seq_len)
         modelfile = StagedFile.text(modelfile_path(out), text)
         check_gguf_target(out, force, ckpt.path, dtype)  # again: someone may have written since
         staged.commit()

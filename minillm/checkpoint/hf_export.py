@@ -1,24 +1,24 @@
 """Export a checkpoint as a Hugging Face Llama folder (our model -> an HF folder).
 
-Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs), `hf_tokenizer_config`,
-`generation_config`, and `check_export_target` / `check_not_over_source` (the checks every
-export's `--out` passes: this one's, peft's and GGUF's). Reading a folder back is
-minillm.checkpoint.hf_import; parameter names and the config mapping live in
-minillm/model/hf_names.py.
+Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs),
+`published_generation_config`, `sampling_config`, and `check_export_target` /
+`check_not_over_source` (the checks every export's `--out` passes: this one's, peft's and GGUF's).
+Reading a folder back is minillm.checkpoint.hf_import; parameter names and the config mapping live
+in minillm/model/hf_names.py.
 
 An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
-`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. With the chat tokens,
-tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids)
-and generation stops at `<|end|>` as well as at end-of-text. A published model's tokenizer (a
-fine-tune of its folder, or the folder itself; minillm.data.conventions) is exported as the model
-has it: its tokenizer.json and companion files (chat template, special tokens) copied as they
-are, its bos, eos (a list where it has one) and pad in config.json and generation_config.json
-(minillm.checkpoint.model_tokens), so that the folder's `apply_chat_template` and `generate`
-are the original's. The class is the family that
-computes the model (minillm.model.hf_names.hf_model_type): LlamaForCausalLM, Qwen3ForCausalLM
-(qk_norm), Qwen2ForCausalLM (attention_bias), MistralForCausalLM (sliding_window) or, with
-`model.n_experts`, MixtralForCausalLM.
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. The tokenizer's files
+are what its kind writes (minillm.tokenizer.conventions' `write_hf_files`). With the chat tokens,
+tokenizer_config.json carries minillm's chat template (`apply_chat_template` gives the same ids) and
+generation stops at `<|end|>` as well as at end-of-text. A published model's tokenizer (a fine-tune
+of its folder, or the folder itself; minillm.tokenizer.conventions) is exported as the model has it:
+its tokenizer.json and companion files (chat template, special tokens) copied as they are, its bos,
+eos (a list where it has one) and pad in config.json and generation_config.json
+(minillm.checkpoint.model_tokens), so that the folder's `apply_chat_template` and `generate` are the
+original's. The class is the family that computes the model (minillm.model.hf_names.hf_model_type):
+LlamaForCausalLM, Qwen3ForCausalLM (qk_norm), Qwen2ForCausalLM (attention_bias), MistralForCausalLM
+(sliding_window) or, with `model.n_experts`, MixtralForCausalLM.
 """
 
 from __future__ import annotations
@@ -33,67 +33,13 @@ from minillm.checkpoint.layout import (
     HF_CONFIG_FILE,
     HF_GENERATION_FILE,
     HF_WEIGHTS_FILE,
-    TOKENIZER_FILE,
 )
-from minillm.checkpoint.model_tokens import ModelTokens, model_tokens
+from minillm.checkpoint.model_tokens import model_tokens
 from minillm.config import SampleConfig
-from minillm.data.jinja_chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from minillm.errors import UserError
 from minillm.model.hf_names import hf_config_dict, to_hf_state_dict
 from minillm.runtime.files import commit_dir, save_safetensors
-
-
-def hf_tokenizer_config(
-    eot: str, eot_id: int, max_len: int, specials: dict[str, int] | None = None
-) -> dict[str, Any]:
-    """tokenizer_config.json for PreTrainedTokenizerFast: end-of-text is bos, eos and pad.
-
-    specials: every special token -> id (default: end-of-text alone). With the chat tokens among
-    them the config carries the chat template, so `apply_chat_template` gives minillm's ids.
-    """
-    from minillm.data.chat_template import END, HF_CHAT_TEMPLATE
-
-    specials = specials or {eot: eot_id}
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": eot,
-        "eos_token": eot,
-        "pad_token": eot,
-        "unk_token": None,
-        # Our tokenizer adds no special tokens and decodes byte-exactly; keep HF from "cleaning".
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        "padding_side": "left",
-        "added_tokens_decoder": {
-            str(i): {
-                "content": name,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for name, i in sorted(specials.items(), key=lambda kv: kv[1])
-        },
-    }
-    if END in specials:
-        config["chat_template"] = HF_CHAT_TEMPLATE
-    return config
-
-
-def generation_config(
-    sample: SampleConfig, eot_id: int, end_id: int | None = None
-) -> dict[str, Any]:
-    """generation_config.json: the run's `sample` defaults, stopping at end-of-text (and at
-    `<|end|>`, the end of a chat turn, when the tokenizer has it)."""
-    return {
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id if end_id is None else [eot_id, end_id],
-        "pad_token_id": eot_id,
-        **sampling_config(sample),
-    }
+from minillm.tokenizer.conventions import ModelTokens
 
 
 def sampling_config(sample: SampleConfig) -> dict[str, Any]:
@@ -183,14 +129,15 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
         tensors = to_hf_state_dict(state, cfg.model)
         save_safetensors(tensors, tmp / HF_WEIGHTS_FILE, metadata={"format": "pt"})
-        if ckpt.conventions.own:
-            files = _own_tokenizer_files(ckpt, tmp)
-            eos: int | list[int] | None = tokens.bos  # end-of-text, as ever
-        else:
-            files = _published_tokenizer_files(ckpt, tmp, tokens)
-            eos = tokens.eos[0] if len(tokens.eos) == 1 else (tokens.eos or None)
+        files = ckpt.conventions.write_hf_files(ckpt.tokenizer_path, tmp, cfg.model.max_seq_len)
+        files[HF_GENERATION_FILE] = published_generation_config(
+            tokens, cfg.sample, from_run=not ckpt.hf_folder
+        )
         files[HF_CONFIG_FILE] = hf_config_dict(
-            cfg.model, bos_id=tokens.bos, eos_id=eos, router_aux_loss_coef=cfg.train.moe_aux_loss
+            cfg.model,
+            bos_id=tokens.bos,
+            eos_id=tokens.config_eos,
+            router_aux_loss_coef=cfg.train.moe_aux_loss,
         )
         for name, obj in files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
@@ -200,50 +147,3 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _own_tokenizer_files(ckpt: Any, tmp: Path) -> dict[str, Any]:
-    """minillm's own tokenizer: tokenizer.json written into `tmp`; returns the JSON files that
-    give transformers its conventions (end-of-text as bos, eos and pad; the chat template)."""
-    from minillm.data.chat_template import END
-    from minillm.data.tokenizer import EOT, eot_id, special_tokens
-
-    tok = ckpt.tokenizer
-    eot = eot_id(tok)
-    specials = {name: tok.token_to_id(name) for name in special_tokens(tok)}
-    tok.save(str(tmp / TOKENIZER_FILE))
-    return {
-        "tokenizer_config.json": hf_tokenizer_config(
-            EOT, eot, ckpt.config.model.max_seq_len, specials
-        ),
-        "special_tokens_map.json": {"bos_token": EOT, "eos_token": EOT, "pad_token": EOT},
-        HF_GENERATION_FILE: generation_config(ckpt.config.sample, eot, specials.get(END)),
-    }
-
-
-def _published_tokenizer_files(ckpt: Any, tmp: Path, tokens: ModelTokens) -> dict[str, Any]:
-    """A published model's tokenizer: its own tokenizer.json and companion files (the chat
-    template, the special tokens, tokenizer_config.json) copied into `tmp` as they are, so
-    that AutoTokenizer loads the same tokenizer; returns the JSON files written here (its
-    generation_config.json, and a tokenizer_config.json where it had none)."""
-    from minillm.data.conventions import copy_companions
-
-    src = ckpt.tokenizer_path
-    if src is not None and src.is_file():
-        shutil.copyfile(src, tmp / TOKENIZER_FILE)
-        copy_companions(src.parent, tmp)  # its generation_config.json is rewritten below
-    else:
-        ckpt.tokenizer.save(str(tmp / TOKENIZER_FILE))
-    files: dict[str, Any] = {
-        HF_GENERATION_FILE: published_generation_config(
-            tokens, ckpt.config.sample, from_run=not ckpt.hf_folder
-        )
-    }
-    if not (tmp / TOKENIZER_CONFIG_FILE).is_file():  # what the conventions used, written down
-        conv = ckpt.conventions
-        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **conv.special}
-        config["model_max_length"] = ckpt.config.model.max_seq_len
-        if conv.template is not None and not (tmp / CHAT_TEMPLATE_FILE).is_file():
-            config["chat_template"] = conv.template
-        files[TOKENIZER_CONFIG_FILE] = config
-    return files

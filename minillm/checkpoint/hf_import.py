@@ -11,7 +11,7 @@ minillm/model/hf_names.py.
 A folder is read only where minillm computes what transformers would: one of those families
 with the options our model has (hf_names says which key is not: another rope_type, sliding
 windows in some layers, an MLP or output bias), and a byte-level BPE tokenizer (its special
-tokens, chat template and eos are the model's: minillm.data.conventions); anything else is
+tokens, chat template and eos are the model's: minillm.tokenizer.conventions); anything else is
 one CheckpointError or ConfigError naming the file and the key.
 """
 
@@ -37,6 +37,7 @@ from minillm.config import Config, DataConfig, ModelConfig, SampleConfig, TrainC
 from minillm.errors import CheckpointError, ConfigError, UserError
 from minillm.model.hf_names import from_hf_state_dict, model_config_from_hf
 from minillm.runtime.files import read_json_object
+from minillm.tokenizer.pieces import tokenizer_kind
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -176,33 +177,11 @@ def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.T
 EVAL_BATCH_TOKENS = 2048
 
 
-def _kinds(node: Any, children: str) -> list[str]:
-    """The types of a tokenizer.json component, a Sequence's parts in order (none: [])."""
-    if not isinstance(node, dict):
-        return []
-    if node.get("type") == "Sequence":
-        return [k for part in node.get(children) or [] for k in _kinds(part, children)]
-    return [str(node.get("type"))]
-
-
 def check_hf_tokenizer(tok: Tokenizer, path: Path) -> None:
-    """CheckpointError unless minillm applies `tok` as transformers does: a byte-level BPE (what
-    minillm trains; `serve` and the GGUF export read a token's bytes through GPT-2's byte
-    alphabet). Its special tokens, template and eos are the model's own
-    (minillm.data.conventions)."""
-    spec = json.loads(tok.to_str())
-    model = (spec.get("model") or {}).get("type")
-    if model != "BPE":
-        raise CheckpointError(
-            f"{path}: model: a {model} tokenizer; minillm applies only byte-level BPE ones"
-        )
-    for key, children in (("pre_tokenizer", "pretokenizers"), ("decoder", "decoders")):
-        kinds = _kinds(spec.get(key), children)
-        if "ByteLevel" not in kinds:
-            raise CheckpointError(
-                f"{path}: {key}: {' + '.join(kinds) or 'none'}, not ByteLevel: a BPE that is not "
-                "byte-level (sentencepiece style); minillm applies only byte-level BPE tokenizers"
-            )
+    """CheckpointError unless minillm applies `tok` as transformers does: a byte-level or a
+    sentencepiece-style (byte-fallback) BPE (minillm.tokenizer.pieces.tokenizer_kind). Its
+    special tokens, template and eos are the model's own (minillm.tokenizer.conventions)."""
+    tokenizer_kind(tok, str(path))
 
 
 def _sample_config(folder: Path, context: int) -> SampleConfig:
@@ -242,7 +221,7 @@ def read_hf_checkpoint(folder: str | Path) -> tuple[Config, dict[str, torch.Tens
     `sample` defaults of generation_config.json; train.seq_len its whole context, so `eval`
     scores windows as long as the model reads; data.out_dir the folder, which holds no shards),
     the float32 state_dict and the tokenizer, each checked before the weights are read."""
-    from minillm.data.tokenizer import load_tokenizer
+    from minillm.tokenizer.bpe import load_tokenizer
 
     folder = Path(folder)
     model = hf_model_config(folder)

@@ -40,8 +40,8 @@ from minillm.config import (
     override_keys,
     read_raw_config,
 )
-from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from minillm.errors import ConfigError, UserError, warn
+from minillm.tokenizer.bpe import load_tokenizer, tokenizer_sha256
 
 
 @dataclass(frozen=True)

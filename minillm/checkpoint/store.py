@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from minillm.config import Config
-    from minillm.data.conventions import Conventions
+    from minillm.tokenizer.conventions import Conventions
 
 
 def save_checkpoint(
@@ -95,7 +95,7 @@ def save_checkpoint(
         torch.save(trainer_state, tmp / TRAINER_FILE)
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-            from minillm.data.conventions import copy_companions
+            from minillm.tokenizer.conventions import copy_companions
 
             # A published model's chat template, special tokens and eos ids travel with it.
             copy_companions(Path(tokenizer_file).parent, tmp)
@@ -229,7 +229,7 @@ class LoadedCheckpoint:
     tokenizer: Tokenizer
     state: dict[str, Any]
     # How the tokenizer is used: minillm's own conventions or the published model's
-    # (minillm.data.conventions): prompts, the chat template, stop tokens.
+    # (minillm.tokenizer.conventions): prompts, the chat template, stop tokens.
     conventions: Conventions
     hf_folder: bool = False  # a Hugging Face folder: no run, no validation shards, no state.json
     # A LoRA run's adapters as trained (`model` holds them merged into the base): for
@@ -253,9 +253,9 @@ def load_checkpoint(
     compute as transformers does (another architecture, RoPE scaling, another tokenizer kind).
     """
     from minillm.config import config_from_dict, config_to_dict
-    from minillm.data.conventions import Conventions
-    from minillm.data.tokenizer import load_tokenizer
     from minillm.errors import ConfigError
+    from minillm.tokenizer.bpe import load_tokenizer
+    from minillm.tokenizer.conventions import Conventions
 
     if is_hf_folder(path):
         from minillm.checkpoint.hf_import import read_hf_checkpoint

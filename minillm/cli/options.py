@@ -197,15 +197,15 @@ def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:
             "pass --data FILE (text or a dataset file) or --task FILE"
         )
     if command == "chat":
-        from minillm.data.conventions import Conventions
-        from minillm.data.tokenizer import load_tokenizer
+        from minillm.tokenizer.bpe import load_tokenizer
+        from minillm.tokenizer.conventions import Conventions
 
         try:
             tok = load_tokenizer(folder / "tokenizer.json")
         except UserError:  # missing or unreadable: the load says so, naming the file
             return
         conv = Conventions.of(tok, folder)
-        if conv.own and not conv.has_chat:  # not minillm's run: retraining is no advice
+        if conv.kind == "own" and not conv.has_chat:  # not a run: retraining is no advice
             raise UserError(
                 f"{folder / 'tokenizer.json'}: no <|system|>, <|user|>, <|assistant|>, <|end|> "
                 "and no chat template: `minillm chat` has no template to talk in; "

@@ -312,7 +312,7 @@ class DataConfig(Section):
             self._fail("source", "must not be empty")
         if not 0.0 < self.val_fraction < 1.0:
             self._fail("val_fraction", f"must be in (0, 1), got {self.val_fraction}")
-        # 256 byte tokens, end-of-text and the 4 chat tokens (minillm.data.tokenizer.MIN_VOCAB).
+        # 256 byte tokens, end-of-text and the 4 chat tokens (minillm.tokenizer.bpe.MIN_VOCAB).
         if self.vocab_size < 261:
             self._fail(
                 "vocab_size",

@@ -2,8 +2,8 @@
 
 Modules: `sources` (resolving `data.source` to files or a hub dataset, loaded or streamed through
 `datasets`), `corpus` (their documents, a prefix of them, and the split; `table` for rows),
-`text` (splitting text into pieces), `tokenizer` (the byte-level BPE and its special tokens),
-`tokenizer_train` (training it on a corpus or a sample of it), `chat_template` (the chat template),
+`text` (splitting text into pieces; the tokenizer itself is minillm.tokenizer),
+`tokenizer_train` (training one on a corpus or a sample of it),
 `tokenize_pass` (the pass that `minillm tokenize` runs, with `encode_batches` for batching text
 and conversations, `encode_pool` for encoding on a thread or in worker processes, `shard_writer`
 for numbered shard files, `shard_staging` for checkpoints and resume, `summary` for its table),

@@ -10,7 +10,7 @@ split="train")`, which converts them once to memory-mapped arrow, and read in ba
 with `data.streaming` they (and hub datasets) are read as an `IterableDataset` instead, nothing
 converted, the same rows in the same order. Each row's `data.text_field` is one document and empty
 rows are skipped. A column of chat messages (`[{"role": ..., "content": ...}, ...]`) makes every
-row one conversation (`Document.messages`, checked by minillm.data.chat_template, which also
+row one conversation (`Document.messages`, checked by minillm.tokenizer.chat_template, which also
 holds the template).
 
 Prefix. `data.max_documents` keeps the first rows (files) as read, empty ones included;
@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from minillm.config import DataConfig
-from minillm.data.chat_template import content_bytes
 from minillm.data.text import first_invalid_byte, read_text_blocks, split_pieces
 from minillm.errors import ConfigError
+from minillm.tokenizer.chat_template import content_bytes
 
 
 def corpus_error(file: str | Path | None, key: str, message: str) -> ConfigError:

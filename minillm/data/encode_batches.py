@@ -1,9 +1,9 @@
 """Documents collected into batches for the encoder: plain text, or chat conversations.
 
 Offers `TextBatches` (one split's text pieces), `ChatBatches` (one split's conversations, for the
-chat template of minillm.data.chat_template) and `BATCH_CHARS`. minillm.data.tokenize_pass keeps
-one of them per split and submits each full batch to minillm.data.encode_pool, which encodes it on a
-thread or in worker processes and hands the ids back in order with the batch's tag.
+chat template of minillm.tokenizer.chat_template) and `BATCH_CHARS`. minillm.data.tokenize_pass
+keeps one of them per split and submits each full batch to minillm.data.encode_pool, which encodes
+it on a thread or in worker processes and hands the ids back in order with the batch's tag.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from minillm.data.text import split_pieces
 from minillm.errors import warn
 
 if TYPE_CHECKING:
-    from minillm.data.conventions import Conventions
+    from minillm.tokenizer.conventions import Conventions
 
 BATCH_CHARS = 1 << 20  # text per encode batch: enough pieces for every core, ~30 MB of ids
 

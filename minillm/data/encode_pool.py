@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import multiprocessing
 import os
 import signal
@@ -33,42 +32,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minillm.data.chat_template import assistant_bytes, content_bytes
 from minillm.errors import UserError
+from minillm.tokenizer.chat_template import assistant_bytes, content_bytes
 
 if TYPE_CHECKING:
-    from minillm.data.conventions import Conventions
-
-
-def default_num_proc(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The CPUs this process may use: its affinity, at most its container's CPU quota (a pod
-    limited to 4 CPUs on a 128-core node sees 128 in its affinity; 128 workers would not fit)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        cpus = os.cpu_count() or 1
-    quota = _cgroup_quota(cgroup)
-    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
-
-
-def _cgroup_quota(root: Path) -> float | None:
-    """CPUs allowed by the cgroup's CPU quota (v2 cpu.max, v1 cfs quota/period); None: none."""
-    try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 and period > 0 else None
-    except (OSError, ValueError):
-        return None
+    from minillm.tokenizer.conventions import Conventions
 
 
 @dataclass
@@ -85,15 +57,15 @@ class Encoded:
 def encode_text(
     conv: Conventions, pieces: list[str], ends: list[bool], eot: int, dtype: str
 ) -> Encoded:
-    """The ids of `pieces`, with the EOT id after each piece that ends a document. A published
-    model's documents come whole (one piece each) and encode as `tokenizer(text)`, its BOS
-    included; the EOT (its doc_end) follows unless its post-processor wrote it already."""
+    """The ids of `pieces` (`conv.texts_ids`), with the EOT id after each piece that ends a
+    document. A published model's documents come whole (one piece each) and encode as
+    `tokenizer(text)`, its BOS included; the EOT (its doc_end) follows unless its
+    post-processor wrote it already."""
     start = time.perf_counter()
-    encodings = conv.tok.encode_batch_fast(pieces, add_special_tokens=not conv.own)
     tail = (eot,)
     ids = itertools.chain.from_iterable(
-        itertools.chain(enc.ids, tail) if end and enc.ids[-1:] != [eot] else enc.ids
-        for enc, end in zip(encodings, ends)
+        itertools.chain(text, tail) if end and text[-1:] != [eot] else text
+        for text, end in zip(conv.texts_ids(pieces), ends)
     )
     array = np.fromiter(ids, dtype=np.dtype(dtype))  # no list of all ids
     return Encoded(array, seconds=time.perf_counter() - start)

@@ -26,7 +26,6 @@ from typing import Any
 
 from minillm.config import DataConfig
 from minillm.data.arrow_text import Undecodable, decoded, pylist
-from minillm.data.chat_template import check_messages, content_bytes
 from minillm.data.corpus import (
     Corpus,
     Document,
@@ -39,6 +38,7 @@ from minillm.data.corpus import (
 )
 from minillm.data.text import NOT_UTF8
 from minillm.errors import ConfigError, warn
+from minillm.tokenizer.chat_template import check_messages, content_bytes
 
 ROWS_PER_BATCH = 512  # rows fetched from arrow at a time
 

@@ -35,27 +35,28 @@ from typing import TYPE_CHECKING, Any
 
 from minillm.config import Config
 from minillm.data import shard_staging as staging_mod
-from minillm.data.chat_template import resolve_loss_on
-from minillm.data.conventions import Conventions
 from minillm.data.corpus import Corpus, prefix_keys
 from minillm.data.encode_batches import ChatBatches, TextBatches
-from minillm.data.encode_pool import Encoded, EncodePool, default_num_proc
+from minillm.data.encode_pool import Encoded, EncodePool
 from minillm.data.meta import MASK_SUFFIX, SPLITS, shard_dtype
 from minillm.data.shard_staging import Staging, commit, make_meta, pass_inputs, resume_writers
 from minillm.data.shard_writer import ShardWriter
 from minillm.data.sources import open_corpus
 from minillm.data.summary import pass_splits
-from minillm.data.tokenizer import (
+from minillm.data.tokenizer_train import train_on_corpus
+from minillm.errors import ConfigError, UserError, warn
+from minillm.runtime.cpus import default_num_proc
+from minillm.runtime.files import atomic_write_text, ensure_writable_dir, removing_new_dirs
+from minillm.runtime.progress import Progress
+from minillm.tokenizer.bpe import (
     check_not_a_models_tokenizer,
     check_tokenizer,
     check_vocab_size,
     load_tokenizer,
     tokenizer_sha256,
 )
-from minillm.data.tokenizer_train import train_on_corpus
-from minillm.errors import ConfigError, UserError, warn
-from minillm.runtime.files import atomic_write_text, ensure_writable_dir, removing_new_dirs
-from minillm.runtime.progress import Progress
+from minillm.tokenizer.chat_template import resolve_loss_on
+from minillm.tokenizer.conventions import Conventions
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -347,7 +348,7 @@ def _encode(
         batches: dict[str, TextBatches | ChatBatches] = {
             s: ChatBatches(conv, s, pool, eot, dtype, masks is not None)
             if chat
-            else TextBatches(s, pool, eot, dtype, corpus.unit == "bytes", not conv.own)
+            else TextBatches(s, pool, eot, dtype, corpus.unit == "bytes", not conv.cuttable)
             for s in SPLITS
         }
         since = 0  # text since the last checkpoint

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from minillm.config import DataConfig
 from minillm.data.corpus import Corpus
 from minillm.data.text import split_pieces
-from minillm.data.tokenizer import train_tokenizer
 from minillm.errors import ConfigError
 from minillm.runtime.progress import Progress
+from minillm.tokenizer.bpe import train_tokenizer
 
 if TYPE_CHECKING:
     from rich.console import Console

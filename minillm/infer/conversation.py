@@ -1,5 +1,5 @@
 """`minillm chat`: a conversation with a chat-tuned checkpoint, in its chat template (minillm's
-own, or a published model's: minillm.data.conventions).
+own, or a published model's: minillm.tokenizer.conventions).
 
 Offers `Conversation` (the history and one reply at a time), `warn_if_text_model` and
 `chat_checkpoint`, what the command runs: one reply to `--message`, an interactive conversation
@@ -71,7 +71,8 @@ class Conversation:
         if params.seed is None and params.temperature > 0:
             params = dataclasses.replace(params, seed=fresh_seed())
             print(f"seed {params.seed} (pass --seed to repeat these replies)", file=err)
-        self.params = dataclasses.replace(params, stop_ids=self.conv.stop_ids)
+        # A reply's text is decoded on its own (`tokenizer.decode(reply)`), streamed or not.
+        self.params = dataclasses.replace(params, stop_ids=self.conv.stop_ids, text_alone=True)
         self.engine = Engine(ckpt.model, self.tok)
         self.system = system
         self.turns = 0

@@ -61,6 +61,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     logprobs: int | None = None  # report each new token's log-probability and top alternatives
     prompt_logprobs: int | None = None  # also each prompt token's (echo), from the prefill
+    # The generated text decoded on its own, as `tokenizer.decode(reply)` (a chat reply), not as
+    # the prompt's continuation (a sentencepiece reply's first space: minillm.infer.text_stream).
+    text_alone: bool = False
 
     @classmethod
     def greedy(cls, max_new_tokens: int, **settings: Any) -> SamplingParams:
@@ -106,7 +109,8 @@ class Row:
         if params.temperature:  # uniforms on the CPU: a seed gives the same text on any device
             seed = fresh_seed() if params.seed is None else row_seed(params.seed, k)
             self.generator = torch.Generator().manual_seed(seed)
-        self.text = StopText(tokenizer, params.stop) if tokenizer is not None else None
+        context = () if params.text_alone else prompt
+        self.text = StopText(tokenizer, params.stop, context) if tokenizer is not None else None
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.cancelled = False
         self.cached = 0  # tokens of this row's window in the KV cache

@@ -37,7 +37,7 @@ from minillm.runtime.progress import Progress
 if TYPE_CHECKING:
     from minillm.checkpoint.store import LoadedCheckpoint
     from minillm.config import ModelConfig
-    from minillm.data.conventions import Conventions
+    from minillm.tokenizer.conventions import Conventions
 
 LN2 = math.log(2.0)
 JSON_KEYS = ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
@@ -201,7 +201,7 @@ def _table_tokens(
         flag = {"data.text_field": "--text-field"}.get(e.key, "--data")
         raise UserError(f"{e.file or path}: {flag}: {e.message}") from None
     assert isinstance(corpus, TableCorpus)
-    conv = ckpt.conventions  # as in the shards (minillm.data.conventions)
+    conv = ckpt.conventions  # as in the shards (minillm.tokenizer.conventions)
     eot = conv.doc_end
     ids: list[int] = []
     n_bytes = 0
@@ -228,7 +228,7 @@ def _file_tokens(path: Path, conv: Conventions, max_tokens: int | None) -> tuple
 def _val_tokens(ckpt: LoadedCheckpoint, max_tokens: int | None) -> tuple[np.ndarray, float, str]:
     """The run's validation shard, its bytes (scaled to the share used) and a note saying so."""
     from minillm.data.meta import load_meta, open_split
-    from minillm.data.tokenizer import tokenizer_sha256
+    from minillm.tokenizer.bpe import tokenizer_sha256
 
     out_dir = Path(ckpt.config.data.out_dir)
     if not (out_dir / "meta.json").is_file():

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from minillm.data.batches import conversation_batches
-from minillm.data.chat_template import assistant_bytes, check_messages
 from minillm.errors import UserError
+from minillm.tokenizer.chat_template import assistant_bytes, check_messages
 
 if TYPE_CHECKING:
     from minillm.checkpoint.store import LoadedCheckpoint

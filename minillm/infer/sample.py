@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 from minillm.errors import UserError
 from minillm.infer.engine import Engine, Event, Row, SamplingParams
 from minillm.infer.sampling import fresh_seed
+from minillm.infer.text_stream import continuation
 
 if TYPE_CHECKING:
-    from minillm.data.conventions import Conventions
+    from minillm.tokenizer.conventions import Conventions
 
 
 def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[str]:
@@ -41,7 +42,7 @@ def read_prompts(prompts: list[str] | None, prompt_file: Path | None) -> list[st
 
 def encode_prompts(conv: Conventions, texts: list[str], context: int) -> list[list[int]]:
     """Token ids of each prompt as the start of a document (minillm's own: after end-of-text;
-    a published model's: `tokenizer(text)`, its BOS included: minillm.data.conventions).
+    a published model's: `tokenizer(text)`, its BOS included: minillm.tokenizer.conventions).
 
     No texts means one prompt of just the document's start. A prompt that fills the context is
     refused.
@@ -113,7 +114,7 @@ def sample_checkpoint(
             out.flush()
 
     engine.run(show)
-    results = [tok.decode(row.tokens) for row in rows]
+    results = [continuation(tok, row.prompt, row.tokens) for row in rows]
     if stream:
         out.write("\n")
     else:

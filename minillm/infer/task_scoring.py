@@ -4,7 +4,7 @@ Offers `choice_ids`, `encode_multiple_choice`, `score_continuations`, `pick`,
 `multiple_choice_metrics`, `score_multiple_choice`; `extract_number`, `answer_matches`,
 `score_exact_match`; `evaluate_tasks` (what `minillm eval --task` runs), `eval_report`,
 `format_tasks` and `format_details`. Task files are read by `minillm.infer.task_format`, an
-exact-match prompt is the model's chat template (minillm.data.conventions).
+exact-match prompt is the model's chat template (minillm.tokenizer.conventions).
 
 The multiple-choice contract (docs/design.md, "Task files"), so that other tools reproduce the
 numbers: a choice's ids are encode(context) + encode(ending), each encoded alone without special
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from minillm.checkpoint.store import LoadedCheckpoint
-    from minillm.data.conventions import Conventions
+    from minillm.tokenizer.conventions import Conventions
 
 # A choice: its token ids and how many of the last ones are the ending's (the scored tokens).
 Choice = tuple[list[int], int]
@@ -65,7 +65,7 @@ def choice_ids(tokenizer: Tokenizer, context: str, ending: str, max_len: int) ->
 def encode_multiple_choice(tokenizer: Tokenizer, task: Task, max_len: int) -> list[list[Choice]]:
     """Every example's choices, encoded once (the trainer reuses them at each evaluation).
     Special tokens written in a task's text are text for minillm's own tokenizers and tokens
-    for a published model's (as its conventions set `tokenizer`: minillm.data.conventions)."""
+    for a published model's (as its conventions set `tokenizer`: minillm.tokenizer.conventions)."""
     encoded = []
     for ex in task.examples:
         choices = []

@@ -1,26 +1,40 @@
 """Text from a stream of token ids, one piece at a time, for printing and for serving.
 
-Offers `TextStreamer` (pieces that never split a UTF-8 character) and `StopText` (the same,
-cut at the first stop string). Byte-level BPE can split one character over several tokens;
-decoding each token alone would print replacement characters.
+Offers `TextStreamer` (pieces that never split a UTF-8 character), `StopText` (the same,
+cut at the first stop string) and `continuation` (a reply's whole text). Byte-level BPE and
+sentencepiece's byte fallback can split one character over several tokens; decoding each token
+alone would print replacement characters. A sentencepiece decoder drops the space before the
+first word of what it decodes (the "▁" its pre-tokenizer put there), so a reply is decoded after
+the last tokens of its prompt (`CONTEXT`), never alone: " was" after "The king" keeps its space.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+CONTEXT = 4  # prompt tokens a reply is decoded after (vLLM's detokenizer takes 5)
+
+
+def continuation(tokenizer: Any, context: Sequence[int], tokens: Sequence[int]) -> str:
+    """The text `tokens` add after `context` (a prompt's ids; its last CONTEXT count)."""
+    head = list(context[-CONTEXT:]) if CONTEXT else []
+    return tokenizer.decode([*head, *tokens])[len(tokenizer.decode(head)) :]
 
 
 class TextStreamer:
     """Turns a stream of token ids into text pieces, holding back incomplete UTF-8 characters.
 
-    Like vLLM, only a short window of recent tokens is decoded per token.
+    Like vLLM, only a short window of recent tokens is decoded per token, starting after the
+    last tokens of `context` (the prompt), whose text is not printed.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0  # ids[prefix:read] were printed and end on a character boundary
-        self.read = 0
+        self.ids: list[int] = list(context[-CONTEXT:]) if CONTEXT else []
+        # ids[prefix:read] were printed (or are the context) and end on a character boundary
+        self.prefix = 0
+        self.read = len(self.ids)
 
     def push(self, token: int) -> str:
         """Add one token; return the text it completes (maybe empty)."""
@@ -47,8 +61,10 @@ class StopText:
     a stop string split over several tokens is never half released.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
-        self.streamer = TextStreamer(tokenizer)
+    def __init__(
+        self, tokenizer: Any, stop: tuple[str, ...] = (), context: Sequence[int] = ()
+    ) -> None:
+        self.streamer = TextStreamer(tokenizer, context)
         self.stop = stop
         self.text = ""  # everything decoded so far
         self.sent = 0  # text[:sent] was released

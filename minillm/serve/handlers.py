@@ -18,13 +18,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minillm.data.tokenizer import special_tokens
 from minillm.errors import UserError
 from minillm.infer.engine import Event
 from minillm.serve import protocol as P
 from minillm.serve import responses as R
 from minillm.serve.tokens import TokenText
 from minillm.serve.worker import EngineThread, QueueFull, Ticket
+from minillm.tokenizer.bpe import special_tokens
 
 
 class Handler:
@@ -50,7 +50,7 @@ class Handler:
             defaults=cfg.sample,
             lead=len(self.conv.prompt_ids("")),
         )
-        self.text = TokenText(self.tok)
+        self.text = TokenText(self.conv)
         self.created = R.now()
         self._lock = threading.Lock()
         self._outbox: list[tuple[asyncio.Queue, Event]] = []

@@ -320,6 +320,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, encode: Any) -> Job:
     stream, include_usage = _stream(body)
     prompt = encode(messages)
     sampling = _fit(sampling, explicit, [prompt], limits, "messages")
+    sampling = dataclasses.replace(sampling, text_alone=True)  # a reply, as `minillm chat`
     return Job("chat", [prompt], sampling, n=n, stream=stream, include_usage=include_usage)
 
 

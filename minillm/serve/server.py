@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from minillm.data.encode_pool import default_num_proc
 from minillm.errors import UserError
+from minillm.runtime.cpus import default_num_proc
 from minillm.serve.app import create_app
 
 

@@ -2,8 +2,9 @@
 
 Offers `TokenText`: `chat_logprobs(infos)` (a chat choice's `logprobs.content`) and
 `completion_logprobs(infos, text_start)` (the legacy `{tokens, token_logprobs, top_logprobs,
-text_offset}`). A byte-level BPE token can hold part of a UTF-8 character, so a token's bytes
-come from the tokenizer's byte alphabet (GPT-2's bytes_to_unicode), not from decoding it alone;
+text_offset}`). A token can hold part of a UTF-8 character (a byte-level BPE's piece, a
+sentencepiece byte-fallback token `<0xE4>`), so a token's bytes are what its tokenizer's kind
+spells (the conventions' `token_bytes`, minillm.tokenizer.pieces), not a decoding of it alone;
 its text is those bytes decoded with replacement characters, as OpenAI shows such tokens.
 """
 
@@ -12,30 +13,21 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from minillm.data.tokenizer import byte_alphabet
 from minillm.infer.engine import TokenLogprob
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable-character alphabet of the 256 bytes, inverted."""
-    return {char: b for b, char in enumerate(byte_alphabet())}
-
-
 class TokenText:
-    """Bytes and text of token ids for one tokenizer (special tokens: their name, no bytes)."""
+    """Bytes and text of token ids for one tokenizer, given its conventions (special tokens:
+    their name, no bytes)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tok = tokenizer
-        self.special = {int(i): t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+    def __init__(self, conv: Any) -> None:
+        self.conv = conv
+        added = conv.tok.get_added_tokens_decoder()
+        self.special = {int(i): t.content for i, t in added.items()}
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 (one TokenText per server)
     def token_bytes(self, token: int) -> bytes:
-        if token in self.special:
-            return b""
-        decoder = _byte_decoder()
-        piece = self.tok.id_to_token(token) or ""
-        return bytes(decoder[c] for c in piece if c in decoder)
+        return b"" if token in self.special else self.conv.token_bytes(token)
 
     def token_str(self, token: int) -> str:
         if token in self.special:

@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 
 from minillm.config import Config
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import load_tokenizer
 from minillm.errors import UserError, warn
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.sample import encode_prompts
@@ -32,6 +30,8 @@ from minillm.infer.task_scoring import (
     score_exact_match,
     score_multiple_choice,
 )
+from minillm.tokenizer.bpe import load_tokenizer
+from minillm.tokenizer.conventions import Conventions
 from minillm.train.monitor import Monitor
 
 

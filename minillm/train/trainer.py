@@ -29,7 +29,6 @@ import torch
 
 from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
-from minillm.data.conventions import copy_companions
 from minillm.errors import UserError, warn
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
@@ -38,6 +37,7 @@ from minillm.model.transformer import dropout_off
 from minillm.runtime.device import StopSignal, autocast_context, make_grad_scaler, seed_everything
 from minillm.runtime.files import atomic_write_text, copy_if_changed
 from minillm.runtime.progress import format_duration
+from minillm.tokenizer.conventions import copy_companions
 from minillm.train.diagnostics import activation_rms, block_snapshot, update_ratios
 from minillm.train.distributed import all_reduce_sum, barrier
 from minillm.train.ema import WeightEMA

@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from minillm.config import Config
-from minillm.data.conventions import Conventions
-from minillm.data.tokenizer import load_tokenizer, tokenizer_sha256
 from minillm.errors import UserError
 from minillm.model import Transformer
 from minillm.model.lora import adapters_off
+from minillm.tokenizer.bpe import load_tokenizer, tokenizer_sha256
+from minillm.tokenizer.conventions import Conventions
 from minillm.train.distributed import DistInfo
 
 if TYPE_CHECKING:

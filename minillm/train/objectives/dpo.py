@@ -9,7 +9,7 @@ Data (`data.source`, jsonl), one pair a line, in TRL's formats:
   reply an assistant turn;
 - conversational: `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`, or
   without `prompt` (TRL's implicit prompt: the messages both replies start with).
-Each side is rendered with the chat template of SFT (minillm.data.chat_template), and its
+Each side is rendered with the chat template of SFT (minillm.tokenizer.chat_template), and its
 log-probability is the sum over the reply's assistant tokens and their `<|end|>`: the loss is on
 the response only. The reference log-probabilities are computed on the fly, in the same step, by
 the reference model (`objectives.Reference`: with LoRA, the policy with its adapters off), not
@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from minillm.data.chat_template import ROLES
 from minillm.data.corpus import val_mask
 from minillm.errors import ConfigError, UserError
 from minillm.model import Transformer
 from minillm.runtime.device import sum_dtype
 from minillm.runtime.files import user_jsonl
+from minillm.tokenizer.chat_template import ROLES
 from minillm.train.objectives.common import (
     MeanMeter,
     MicroLoss,
@@ -48,7 +48,7 @@ from minillm.train.objectives.common import (
 )
 
 if TYPE_CHECKING:
-    from minillm.data.conventions import Conventions
+    from minillm.tokenizer.conventions import Conventions
 
 Messages = list[dict[str, str]]
 
@@ -146,7 +146,7 @@ def read_pairs(path: str | Path) -> list[Pair]:
 
 def encode_pair(conv: Conventions, pair: Pair) -> EncodedPair:
     """Each side as prompt + reply through the model's chat template; targets: the reply's
-    assistant turns and the end-of-turn token after each (minillm.data.conventions)."""
+    assistant turns and the end-of-turn token after each (minillm.tokenizer.conventions)."""
     sides = []
     for reply in (pair.chosen, pair.rejected):
         ids, mask = conv.reply_targets(pair.prompt, reply)

@@ -10,13 +10,13 @@ byte is in the base alphabet, and merges are learned on top. So any string, what
 emoji or whitespace, encodes without an unknown token and decodes back byte for byte.
 
 `EOT` (`<|endoftext|>`) separates documents in the token shards; the chat tokens `<|system|>`,
-`<|user|>`, `<|assistant|>` and `<|end|>` (end of a turn, minillm.data.chat_template) are reserved
-by every tokenizer trained here, so a pretraining run's tokenizer can be fine-tuned on chat as it
-is. Special tokens are only ever inserted by id. Tokenizers returned here encode their literal text
-(`<|endoftext|>`, `<|user|>`, ...) as ordinary text (`encode_special_tokens = True`), so a
-document that quotes one cannot fake a boundary or a turn and still round-trips. (That flag is
-not stored in tokenizer.json.) Tokenizers from before the chat tokens (only `<|endoftext|>`)
-still load; chat data and `minillm chat` refuse them.
+`<|user|>`, `<|assistant|>` and `<|end|>` (end of a turn, minillm.tokenizer.chat_template) are
+reserved by every tokenizer trained here, so a pretraining run's tokenizer can be fine-tuned on chat
+as it is. Special tokens are only ever inserted by id. Tokenizers returned here encode their literal
+text (`<|endoftext|>`, `<|user|>`, ...) as ordinary text (`encode_special_tokens = True`), so a
+document that quotes one cannot fake a boundary or a turn and still round-trips. (That flag is not
+stored in tokenizer.json.) Tokenizers from before the chat tokens (only `<|endoftext|>`) still load;
+chat data and `minillm chat` refuse them.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _owner(tok_path: Path) -> str:
 def is_published(tok_path: Path) -> bool:
     """Whether `tok_path` is a published model's tokenizer: a Hugging Face model's (weights
     beside it) or one with its tokenizer_config.json (a chat template, bos and eos of its own),
-    used as transformers uses it (minillm.data.conventions)."""
+    used as transformers uses it (minillm.tokenizer.conventions)."""
     folder = tok_path.parent
     return (folder / "tokenizer_config.json").is_file() or _owner(tok_path) == (
         "the Hugging Face model"

@@ -5,7 +5,7 @@ Offers `ROLES`, `check_messages` (a bad row is one error line naming file, row a
 `encode_conversation` (ids + target mask), `HF_CHAT_TEMPLATE` (the same template in Jinja, for an
 exported tokenizer_config.json), `assistant_bytes`, `content_bytes` and `resolve_loss_on`
 (`data.loss_on`, auto resolved against the data). Commands reach it through
-minillm.data.conventions, which applies a published model's own template instead where the
+minillm.tokenizer.conventions, which applies a published model's own template instead where the
 tokenizer is a published model's.
 
 A conversation is, per message, `<|role|>` + content + `<|end|>`; a generation prompt is
@@ -94,7 +94,7 @@ def chat_ids(tok: Tokenizer, where: str = "") -> dict[str, int]:
 
 def _content_ids(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     # Quoted special tokens in a content are text (the caller's tokenizer has
-    # encode_special_tokens set; minillm.data.tokenizer.load_tokenizer does that).
+    # encode_special_tokens set; minillm.tokenizer.bpe.load_tokenizer does that).
     return [e.ids for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
 
