@@ -27,7 +27,8 @@ def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
     their gradient in fp32. With activation checkpointing only each block's input (fp32, the
     residual stream) is kept, and one block's activations live at a time during the recompute.
     A mixture of experts keeps 4 F for each of the k experts a token goes through and its k
-    gathered inputs and weighted outputs (3 k C). An estimate, good to about 20%.
+    gathered inputs and weighted outputs (3 k C), and 4 S for a shared expert of width S (its
+    dense blocks, model.moe_dense_layers, counted as MoE blocks). An estimate, good to about 20%.
     """
     m, t = cfg.model, cfg.train
     act = 2 if half else 4
@@ -35,6 +36,7 @@ def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
     if m.n_experts:
         k = m.n_experts_per_token
         per_token_layer += 4 * (k * m.moe_ffn_hidden - m.ffn_hidden) + 3 * k * m.d_model
+        per_token_layer += 4 * m.moe_shared_ffn_hidden
     blocks = (m.n_layer * 4 * m.d_model + per_token_layer * act) if checkpointing else (
         m.n_layer * per_token_layer * act
     )  # fmt: skip
@@ -92,6 +94,8 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "n_experts": m.n_experts,
         "n_experts_per_token": m.n_experts_per_token if m.n_experts else 0,
         "moe_ffn_hidden": m.moe_ffn_hidden,
+        "moe_shared_ffn_hidden": m.moe_shared_ffn_hidden,
+        "moe_dense_layers": list(m.moe_dense_layers),
         # train.lora: the adapters train, the base (and every other parameter) is frozen
         "params_trainable": trainable,
         "params_frozen": frozen,
@@ -155,7 +159,13 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
         shape = shape.replace(
             f"ffn {info['ffn_hidden']}",
             f"{info['n_experts']} experts of ffn {info['moe_ffn_hidden']}, "
-            f"top-{info['n_experts_per_token']}",
+            f"top-{info['n_experts_per_token']}"
+            + (f", a shared expert of ffn {s}" if (s := info["moe_shared_ffn_hidden"]) else "")
+            + (
+                f", dense blocks {d} of ffn {info['ffn_hidden']}"
+                if (d := info["moe_dense_layers"])
+                else ""
+            ),
         )
     table.add_row("shape", shape)
     flops = "FLOPs per token (train" + (", active parameters)" if info["n_experts"] else ")")

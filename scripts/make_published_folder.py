@@ -3,17 +3,21 @@ here (nothing can be downloaded in tests, CI or the demos).
 
     python scripts/make_published_folder.py models/standin-chatml --family chatml
 
-A transformers model with random weights (Qwen2ForCausalLM for the ChatML families,
-Gemma3ForCausalLM for gemma3, else LlamaForCausalLM), saved by transformers, and a byte-level
-BPE tokenizer trained with `tokenizers` on the shipped text that carries the family's real
-special tokens, its post-processor (Llama 3, Mistral and Gemma add their BOS), its chat
-template (written from the families' documented formats), tokenizer_config.json and
-generation_config.json (Llama 3: two eos ids). Families: `chatml` (Qwen2's ChatML),
-`chatml-marked` (the same with `{% generation %}` markers, for transformers' assistant mask),
-`qwen2.5` (ChatML whose system prompt is a default), `llama3` (headers and `<|eot_id|>`),
-`llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`), `gemma3` (`<start_of_turn>user`
-/ `model` turns ended by `<end_of_turn>`, a system prompt prepended to the first user turn; its
-model a Gemma3ForCausalLM with local and global layers).
+A transformers model with random weights (the family's own class where it names one:
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM; else Qwen2ForCausalLM for the ChatML
+families, else LlamaForCausalLM), saved by transformers, and a byte-level BPE tokenizer trained with
+`tokenizers` on the shipped text that carries the family's real special tokens, its post-processor
+(Llama 3 and Mistral add their BOS), its chat template (written from the families' documented
+formats), tokenizer_config.json and generation_config.json (Llama 3: two eos ids). Families:
+`chatml` (Qwen2's ChatML), `chatml-marked` (the same with `{% generation %}` markers, for
+transformers' assistant mask), `qwen2.5` (ChatML whose system prompt is a default), `llama3`
+(headers and `<|eot_id|>`), `llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`),
+`gemma3` (`<start_of_turn>user` / `model` turns ended by `<end_of_turn>`, a system prompt prepended
+to the first user turn; a Gemma3ForCausalLM with local and global layers), and two MoE model
+families with their tokenizers: `qwen1.5-moe` (Qwen1.5-MoE-A2.7B-Chat: its ChatML with a default
+system prompt, a Qwen2MoeForCausalLM) and `qwen3-moe` (Qwen3-30B-A3B: Qwen3's template, whose last
+reply carries a `<think>` block and whose earlier replies lose theirs; `<think>` and `</think>`
+added tokens that are not special, as Qwen's; a Qwen3MoeForCausalLM).
 
 The tokenizer splits text with GPT-2's byte-level regex unless `--split` names a published
 model's own pre-tokenizer, written as its tokenizer.json has it: `qwen2` (an NFC normalizer and
@@ -122,6 +126,57 @@ GEMMA3 = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
 
+# Qwen1.5-MoE-A2.7B-Chat's: ChatML, "You are a helpful assistant." where no system turn leads.
+QWEN15 = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen3's (the tool-calling branches left out): a reply after the last user turn keeps its
+# reasoning in a <think> block (the last one always has one), earlier replies lose theirs;
+# enable_thinking=false opens the reply with an empty block.
+QWEN3 = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}"
+    "{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string"
+    " and not(message.content.startswith('<tool_response>')"
+    " and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}"
+    "{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}"
+    "{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\n')"
+    ".split('<think>')[-1].lstrip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n')"
+    " + '\n</think>\n\n' + content.lstrip('\n') }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
 # Llama 2's chat format (its tokenizer_config.json's template): the system prompt in <<SYS>> inside
 # the first user turn, each user turn after the BOS, each reply ended by the eos.
 LLAMA2 = (
@@ -181,6 +236,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral-spm": dict(specials=MISTRAL_SPECIALS, bos="<s>", template=MISTRAL, spm="metaspace",
                         config=dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"),
                         eos=["</s>"]),
+    # Model families: their tokenizer's and their architecture's (model: class and the keys
+    # of config.json beside the shape's; every block sparse, as the published ones).
+    "qwen1.5-moe": dict(specials=QWEN_SPECIALS, bos=None, template=QWEN15,
+                        config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                        eos=["<|im_end|>", "<|endoftext|>"],
+                        model=("Qwen2MoeForCausalLM", dict(
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, norm_topk_prob=False))),
+    "qwen3-moe": dict(specials=QWEN_SPECIALS, added=["<think>", "</think>"], bos=None,
+                      template=QWEN3,
+                      config=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"),
+                      eos=["<|im_end|>", "<|endoftext|>"],
+                      model=("Qwen3MoeForCausalLM", dict(
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          head_dim=16, norm_topk_prob=True))),
 }  # fmt: skip
 # A model class's own config values where the shapes are not all it needs: Gemma 3's head_dim
 # is 256 unless set, and its layers alternate local (a window of 16) and global.
@@ -249,7 +319,15 @@ def tokenizer_json(
     `without` do not apply), trained on the first `text_chars` of the shipped texts,
     splitting text as `split` (one of SPLITS) does, without the tokens of the bytes `without`
     (as published vocabularies whose training text never held them)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     family = FAMILIES[name]
     if "spm" in family:
@@ -269,6 +347,8 @@ def tokenizer_json(
     tok.train_from_iterator([text], trainer=trainer)
     if any(char in tok.get_vocab() for char in lacking):
         raise ValueError(f"the shipped texts hold one of the bytes {without}")
+    if family.get("added"):  # Qwen3's <think> and </think>: added tokens, not special ones
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in family["added"]])
     bos = family["bos"]
     if bos is None:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -355,12 +435,15 @@ def build(
     from tokenizers import Tokenizer
 
     family = FAMILIES[name]
-    if model_class is None:
-        model_class = "LlamaForCausalLM"
-        if name.startswith(("chatml", "qwen")):
-            model_class = "Qwen2ForCausalLM"
-        elif name == "gemma3":
-            model_class = "Gemma3ForCausalLM"
+    family_class, family_config = family.get("model", (None, {}))
+    model_class = (
+        model_class
+        or family_class
+        or ("Qwen2ForCausalLM" if name.startswith(("chatml", "qwen")) else None)
+        or ("Gemma3ForCausalLM" if name == "gemma3" else "LlamaForCausalLM")
+    )
+    if model_class == family_class:
+        config = {**family_config, **config}
     tok = Tokenizer.from_str(tokenizer)
     eos_ids = [tok.token_to_id(t) for t in family["eos"]]
     bos = family["bos"] or family["specials"][0]

@@ -56,12 +56,13 @@ def family_folder(
     without: tuple[int, ...] = (),
     **config: Any,
 ) -> Path:
-    """A published model's folder of family `name` (a Llama unless `model_class` or
-    MODEL_CLASSES says; its tokenizer family_tokenizer(name, split, without)), its random
+    """A published model's folder of family `name` (the family's own model class, or a Llama
+    unless `model_class` says; its tokenizer family_tokenizer(name, split, without)), its random
     weights spread wide (norms off their init)."""
     import torch
 
-    model_class = model_class or MODEL_CLASSES.get(name, "LlamaForCausalLM")
+    default = MODEL_CLASSES.get(name, "LlamaForCausalLM")
+    model_class = model_class or FAMILIES[name].get("model", (default,))[0]
     tokenizer = _tokenizer_json(name, split, without)
     folder = _script().build(root / name, name, tokenizer, model_class, **config)
     # Spread the weights as the other parity tests do: init's ones and zeros hide mistakes.
@@ -90,6 +91,10 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "I will."},
     ],
 ]
+
+
+# The model families (FAMILIES with a `model`): the end-to-end CLI tests run each.
+MODEL_FAMILIES = [name for name, family in FAMILIES.items() if "model" in family]
 
 
 def usable(name: str, messages: list[dict[str, str]]) -> bool:

@@ -1,8 +1,9 @@
-"""GGUF export of the families (issue 42): Llama with linear, YaRN and Llama 3 RoPE scaling
-(another head_dim), Qwen2 (biases), Qwen3 (qk_norm) and Gemma 3 (local layers every third, their
-own RoPE base, linear scaling on the global ones) as llama.cpp's own `llama`, `qwen2`, `qwen3`
-and `gemma3`, verified in llama.cpp (logits and greedy text at lengths past the original context);
-what llama.cpp cannot compute is one error line naming the option, nothing written."""
+"""GGUF export of the families (issue 42): Llama with linear, YaRN and Llama 3 RoPE scaling (another
+head_dim), Qwen2 (biases), Qwen3 (qk_norm), Qwen2-MoE (shared expert), Qwen3-MoE and Gemma 3 (local
+layers every third, their own RoPE base, linear scaling on the global ones) as llama.cpp's own
+`llama`, `qwen2`, `qwen3`, `qwen2moe`, `qwen3moe` and `gemma3`, verified in llama.cpp (logits and
+greedy text at lengths past the original context); what llama.cpp cannot compute is one error line
+naming the option, nothing written."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ ARCH = {
     "qwen2-untied-yarn": "qwen2",
     "qwen3": "qwen3",
     "gemma3-linear-untied": "gemma3",
+    "qwen2_moe-tied": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
 }
 
 
@@ -79,6 +82,8 @@ def test_llama_cpp_computes_our_logits_and_greedy_text(tmp_path: Path, case: str
         ("mistral", "model.sliding_window: 16"),
         ("llama-yarn-attention", "model.rope_scaling.attention_factor: 1.3"),
         ("gemma3", "model.query_pre_attn_scalar: 20"),
+        ("qwen2_moe", "model.moe_dense_layers: [0]"),
+        ("qwen3_moe-step-window", "model.sliding_window: 16"),
     ],
 )
 def test_what_llama_cpp_cannot_compute_is_refused_by_name(
@@ -89,3 +94,28 @@ def test_what_llama_cpp_cannot_compute_is_refused_by_name(
         export_gguf(load_checkpoint(folder), tmp_path / "m.gguf")
     assert str(e.value).startswith(message) and "llama.cpp has no equivalent" in str(e.value)
     assert "\n" not in str(e.value) and not list(tmp_path.glob("m.*"))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(qk_norm=True, moe_norm_topk=False), "model.moe_norm_topk: False (its qwen3moe "),
+        (dict(moe_shared_ffn_hidden=32, attention_bias=True, moe_norm_topk=True),
+         "model.moe_norm_topk: True (its qwen2moe does not renormalise"),
+        (dict(moe_shared_ffn_hidden=32, moe_norm_topk=False), "model.attention_bias: false"),
+        (dict(qk_norm=True, rope_scaling=dict(type="llama3", factor=4.0,
+                                              original_max_position_embeddings=16)),
+         "model.rope_scaling.type: llama3 in a qwen3moe model"),
+    ],
+)  # fmt: skip
+def test_an_moe_llama_cpp_computes_otherwise_is_refused_by_name(
+    options: dict, message: str
+) -> None:
+    from minillm.checkpoint.gguf_file import gguf_arch
+    from minillm.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, max_seq_len=64,
+                      n_experts=4, **options)  # fmt: skip
+    with pytest.raises(CheckpointError) as e:
+        gguf_arch(cfg)
+    assert str(e.value).startswith(message) and "llama.cpp has no equivalent" in str(e.value)

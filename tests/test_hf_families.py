@@ -29,6 +29,9 @@ SIZES = dict(vocab_size=VOCAB + 20, hidden_size=64, intermediate_size=96, num_hi
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)  # fmt: skip
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
 def _rope(kind: str, **kw) -> dict:
     return {"rope_type": kind, "rope_theta": 500.0, **kw}
 
@@ -79,6 +82,27 @@ CASES = {
                                   sliding_window_pattern=3, rope_theta=500.0,
                                   rope_local_base_freq=50.0, tie_word_embeddings=False,
                                   rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    # Qwen1.5-MoE's shape: softmax weights not renormalised, a gated shared expert, q/k/v
+    # biases, here block 0 dense (mlp_only_layers).
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(max_position_embeddings=96, tie_word_embeddings=False, **MOE,
+                       shared_expert_intermediate_size=48, norm_topk_prob=False,
+                       mlp_only_layers=[0], rope_parameters=_rope("default"))),
+    # every block sparse (llama.cpp's qwen2moe has no dense one), a tied head
+    "qwen2_moe-tied": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                       dict(max_position_embeddings=96, tie_word_embeddings=True, **MOE,
+                            shared_expert_intermediate_size=48, norm_topk_prob=False,
+                            rope_parameters=_rope("default"))),
+    # Qwen3-30B-A3B's: qk_norm, renormalised top-k, every block sparse.
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(max_position_embeddings=96, head_dim=24, tie_word_embeddings=False,
+                       **MOE, norm_topk_prob=True, rope_parameters=_rope("default"))),
+    # every second block sparse (decoder_sparse_step), a window in every layer, tied
+    "qwen3_moe-step-window": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                              dict(max_position_embeddings=96, tie_word_embeddings=True, **MOE,
+                                   norm_topk_prob=False, decoder_sparse_step=2,
+                                   use_sliding_window=True, sliding_window=16,
+                                   rope_parameters=_rope("default"))),
 }  # fmt: skip
 
 
@@ -133,7 +157,8 @@ def test_logits_and_gradients_equal_transformers(tmp_path: Path, case: str) -> N
         want["blocks.1.attn.q_norm.weight"] = layer.q_norm.weight.grad
         want["blocks.1.attn.k_norm.weight"] = layer.k_norm.weight.grad
     block = hf.model.layers[1]
-    want["blocks.1.ffn.w_down.weight"] = block.mlp.down_proj.weight.grad
+    if hasattr(block.mlp, "down_proj"):
+        want["blocks.1.ffn.w_down.weight"] = block.mlp.down_proj.weight.grad
     if hasattr(block, "post_feedforward_layernorm"):  # Gemma's sandwich: each norm's own name
         want["blocks.1.attn_post_norm.weight"] = block.post_attention_layernorm.weight.grad
         want["blocks.1.ffn_norm.weight"] = block.pre_feedforward_layernorm.weight.grad
@@ -141,6 +166,21 @@ def test_logits_and_gradients_equal_transformers(tmp_path: Path, case: str) -> N
         want["norm.weight"] = hf.model.norm.weight.grad
     else:
         want["blocks.1.ffn_norm.weight"] = block.post_attention_layernorm.weight.grad
+    mlp = hf.model.layers[1].mlp
+    if hasattr(mlp, "experts"):  # the Qwen MoEs: router, stacked experts, shared expert
+        want["blocks.1.ffn.router.weight"] = mlp.gate.weight.grad
+        want["blocks.1.ffn.w_gate_up"] = mlp.experts.gate_up_proj.grad
+        want["blocks.1.ffn.w_down"] = mlp.experts.down_proj.grad
+    if hasattr(mlp, "shared_expert"):
+        shared = mlp.shared_expert
+        want["blocks.1.ffn.shared.w_gate_up.weight"] = torch.cat(
+            [shared.gate_proj.weight.grad, shared.up_proj.weight.grad]
+        )
+        want["blocks.1.ffn.shared.w_down.weight"] = shared.down_proj.weight.grad
+        want["blocks.1.ffn.shared.gate.weight"] = mlp.shared_expert_gate.weight.grad
+    dense = hf.model.layers[0].mlp
+    if hasattr(dense, "gate_proj"):
+        want["blocks.0.ffn.w_down.weight"] = dense.down_proj.weight.grad
     grads = dict(model.named_parameters())
     for name, g in want.items():
         torch.testing.assert_close(grads[name].grad, g, atol=1e-5, rtol=1e-4, msg=name)
@@ -217,6 +257,24 @@ PUBLISHED = {
         + (["sliding_attention"] * 5 + ["full_attention"]) * 2,
         hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=None,
         final_logit_softcapping=None, use_bidirectional_attention=False)),
+    "Qwen3-30B-A3B": (30_532_122_624, dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=40960, max_window_layers=48,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=None, use_sliding_window=False,
+        tie_word_embeddings=False, attention_bias=False, hidden_act="silu", rope_scaling=None,
+        router_aux_loss_coef=0.001, output_router_logits=False)),
+    "Qwen1.5-MoE-A2.7B": (14_315_784_192, dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+        decoder_sparse_step=1, max_position_embeddings=8192, max_window_layers=21,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=32768, use_sliding_window=False,
+        tie_word_embeddings=False, hidden_act="silu", router_aux_loss_coef=0.001,
+        output_router_logits=False)),
 }  # fmt: skip
 
 
@@ -232,6 +290,20 @@ def test_info_counts_the_parameters_transformers_has(name: str) -> None:
     assert model_info(cfg)["params"] == theirs == published
 
 
+@pytest.mark.parametrize("name, active", [("Qwen3-30B-A3B", 3.3), ("Qwen1.5-MoE-A2.7B", 2.7)])
+def test_info_counts_the_active_parameters_of_the_qwen_moes(name: str, active: float) -> None:
+    """The activated parameters their model cards give (Qwen3-30B-A3B: 3.3B; Qwen1.5-MoE: 2.7B):
+    each token's k experts, the shared expert and everything outside the experts."""
+    total, hf = PUBLISHED[name]
+    m = model_config_from_hf(hf)
+    cfg = Config(m, train=TrainConfig(seq_len=4096, batch_size=1, device="cpu"))
+    unused = hf["num_experts"] - hf["num_experts_per_tok"]  # experts a token skips, per layer
+    skipped = hf["num_hidden_layers"] * unused * 3 * hf["hidden_size"] * hf["moe_intermediate_size"]
+    got = model_info(cfg)["params_active"]
+    assert got == total - skipped
+    assert abs(got / 1e9 - active) < 0.06  # 3.35B and 2.69B: the cards round them
+
+
 @pytest.mark.parametrize(
     "changes, key",
     [
@@ -241,6 +313,23 @@ def test_info_counts_the_parameters_transformers_has(name: str) -> None:
          "rope_scaling.mscale"),
         (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True),
          "attention_bias"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+              attention_bias=True), "attention_bias"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              use_sliding_window=True, sliding_window=16, max_window_layers=2),
+         "use_sliding_window"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              decoder_sparse_step=0), "decoder_sparse_step"),
+        (dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+              shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=0),
+         "num_experts"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+              num_experts_per_tok=8), "num_experts_per_tok"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+              decoder_sparse_step=3), "decoder_sparse_step"),
     ],
 )  # fmt: skip
 def test_what_a_family_has_beyond_our_options_is_refused_by_key(changes: dict, key: str) -> None:
@@ -270,7 +359,8 @@ def test_what_gemma3_has_beyond_our_options_is_refused_by_key(changes: dict, key
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text"]
+    "model_type",
+    ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text", "qwen2_moe", "qwen3_moe"],
 )
 def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) -> None:
     """Issue 50, defect 5: a config.json without rope_theta, rms_norm_eps, the context, the
@@ -303,6 +393,14 @@ def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) 
     if model_type == "mixtral":
         assert (ours.n_experts, ours.n_experts_per_token) == (
             theirs.num_local_experts, theirs.num_experts_per_tok)  # fmt: skip
+    if model_type.endswith("_moe"):
+        assert (ours.n_experts, ours.n_experts_per_token, ours.moe_ffn_hidden,
+                ours.moe_norm_topk, ours.moe_dense_layers) == (
+            theirs.num_experts, theirs.num_experts_per_tok, theirs.moe_intermediate_size,
+            theirs.norm_topk_prob, [])  # fmt: skip
+        shared = getattr(theirs, "shared_expert_intermediate_size", 0)
+        assert ours.moe_shared_ffn_hidden == (shared if model_type == "qwen2_moe" else 0)
+        assert ours.attention_bias == getattr(theirs, "qkv_bias", False)
 
 
 @pytest.mark.parametrize("kind", ["yarn", "llama3"])

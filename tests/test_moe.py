@@ -15,11 +15,12 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from typer.testing import CliRunner
 
 from minillm.cli import app
-from minillm.config import ModelConfig
+from minillm.config import ConfigError, ModelConfig
 from minillm.model import KVCache, Transformer, use_cpu_kernels
 from minillm.model.decode import Decoder
 from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model.moe import (
+    MoE,
     RouterStats,
     load_balancing_loss,
     moe_dispatch,
@@ -27,6 +28,7 @@ from minillm.model.moe import (
     route,
     router_stats,
 )
+from minillm.model.transformer import SwiGLU
 from tests.helpers import error_line, make_trainer, prepared_config, run_trainer
 
 BASE = dict(vocab_size=101, d_model=64, n_layer=2, n_head=4, ffn_hidden=96, max_seq_len=64)
@@ -34,23 +36,30 @@ CASES = {
     "top1-mha-tied": dict(n_experts=4, n_experts_per_token=1, n_kv_head=4),
     "top2-gqa-untied": dict(n_experts=4, n_experts_per_token=2, n_kv_head=2, tie_embeddings=False),
     "top2-mha-width": dict(n_experts=3, n_experts_per_token=2, moe_ffn_hidden=48),
-}
+    # Qwen1.5-MoE's options (a Qwen2MoeForCausalLM): softmax weights kept, a gated shared
+    # expert, block 0 dense, q/k/v biases
+    "qwen2moe-shared-dense": dict(n_experts=4, n_experts_per_token=2, moe_shared_ffn_hidden=32,
+                                  moe_norm_topk=False, moe_dense_layers=[0],
+                                  attention_bias=True, tie_embeddings=False),
+    # Qwen3-MoE's (a Qwen3MoeForCausalLM): qk_norm, here without the renormalisation
+    "qwen3moe": dict(n_experts=4, n_experts_per_token=2, qk_norm=True, moe_norm_topk=False),
+}  # fmt: skip
 
 
-def make_pair(**kw) -> tuple[Transformer, transformers.MixtralForCausalLM, ModelConfig]:
-    """A tiny HF Mixtral with random weights and our Transformer holding the same weights."""
+def make_pair(**kw) -> tuple[Transformer, transformers.PreTrainedModel, ModelConfig]:
+    """A tiny HF Mixtral (Qwen2-MoE, Qwen3-MoE with their options) with random weights and our
+    Transformer holding the same weights."""
     torch.manual_seed(0)
     cfg = ModelConfig(**{**BASE, **kw})
     hf_cfg = hf_config_dict(cfg, bos_id=0, eos_id=0, router_aux_loss_coef=0.02)
-    assert hf_cfg.pop("architectures") == ["MixtralForCausalLM"]
-    for key in ("model_type", "torch_dtype"):
-        hf_cfg.pop(key)
-    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**hf_cfg)).eval()
+    (arch,) = hf_cfg.pop("architectures")
+    hf_cfg.pop("torch_dtype")
+    hf = getattr(transformers, arch)(transformers.AutoConfig.for_model(**hf_cfg)).eval()
     with torch.no_grad():  # HF initialises norms to 1 and experts to 0.02: make them informative
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-            elif "gate" in name and "experts" not in name:
+            elif "gate" in name and "experts" not in name and "shared" not in name:
                 p.normal_(0.0, 0.5)  # a router with clear preferences: no near-ties in top-k
     ours = Transformer(cfg).eval()
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
@@ -94,6 +103,60 @@ def test_hf_names_round_trip_through_the_published_mixtral_layout() -> None:
     assert back.keys() == ours.state_dict().keys()
     for name, value in ours.state_dict().items():
         assert torch.equal(back[name], value), name
+
+
+def test_hf_names_round_trip_through_the_published_qwen_moe_layout() -> None:
+    ours, hf, cfg = make_pair(**CASES["qwen2moe-shared-dense"])
+    theirs = to_hf_state_dict(ours.state_dict(), cfg)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in theirs
+    assert theirs["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" in theirs  # block 0 is dense
+    back = from_hf_state_dict(theirs, cfg)
+    assert back.keys() == ours.state_dict().keys()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(back[name], value), name
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        (dict(qk_norm=True, moe_shared_ffn_hidden=32), "model.moe_shared_ffn_hidden"),
+        (dict(moe_norm_topk=False), "model.moe_norm_topk"),
+        (dict(moe_dense_layers=[1]), "model.moe_dense_layers"),
+        (dict(attention_bias=True), "model.attention_bias"),
+        (dict(moe_shared_ffn_hidden=32, sliding_window=16), "model.sliding_window"),
+    ],
+)
+def test_an_moe_no_transformers_family_computes_is_refused_by_key(options: dict, key: str) -> None:
+    cfg = ModelConfig(**BASE, n_experts=4, **options)
+    with pytest.raises(ConfigError) as e:
+        hf_config_dict(cfg, bos_id=0, eos_id=0)
+    assert e.value.key == key
+
+
+def test_the_qwen_moe_options_count_their_parameters_and_quantize() -> None:
+    from minillm.model.quantize import int8_kernel_problem, quantize_int8
+
+    cfg = ModelConfig(**BASE, **CASES["qwen2moe-shared-dense"])
+    model = Transformer(cfg).eval()
+    C, F, S, E, L = 64, 96, 32, 4, 2  # F: moe_ffn_hidden, the dense width by default
+    moe = E * 3 * C * F + E * C + 3 * C * S + C  # experts, router, shared expert and its gate
+    dense = 3 * C * cfg.ffn_hidden
+    assert isinstance(model.blocks[0].ffn, SwiGLU) and isinstance(model.blocks[1].ffn, MoE)
+    attn = C * 3 * C + 3 * C + C * C + 2 * C  # biased q/k/v, o, the two norms
+    assert model.param_count() == 2 * 101 * C + C + L * attn + dense + moe
+    assert model.param_count() - model.active_param_count() == (E - 2) * 3 * C * F
+    shared_down = model.blocks[1].ffn.shared.w_down.weight
+    assert any(w is shared_down for w in model.residual_projections())
+    idx = torch.randint(0, 101, (2, 12))
+    with torch.no_grad():
+        want = model(idx)[0]
+        if int8_kernel_problem() is not None:
+            pytest.skip(int8_kernel_problem())
+        assert quantize_int8(model) is None
+        got = model(idx)[0]
+    assert type(model.blocks[1].ffn.shared.w_down).__name__ == "Int8Linear"
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
 
 
 def test_dispatch_equals_the_plain_reference_forward_and_gradients() -> None:
@@ -154,7 +217,7 @@ def test_a_balanced_router_gives_the_minimum_load_balancing_loss_k(k: int) -> No
     assert load_balancing_loss(router_stats(ours), cfg.n_experts).item() >= 2.0 - 1e-6
 
 
-@pytest.mark.parametrize("case", ["top1-mha-tied", "top2-gqa-untied"])
+@pytest.mark.parametrize("case", ["top1-mha-tied", "top2-gqa-untied", "qwen2moe-shared-dense"])
 def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
     ours, _, cfg = make_pair(**CASES[case])
     idx = torch.randint(1, cfg.vocab_size, (3, 9))
@@ -184,11 +247,14 @@ def assert_same_gradients(ours: Transformer, other: Transformer, cfg: ModelConfi
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_cpu_kernels_train_an_moe_as_the_plain_modules_do() -> None:
-    ours, _, cfg = make_pair(**CASES["top2-gqa-untied"])
+@pytest.mark.parametrize("case", ["top2-gqa-untied", "qwen2moe-shared-dense"])
+def test_cpu_kernels_train_an_moe_as_the_plain_modules_do(case: str) -> None:
+    ours, _, cfg = make_pair(**CASES[case])
     fused = use_cpu_kernels(Transformer(cfg))
     fused.load_state_dict(ours.state_dict())
-    assert type(fused.blocks[0].ffn).__name__ == "FusedMoE"
+    assert type(fused.blocks[1].ffn).__name__ == "FusedMoE"
+    if cfg.moe_shared_ffn_hidden:
+        assert type(fused.blocks[1].ffn.shared).__name__ == "FusedSharedExpert"
     assert_same_gradients(ours, fused, cfg)
 
 
@@ -228,8 +294,17 @@ runner = CliRunner()
         ),
         (["model.n_experts=1"], "model.n_experts: 1 expert is the dense FFN behind a router"),
         (["train.moe_aux_loss=0.01"], "train.moe_aux_loss: 0.01 needs a mixture of experts"),
+        (["model.moe_shared_ffn_hidden=32"],
+         "model.moe_shared_ffn_hidden: 32 needs a mixture of experts (n_experts)"),
+        (["model.moe_norm_topk=false"], "model.moe_norm_topk: False needs a mixture of experts"),
+        (["model.n_experts=4", "model.moe_dense_layers=[2]"],
+         "model.moe_dense_layers: [2]: block numbers must be distinct, from 0 to n_layer - 1 = 1"),
+        (["model.n_experts=4", "model.moe_dense_layers=[0, 0]"],
+         "model.moe_dense_layers: [0, 0]: block numbers must be distinct"),
+        (["model.n_experts=4", "model.moe_dense_layers=[0, 1]"],
+         "model.moe_dense_layers: every block dense: that is n_experts 0"),
     ],
-)
+)  # fmt: skip
 def test_config_errors_are_one_line(tmp_path: Path, sets: list[str], expected: str) -> None:
     path = tmp_path / "moe.yaml"
     path.write_text("model: {d_model: 64, n_layer: 2, n_head: 4}\n")

@@ -47,7 +47,7 @@ needs_llama_cpp = pytest.mark.skipif(
     reason="llama-cpp-python is not installed; `make interop` builds it from source",
 )
 runner = CliRunner()
-NAMES = ["chatml", "llama3", "mistral", "gemma3"]
+NAMES = ["chatml", "llama3", "mistral", "gemma3", "qwen1.5-moe", "qwen3-moe"]
 TEXTS = ["Who art thou?", "First Citizen:\n  Grüße 🙂 1234 — end", ""]
 # Single-turn prompts for `minillm chat --message` (Mistral's template has no system role).
 CHATS = [
@@ -262,6 +262,8 @@ def test_gguf_holds_the_models_special_ids_template_and_add_bos(family) -> None:
     ids = {t: tok.token_to_id(t) for t in FAMILIES[name]["specials"]}
     bos, eos, eot = {  # and add_bos: the family's post-processor adds its BOS
         "chatml": ("<|endoftext|>", "<|im_end|>", "<|im_end|>"),
+        "qwen1.5-moe": ("<|endoftext|>", "<|im_end|>", "<|im_end|>"),
+        "qwen3-moe": ("<|endoftext|>", "<|im_end|>", "<|im_end|>"),
         "llama3": ("<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
         "mistral": ("<s>", "</s>", "</s>"),
         "gemma3": ("<bos>", "<eos>", "<end_of_turn>"),

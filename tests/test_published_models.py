@@ -85,6 +85,26 @@ def test_answer_only_masks_equal_transformers_with_and_without_markers(
             assert any(mask) and not all(mask)
 
 
+def test_qwen3_keeps_the_last_replys_reasoning_and_drops_the_earlier_ones(folders: dict) -> None:
+    """Qwen3's template: a reply before the last user turn loses its <think> block, the last
+    one keeps it (an empty one when it has none); the targets are what the model writes after
+    `<|im_start|>assistant\n`: the reply, its reasoning where kept, and <|im_end|>."""
+    conv, hf = conventions(folders["qwen3-moe"]), hf_tokenizer(folders["qwen3-moe"])
+    messages = [
+        {"role": "user", "content": "Which is a vowel: A or B?"},
+        {"role": "assistant", "content": "<think>\nA is.\n</think>\n\nA"},
+        {"role": "user", "content": "And now: C or E?"},
+        {"role": "assistant", "content": "<think>\nE is.\n</think>\n\nE"},
+    ]
+    for history in (messages, messages[:3]):
+        for generation in (False, True):
+            assert conv.chat_ids(history, generation) == hf_ids(hf, history, generation)
+    ids, mask = conv.chat_targets(messages)
+    targets = conv.tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert "A is." not in conv.tok.decode(ids, skip_special_tokens=False)
+    assert targets == "A<|im_end|><think>\nE is.\n</think>\n\nE<|im_end|>"
+
+
 def test_a_template_whose_system_prompt_is_a_default_writes_it(folders: dict) -> None:
     conv = conventions(folders["qwen2.5"])
     text = conv.tok.decode(conv.chat_ids(CONVERSATIONS[0], True), skip_special_tokens=False)

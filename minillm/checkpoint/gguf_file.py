@@ -14,18 +14,18 @@ pre-tokenizer is refused in one line rather than exported with a split that woul
 differ. A sentencepiece-style BPE is llama.cpp's SPM (`llama`) model (gguf_spm).
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
-The architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block:
-norms as (1 + w), the local layers' window, pattern and RoPE base as keys), `qwen3`
-(model.qk_norm), `qwen2` (model.attention_bias) or `llama`. llama.cpp's `llama` RoPE rotates
-adjacent pairs (x0, x1), (x2, x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so
-for it the rows of wq and wk are permuted per head as the converter does; `qwen2`, `qwen3` and
-`gemma3` rotate halves (NEOX) and take them as they are. RoPE scaling: linear and yarn as
-llama.cpp's rope.scaling keys, llama3 as the `rope_freqs` tensor of per-frequency divisors; what
-llama.cpp cannot compute (dynamic NTK, a sliding window shorter than the context outside
-gemma3, YaRN without truncation) is one error line naming the key, and nothing written.
-Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries minillm's chat template in Go
-form (a published model's Jinja template Ollama takes from the file) and the stop tokens.
-"""
+The architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block: norms as
+(1 + w), the local layers' window, pattern and RoPE base as keys), `qwen3` (model.qk_norm), `qwen2`
+(model.attention_bias), `qwen3moe` (experts and qk_norm), `qwen2moe` (experts and a shared expert)
+or `llama` (Mixtral's experts too). llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), (x2,
+x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so for it the rows of wq and wk are
+permuted per head as the converter does; the qwen graphs rotate halves (NEOX) and take them as they
+are. RoPE scaling: linear and yarn as llama.cpp's rope.scaling keys, llama3 as the `rope_freqs`
+tensor of per-frequency divisors; what llama.cpp cannot compute (dynamic NTK, a sliding window
+shorter than the context outside gemma3, YaRN without truncation, dense blocks in an MoE) is one
+error line naming the key, and nothing written. Beside the .gguf an Ollama Modelfile
+(`NAME.Modelfile`) carries minillm's chat template in Go form (a published model's Jinja template
+Ollama takes from the file) and the stop tokens."""
 
 from __future__ import annotations
 
@@ -121,13 +121,40 @@ def gguf_arch(cfg: ModelConfig) -> Any:
         raise refuse(
             "sliding_window", f"{cfg.sliding_window} (its llama, qwen2 and qwen3 see it all)"
         )
-    if cfg.qk_norm or cfg.attention_bias:
-        if cfg.n_experts:  # hf_model_type's rule: no family has both
-            raise refuse("n_experts", "with qk_norm or attention_bias")
-        if s.type == "llama3":  # rope_freqs is read by llama.cpp's llama graph
-            raise refuse("rope_scaling.type", "llama3 in a qwen2 or qwen3 model")
-        return gguf.MODEL_ARCH.QWEN3 if cfg.qk_norm else gguf.MODEL_ARCH.QWEN2
-    return gguf.MODEL_ARCH.LLAMA
+    if cfg.n_experts:
+        arch = _moe_arch(cfg, refuse)
+    elif cfg.qk_norm or cfg.attention_bias:
+        arch = gguf.MODEL_ARCH.QWEN3 if cfg.qk_norm else gguf.MODEL_ARCH.QWEN2
+    else:
+        arch = gguf.MODEL_ARCH.LLAMA
+    if s.type == "llama3" and arch != gguf.MODEL_ARCH.LLAMA:  # only its llama graph reads it
+        raise refuse("rope_scaling.type", f"llama3 in a {gguf.MODEL_ARCH_NAMES[arch]} model")
+    return arch
+
+
+def _moe_arch(cfg: ModelConfig, refuse: Any) -> Any:
+    """llama.cpp's graph for a mixture of experts: `qwen3moe` (qk_norm; top-k renormalised),
+    `qwen2moe` (a gated shared expert, q/k/v biases; softmax weights kept) or `llama` (Mixtral:
+    renormalised). Each makes every block sparse: model.moe_dense_layers has no equivalent."""
+    import gguf
+
+    if cfg.moe_dense_layers:
+        raise refuse("moe_dense_layers", f"{cfg.moe_dense_layers} (its MoE graphs have none)")
+    if cfg.qk_norm and not (cfg.moe_shared_ffn_hidden or cfg.attention_bias):
+        arch, renormalised = gguf.MODEL_ARCH.QWEN3MOE, True
+    elif cfg.moe_shared_ffn_hidden and not cfg.qk_norm:
+        if not cfg.attention_bias:
+            raise refuse("attention_bias", "false with a shared expert (its qwen2moe has biases)")
+        arch, renormalised = gguf.MODEL_ARCH.QWEN2MOE, False
+    elif not (cfg.qk_norm or cfg.attention_bias or cfg.moe_shared_ffn_hidden):
+        arch, renormalised = gguf.MODEL_ARCH.LLAMA, True
+    else:  # hf_model_type's rule: no family has these together
+        raise refuse("n_experts", "with qk_norm, attention_bias and a shared expert as no graph")
+    if cfg.moe_norm_topk != renormalised:
+        does = "renormalises" if renormalised else "does not renormalise"
+        name = gguf.MODEL_ARCH_NAMES[arch]
+        raise refuse("moe_norm_topk", f"{cfg.moe_norm_topk} (its {name} {does} the top k)")
+    return arch
 
 
 def _gemma3_arch(cfg: ModelConfig, refuse: Any) -> Any:
@@ -165,7 +192,9 @@ def gguf_tensors(
     llama.cpp's converter falls back. A tied head writes no `output.weight`: llama.cpp then uses
     the token embedding, as our model does. A mixture of experts' router is `ffn_gate_inp`
     (E, C), kept f32 as llama.cpp's converter keeps it, and its experts the stacks
-    `ffn_gate_exps`, `ffn_up_exps` (E, F, C) and `ffn_down_exps` (E, C, F).
+    `ffn_gate_exps`, `ffn_up_exps` (E, F, C) and `ffn_down_exps` (E, C, F); qwen2moe's shared
+    expert its `*_shexp` tensors, the gate `ffn_gate_inp_shexp` (C,), and its head always (its
+    loader has no tied head: a tied one is written as a copy of the embedding).
     """
     import gguf
     from gguf.quants import quantize
@@ -182,9 +211,15 @@ def gguf_tensors(
     if cfg.rope_scaling.type == "llama3":
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                       llama3_rope_freqs(cfg)))  # fmt: skip
-    for hf_name, w in to_hf_state_dict(state, cfg).items():
-        if ".block_sparse_moe." in hf_name:  # llama.cpp stacks the experts: written below
+    hf_state = to_hf_state_dict(state, cfg)
+    if cfg.tie_embeddings and arch == gguf.MODEL_ARCH.QWEN2MOE:
+        hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
+    for hf_name, w in hf_state.items():
+        moe = ".block_sparse_moe." in hf_name or ".mlp.experts." in hf_name
+        if moe or hf_name.endswith("mlp.gate.weight"):  # the experts and router: below
             continue
+        if hf_name.endswith("shared_expert_gate.weight"):  # (1, C): llama.cpp reads (C,)
+            w = w.reshape(-1)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:  # a name gguf does not know would be a bug in the mapping
             raise RuntimeError(f"gguf has no {arch.name.lower()} tensor for {hf_name}")
@@ -195,7 +230,7 @@ def gguf_tensors(
         elif norm_shift and hf_name.endswith("norm.weight"):
             w = w + norm_shift
         named.append((name, w))
-    for i in range(cfg.n_layer if cfg.n_experts else 0):
+    for i in range(cfg.n_layer if cfg.n_experts else 0):  # every block sparse: _moe_arch
         gate, up = state[f"blocks.{i}.ffn.w_gate_up"].chunk(2, dim=1)  # (E, F, C) each
         for tensor, w in (
             (gguf.MODEL_TENSOR.FFN_GATE_INP, state[f"blocks.{i}.ffn.router.weight"]),
@@ -316,10 +351,15 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_context_length(m.max_seq_len)
         w.add_embedding_length(m.d_model)
         w.add_block_count(m.n_layer)
-        w.add_feed_forward_length(m.moe_ffn_hidden if m.n_experts else m.ffn_hidden)
-        if m.n_experts:  # llama.cpp's llama with experts: softmax, top-k, renormalised (Mixtral)
+        llama = arch == gguf.MODEL_ARCH.LLAMA
+        w.add_feed_forward_length(m.moe_ffn_hidden if m.n_experts and llama else m.ffn_hidden)
+        if m.n_experts:  # llama (Mixtral), qwen2moe, qwen3moe: softmax, top-k (gguf_arch)
             w.add_expert_count(m.n_experts)
             w.add_expert_used_count(m.n_experts_per_token)
+            if not llama:
+                w.add_expert_feed_forward_length(m.moe_ffn_hidden)
+            if m.moe_shared_ffn_hidden:
+                w.add_expert_shared_feed_forward_length(m.moe_shared_ffn_hidden)
         w.add_head_count(m.n_head)
         w.add_head_count_kv(m.n_kv_head)
         w.add_key_length(m.head_dim)

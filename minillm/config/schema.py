@@ -178,6 +178,21 @@ class ModelConfig(Section):
     moe_ffn_hidden: int | None = setting(
         None, help="Each expert's SwiGLU hidden width. null = ffn_hidden (the dense width)."
     )
+    moe_norm_topk: bool = setting(
+        True,
+        help="Renormalise each token's k router weights to sum to 1 (Mixtral, Qwen3-MoE); false "
+        "keeps their softmax probabilities over all experts (Qwen1.5-MoE, Qwen2-MoE).",
+    )
+    moe_shared_ffn_hidden: int = setting(
+        0,
+        help="Width of a shared expert every token goes through beside its k (Qwen2-MoE): a "
+        "SwiGLU whose output is scaled by sigmoid of a learned linear of the input. 0 = none.",
+    )
+    moe_dense_layers: list[int] = setting(
+        [],
+        help="Blocks (from 0) whose FFN is the dense SwiGLU of ffn_hidden instead of the "
+        "experts (Qwen-MoE's mlp_only_layers and decoder_sparse_step).",
+    )
 
     def __post_init__(self) -> None:
         self._positive("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden")
@@ -192,6 +207,24 @@ class ModelConfig(Section):
                 "n_experts_per_token",
                 f"{self.n_experts_per_token} is more than n_experts={self.n_experts}",
             )
+        self._non_negative("moe_shared_ffn_hidden")
+        moe_options = {
+            "moe_norm_topk": not self.moe_norm_topk,
+            "moe_shared_ffn_hidden": self.moe_shared_ffn_hidden,
+            "moe_dense_layers": self.moe_dense_layers,
+        }
+        for key, used in moe_options.items():
+            if used and not self.n_experts:
+                self._fail(key, f"{getattr(self, key)!r} needs a mixture of experts (n_experts)")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.n_layer]
+        if bad or len(set(self.moe_dense_layers)) != len(self.moe_dense_layers):
+            self._fail(
+                "moe_dense_layers",
+                f"{self.moe_dense_layers}: block numbers must be distinct, from 0 to "
+                f"n_layer - 1 = {self.n_layer - 1}",
+            )
+        if self.n_experts and len(self.moe_dense_layers) == self.n_layer:
+            self._fail("moe_dense_layers", "every block dense: that is n_experts 0")
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
         self._positive("head_dim", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
         self._non_negative("sliding_window_pattern")

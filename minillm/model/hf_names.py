@@ -1,10 +1,12 @@
 """The one mapping between minillm's parameters and Hugging Face `LlamaForCausalLM`'s, and the
 families that are our model with options: `Qwen2ForCausalLM` (model.attention_bias),
-`Qwen3ForCausalLM` (model.qk_norm), `MistralForCausalLM` (model.sliding_window), with
-experts `MixtralForCausalLM`, and `Gemma3ForCausalLM` (model_type gemma3_text: model.qk_norm,
-sandwich_norm, ffn_activation gelu_tanh, embed_scale, query_pre_attn_scalar, local layers);
-each takes model.rope_scaling and model.head_dim. Gemma's RMSNorm multiplies by (1 + w) where
-HF stores w: our norms hold 1 + w, so the 1 is added on reading and taken off on writing.
+`Qwen3ForCausalLM` (model.qk_norm), `MistralForCausalLM` (model.sliding_window) and, with
+experts, `MixtralForCausalLM`, `Qwen2MoeForCausalLM` (a shared expert, model.moe_norm_topk,
+model.moe_dense_layers, q/k/v biases) and `Qwen3MoeForCausalLM` (qk_norm), and
+`Gemma3ForCausalLM` (model_type gemma3_text: model.qk_norm, sandwich_norm, ffn_activation
+gelu_tanh, embed_scale, query_pre_attn_scalar, local layers); each takes model.rope_scaling and
+model.head_dim. Gemma's RMSNorm multiplies by (1 + w) where HF stores w: our norms hold 1 + w,
+so the 1 is added on reading and taken off on writing.
 
 Offers `READABLE`, `FAMILY_DEFAULTS`, `hf_model_type`, `hf_rope_scaling`, `hf_config_dict`,
 `is_llama_config`, `model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
@@ -12,7 +14,12 @@ Both models use RoPE's "rotate half" layout, so q/k weights need no permutation;
 projections (wqkv, w_gate_up) are split into, or joined from, HF's separate ones. Mixtral's
 experts are written under the names of its published checkpoints (block_sparse_moe.experts.N.w1,
 w2, w3), which every transformers version loads, and read from those or from transformers 5's
-in-memory stacks (mlp.experts.gate_up_proj, down_proj: our layout).
+in-memory stacks (mlp.experts.gate_up_proj, down_proj: our layout); the Qwen MoEs' likewise
+(mlp.experts.N.gate_proj, up_proj, down_proj, as Qwen publishes them).
+
+config.json's router_aux_loss_coef and output_router_logits are not read: they change no logit,
+only transformers' training loss; a run's coefficient is its train.moe_aux_loss, which the
+export writes as router_aux_loss_coef.
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ READABLE = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # The options that make a model Gemma 3's block, each its transformers config's.
 _GEMMA_OPTIONS = ("qk_norm", "sandwich_norm", "embed_scale")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # model.rope_scaling's keys as transformers' rope_parameters spell them (all but `type`).
 _ROPE_KEYS = {
     "linear": ("factor",),
@@ -52,9 +62,10 @@ _ROPE_KEYS = {
 
 
 def hf_model_type(cfg: ModelConfig) -> str:
-    """The transformers family that computes `cfg`: Mixtral with experts, Qwen3 with qk_norm,
-    Qwen2 with q/k/v biases, Mistral with a sliding window, else Llama (every one takes
-    rope_scaling and head_dim), Gemma 3 with sandwich norms. A ConfigError names an option no
+    """The transformers family that computes `cfg`: Gemma 3 with sandwich norms; with experts
+    Qwen3-MoE (qk_norm), Qwen2-MoE (a shared expert) or Mixtral; Qwen3 with qk_norm, Qwen2 with
+    q/k/v biases, Mistral with a sliding window, else Llama (every one takes rope_scaling and
+    head_dim). A ConfigError names an option no
     family has with the others."""
     gemma = cfg.sandwich_norm or cfg.embed_scale or cfg.ffn_activation != "silu"
     gemma = gemma or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None
@@ -72,18 +83,49 @@ def hf_model_type(cfg: ModelConfig) -> str:
             if getattr(cfg, key):
                 raise ConfigError(f"model.{key}", "not in Gemma 3, the family of the others")
         return "gemma3_text"
-    if cfg.n_experts and (cfg.qk_norm or cfg.attention_bias):
-        key = "qk_norm" if cfg.qk_norm else "attention_bias"
-        raise ConfigError(f"model.{key}", "with model.n_experts: no transformers family has both")
     if cfg.qk_norm and cfg.attention_bias:  # Qwen3's attention_bias biases o_proj too
         raise ConfigError("model.attention_bias", "with model.qk_norm: no transformers family")
     if cfg.n_experts:
-        return "mixtral"
+        return _moe_type(cfg)
     if cfg.qk_norm:
         return "qwen3"
     if cfg.attention_bias:
         return "qwen2"
     return "mistral" if cfg.sliding_window is not None else "llama"
+
+
+def _moe_type(cfg: ModelConfig) -> str:
+    """The MoE family of `cfg` (n_experts > 0): Qwen3-MoE has qk_norm and no shared expert,
+    Qwen2-MoE a shared expert and no qk_norm (its own sliding-window pattern is not ours),
+    Mixtral neither, its top-k renormalised in every layer."""
+    if cfg.qk_norm:
+        if cfg.moe_shared_ffn_hidden:
+            raise ConfigError(
+                "model.moe_shared_ffn_hidden",
+                f"{cfg.moe_shared_ffn_hidden} with model.qk_norm: no transformers family has "
+                "both (Qwen3-MoE has no shared expert)",
+            )
+        return "qwen3_moe"
+    if cfg.moe_shared_ffn_hidden:
+        if cfg.sliding_window is not None:
+            raise ConfigError(
+                "model.sliding_window",
+                f"{cfg.sliding_window} with a shared expert (Qwen2-MoE): its window is in "
+                "alternate layers only",
+            )
+        return "qwen2_moe"
+    for key, used in (
+        ("attention_bias", cfg.attention_bias),
+        ("moe_norm_topk", not cfg.moe_norm_topk),
+        ("moe_dense_layers", cfg.moe_dense_layers),
+    ):
+        if used:
+            raise ConfigError(
+                f"model.{key}",
+                f"{getattr(cfg, key)!r} on a mixture of experts needs a shared expert "
+                "(Qwen2-MoE) or model.qk_norm (Qwen3-MoE): Mixtral has neither",
+            )
+    return "mixtral"
 
 
 def hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -114,6 +156,25 @@ def hf_config_dict(
             "output_router_logits": False,
             "router_jitter_noise": 0.0,
         }
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        family = {
+            "num_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.n_experts_per_token,
+            "moe_intermediate_size": cfg.moe_ffn_hidden,
+            "norm_topk_prob": cfg.moe_norm_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.moe_dense_layers),
+            "router_aux_loss_coef": router_aux_loss_coef,
+            "output_router_logits": False,
+            "use_sliding_window": cfg.sliding_window is not None,
+            "sliding_window": cfg.sliding_window,
+            "max_window_layers": cfg.n_layer,
+        }
+    if model_type == "qwen2_moe":  # transformers 5's qkv_bias (4.x: always biased)
+        family.update(
+            shared_expert_intermediate_size=cfg.moe_shared_ffn_hidden,
+            qkv_bias=cfg.attention_bias,
+        )
     if model_type in ("mixtral", "mistral"):
         family["sliding_window"] = cfg.sliding_window
     if model_type in ("qwen2", "qwen3"):  # every layer slides (max_window_layers 0) or none does
@@ -125,7 +186,7 @@ def hf_config_dict(
             max_window_layers=0 if window else cfg.n_layer,
             layer_types=[kind] * cfg.n_layer,
         )
-    if model_type in ("llama", "qwen3"):
+    if model_type in ("llama", "qwen3", "qwen3_moe"):
         family["attention_bias"] = False
     if model_type == "llama":
         family["mlp_bias"] = False
@@ -137,7 +198,8 @@ def hf_config_dict(
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.moe_ffn_hidden if cfg.n_experts else cfg.ffn_hidden,
+        # Mixtral's is its experts' width; the Qwen MoEs' that of their dense layers.
+        "intermediate_size": cfg.moe_ffn_hidden if model_type == "mixtral" else cfg.ffn_hidden,
         **family,
         "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head,
@@ -284,6 +346,19 @@ def _window_from_hf(hf: dict[str, Any], where: str) -> int | None:
                 where,
             )
         return window if layer_types and layer_types[0] == "sliding_attention" else None
+    if hf.get("model_type") == "qwen3_moe":  # every layer slides or none does
+        return window if hf.get("use_sliding_window") else None
+    if hf.get("model_type") == "qwen2_moe":
+        layer_types = hf.get("layer_types") or [  # transformers' pattern: alternate layers
+            "sliding_attention"
+            if (i + 1) % 2 and i < hf.get("max_window_layers", 28) and hf.get("use_sliding_window")
+            else "full_attention"
+            for i in range(n_layer)
+        ]
+        if "sliding_attention" in layer_types:
+            key = "layer_types" if hf.get("layer_types") else "use_sliding_window"
+            raise ConfigError(key, "Qwen2-MoE's sliding-window attention is not supported", where)
+        return None
     return window if hf.get("model_type") in ("mistral", "mixtral") else None
 
 
@@ -304,6 +379,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "sliding_window": 4096, "rope_local_base_freq": 10000.0,
                     "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
                     "tie_word_embeddings": True},
+    "qwen2_moe": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 16,
+                  "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "qkv_bias": True},
+    "qwen3_moe": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
+                  "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1},
 }  # fmt: skip
 
 
@@ -321,11 +403,13 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             where,
         )
     model_type = hf["model_type"]
+    if "num_local_experts" in hf and model_type == "qwen3_moe":  # transformers 5 saves this name
+        hf = {"num_experts": hf["num_local_experts"], **hf}
     hf = {**FAMILY_DEFAULTS.get(model_type, _LLAMA_DEFAULTS), **hf}
     if model_type == "gemma3_text":
         return _gemma3_from_hf(hf, where)
     refused: list[tuple[str, Any]] = [("mlp_bias", False), ("hidden_act", "silu")]
-    if model_type in ("llama", "qwen3", "mistral", "mixtral"):  # biases o_proj too
+    if model_type in ("llama", "qwen3", "mistral", "mixtral", "qwen3_moe"):  # biases o_proj too
         refused.append(("attention_bias", False))
     for key, ok in refused:
         if hf.get(key, ok) != ok:
@@ -340,6 +424,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             n_experts_per_token=hf["num_experts_per_tok"],
             moe_ffn_hidden=hf["intermediate_size"],
         )
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        moe = _qwen_moe_from_hf(hf, where)
     max_len = hf["max_position_embeddings"]
     if scaling.get("type") == "dynamic":  # reads past it: the length its factor reaches
         max_len = int(max_len * scaling["factor"])
@@ -350,8 +436,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         n_head=n_head,
         n_kv_head=hf.get("num_key_value_heads") or n_head,
         head_dim=head_dim,
-        attention_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        attention_bias=model_type == "qwen2" or bool(model_type == "qwen2_moe" and hf["qkv_bias"]),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         sliding_window=_window_from_hf(hf, where),
         rope_scaling=scaling,
         ffn_hidden=hf["intermediate_size"],
@@ -452,6 +538,42 @@ def _is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
+def _qwen_moe_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """model.n_experts and the other MoE keys of a Qwen2-MoE or Qwen3-MoE config.json (its
+    defaults filled in): a block is dense where transformers' decoder layer makes it so, in
+    mlp_only_layers or off every decoder_sparse_step-th."""
+    n_layer, n_experts, step = hf["num_hidden_layers"], hf["num_experts"], hf["decoder_sparse_step"]
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError("decoder_sparse_step", f"{step!r} must be a whole number >= 1", where)
+    if not isinstance(n_experts, int) or n_experts < 2:
+        raise ConfigError("num_experts", f"{n_experts!r}: minillm needs 2 or more experts", where)
+    k = hf["num_experts_per_tok"]
+    if not isinstance(k, int) or not 1 <= k <= n_experts:
+        raise ConfigError(
+            "num_experts_per_tok", f"{k!r} must be 1 to num_experts={n_experts}", where
+        )
+    only = hf.get("mlp_only_layers") or []
+    dense = [i for i in range(n_layer) if i in only or (i + 1) % step]
+    if len(dense) == n_layer:
+        key = "mlp_only_layers" if only else "decoder_sparse_step"
+        raise ConfigError(key, "makes every block dense: no expert is used", where)
+    moe = dict(
+        n_experts=n_experts,
+        n_experts_per_token=k,
+        moe_ffn_hidden=hf["moe_intermediate_size"],
+        moe_norm_topk=bool(hf["norm_topk_prob"]),
+        moe_dense_layers=dense,
+    )
+    if hf["model_type"] == "qwen2_moe":
+        shared = hf["shared_expert_intermediate_size"]
+        if not isinstance(shared, int) or shared < 1:
+            raise ConfigError(
+                "shared_expert_intermediate_size", f"{shared!r} must be a width >= 1", where
+            )
+        moe["moe_shared_ffn_hidden"] = shared
+    return moe
+
+
 def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state_dict -> HF names, splitting fused projections. Tensors are made contiguous."""
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -488,20 +610,43 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         if cfg.qk_norm:  # Qwen3's per-head norms
             out[theirs + "self_attn.q_norm.weight"] = sd[ours + "attn.q_norm.weight"]
             out[theirs + "self_attn.k_norm.weight"] = sd[ours + "attn.k_norm.weight"]
-        if cfg.n_experts:
-            moe = theirs + "block_sparse_moe."
-            out[moe + "gate.weight"] = sd[ours + "ffn.router.weight"]
-            for e in range(cfg.n_experts):
-                w1, w3 = sd[ours + "ffn.w_gate_up"][e].chunk(2, dim=0)
-                out[moe + f"experts.{e}.w1.weight"] = w1
-                out[moe + f"experts.{e}.w2.weight"] = sd[ours + "ffn.w_down"][e]
-                out[moe + f"experts.{e}.w3.weight"] = w3
+        if ours + "ffn.router.weight" in sd:
+            out.update(_experts_to_hf(sd, ours + "ffn.", theirs, cfg))
         else:
-            gate, up = sd[ours + "ffn.w_gate_up.weight"].chunk(2, dim=0)
-            out[theirs + "mlp.gate_proj.weight"] = gate
-            out[theirs + "mlp.up_proj.weight"] = up
-            out[theirs + "mlp.down_proj.weight"] = sd[ours + "ffn.w_down.weight"]
+            out.update(_swiglu_to_hf(sd, ours + "ffn.", theirs + "mlp."))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def _swiglu_to_hf(sd: dict[str, torch.Tensor], ours: str, theirs: str) -> dict[str, torch.Tensor]:
+    """A SwiGLU's fused [gate; up] and down as gate_proj, up_proj and down_proj."""
+    gate, up = sd[ours + "w_gate_up.weight"].chunk(2, dim=0)
+    return {
+        theirs + "gate_proj.weight": gate,
+        theirs + "up_proj.weight": up,
+        theirs + "down_proj.weight": sd[ours + "w_down.weight"],
+    }
+
+
+def _experts_to_hf(
+    sd: dict[str, torch.Tensor], ours: str, theirs: str, cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """One MoE layer under its family's published names: Mixtral's block_sparse_moe.experts.N.w1,
+    w2, w3, the Qwen MoEs' mlp.experts.N.gate_proj, up_proj, down_proj (and shared expert)."""
+    out = {}
+    mixtral = hf_model_type(cfg) == "mixtral"
+    moe = theirs + ("block_sparse_moe." if mixtral else "mlp.")
+    out[moe + "gate.weight"] = sd[ours + "router.weight"]
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for e in range(cfg.n_experts):
+        gate, up = sd[ours + "w_gate_up"][e].chunk(2, dim=0)
+        expert = moe + f"experts.{e}."
+        out[expert + f"{names[0]}.weight"] = gate
+        out[expert + f"{names[1]}.weight"] = up
+        out[expert + f"{names[2]}.weight"] = sd[ours + "w_down"][e]
+    if cfg.moe_shared_ffn_hidden:
+        out.update(_swiglu_to_hf(sd, ours + "shared.", moe + "shared_expert."))
+        out[moe + "shared_expert_gate.weight"] = sd[ours + "shared.gate.weight"]
+    return out
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -538,8 +683,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         if cfg.qk_norm:
             out[ours + "attn.q_norm.weight"] = sd[attn + "q_norm.weight"]
             out[ours + "attn.k_norm.weight"] = sd[attn + "k_norm.weight"]
-        if cfg.n_experts:
-            out.update(_experts_from_hf(sd, theirs, ours + "ffn.", cfg.n_experts))
+        if cfg.n_experts and i not in cfg.moe_dense_layers:
+            out.update(_experts_from_hf(sd, theirs, ours + "ffn.", cfg))
         else:
             out[ours + "ffn.w_gate_up.weight"] = torch.cat(
                 [sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"]], dim=0
@@ -552,23 +697,38 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 
 
 def _experts_from_hf(
-    sd: dict[str, torch.Tensor], theirs: str, ours: str, n_experts: int
+    sd: dict[str, torch.Tensor], theirs: str, ours: str, cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """One Mixtral layer's router and stacked experts, from the published per-expert names or
-    from transformers 5's stacks (already our layout)."""
+    """One MoE layer's router, stacked experts (and shared expert), from the published
+    per-expert names (Mixtral's w1/w3/w2, Qwen's gate/up/down_proj) or from transformers 5's
+    stacks (already our layout)."""
     stacked = theirs + "mlp.experts."
+    out = {}
+    if cfg.moe_shared_ffn_hidden:
+        shared = theirs + "mlp.shared_expert."
+        out[ours + "shared.w_gate_up.weight"] = torch.cat(
+            [sd[shared + "gate_proj.weight"], sd[shared + "up_proj.weight"]], dim=0
+        )
+        out[ours + "shared.w_down.weight"] = sd[shared + "down_proj.weight"]
+        out[ours + "shared.gate.weight"] = sd[theirs + "mlp.shared_expert_gate.weight"]
     if stacked + "gate_up_proj" in sd:
         return {
+            **out,
             ours + "router.weight": sd[theirs + "mlp.gate.weight"],
             ours + "w_gate_up": sd[stacked + "gate_up_proj"],
             ours + "w_down": sd[stacked + "down_proj"],
         }
-    moe = theirs + "block_sparse_moe."
-    experts = [moe + f"experts.{e}." for e in range(n_experts)]
+    if theirs + "block_sparse_moe.gate.weight" in sd:  # Mixtral's published names
+        moe, names = theirs + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        moe, names = theirs + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    experts = [moe + f"experts.{e}." for e in range(cfg.n_experts)]
+    gate, up, down = (f"{n}.weight" for n in names)
     return {
+        **out,
         ours + "router.weight": sd[moe + "gate.weight"],
         ours + "w_gate_up": torch.stack(
-            [torch.cat([sd[x + "w1.weight"], sd[x + "w3.weight"]], dim=0) for x in experts]
+            [torch.cat([sd[x + gate], sd[x + up]], dim=0) for x in experts]
         ),
-        ours + "w_down": torch.stack([sd[x + "w2.weight"] for x in experts]),
+        ours + "w_down": torch.stack([sd[x + down] for x in experts]),
     }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minillm.model.moe import MoE
+from minillm.model.moe import MoE, SharedExpert
 from minillm.model.rope import apply_rope
 from minillm.model.transformer import (
     RMSNorm,
@@ -183,6 +183,12 @@ class FusedMoE(MoE):
     activation = staticmethod(fused_swiglu)
 
 
+class FusedSharedExpert(SharedExpert):
+    """A shared expert (Qwen2-MoE) whose activation is fused_swiglu."""
+
+    activation = staticmethod(fused_swiglu)
+
+
 def fused_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rope` through the RoPE Function in eager mode, `rotate` without autograd."""
     if compiling():  # the plain formula: inductor fuses it and its backward
@@ -214,6 +220,7 @@ _FUSED = {
     RMSNorm: FusedRMSNorm,
     SwiGLU: FusedSwiGLU,
     MoE: FusedMoE,
+    SharedExpert: FusedSharedExpert,
     Transformer: FusedTransformer,
 }
 

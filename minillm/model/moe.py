@@ -1,14 +1,18 @@
 """The mixture-of-experts FFN (`model.n_experts` > 0): SwiGLU experts routed per token, as Mixtral.
 
-Offers `swiglu`, `MoE`, `route`, `moe_reference`, `moe_dispatch` (`expert_ffns` and
+Offers `swiglu`, `MoE`, `SharedExpert`, `route`, `moe_reference`, `moe_dispatch` (`expert_ffns` and
 `dispatch_experts`, which an int8 MoE shares), `RouterStats`, `router_stats(model)` and
 `load_balancing_loss(stats, n_experts)`. `swiglu` is also the dense FFN's activation: it is
 defined once, here, because `minillm.model.transformer` imports this module (not the other way
 round).
 
 A linear router scores the E experts of each token; softmax over experts, the top k kept, their
-weights renormalised to sum to 1 (Mixtral; HF's `MixtralSparseMoeBlock`); the output is the
-weighted sum of those k experts' SwiGLU outputs. Dropless: every token reaches its k experts,
+weights renormalised to sum to 1 (Mixtral; HF's `MixtralSparseMoeBlock`) or, with
+model.moe_norm_topk false, left as softmax probabilities (Qwen1.5-MoE's `norm_topk_prob`); the
+output is the weighted sum of those k experts' SwiGLU outputs, plus, with
+model.moe_shared_ffn_hidden, a shared expert every token goes through, scaled by
+sigmoid(x . w_gate) (HF's `Qwen2MoeSparseMoeBlock`; Qwen3-MoE's block is Mixtral's with or without
+the renormalisation). Dropless: every token reaches its k experts,
 however many tokens pick the same one (no capacity factor). `moe_reference` computes it plainly
 (every expert on every token, zero weights on the others); `moe_dispatch`, which the module
 runs, sorts the (token, expert) pairs by expert and makes one pair of matmuls per expert, so
@@ -36,13 +40,16 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def route(
-    x: torch.Tensor, router: torch.Tensor, k: int
+    x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router probabilities (N, E) in float32, and each token's k experts (N, k) with their
-    weights (N, k), renormalised over the k, for tokens x (N, C) and router weight (E, C)."""
+    weights (N, k), renormalised over the k unless `normalize` is False, for tokens x (N, C) and
+    router weight (E, C)."""
     probs = F.linear(x, router).float().softmax(dim=-1)  # (N, E)
     weights, experts = probs.topk(k, dim=-1)  # (N, k) each, the most likely first
-    return probs, weights / weights.sum(dim=-1, keepdim=True), experts
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, experts
 
 
 def moe_reference(
@@ -122,8 +129,26 @@ class RouterStats:
     tokens: int  # N
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a SwiGLU of width S on every token, scaled per token by
+    sigmoid(x . gate), gate (1, C) (HF's `shared_expert` and `shared_expert_gate`)."""
+
+    activation = staticmethod(swiglu)
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+        self.gate = nn.Linear(d_model, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.w_down(self.activation(self.w_gate_up(x)))  # (N, C)
+        return torch.sigmoid(self.gate(x)) * y
+
+
 class MoE(nn.Module):
-    """Router, softmax, top-k renormalised, and E SwiGLU experts stacked in 3-D weights.
+    """Router, softmax, top-k (renormalised or not), E SwiGLU experts stacked in 3-D weights, and
+    optionally a gated shared expert (`SharedExpert`).
 
     The stacked weights are Hugging Face's `MixtralExperts` layout: w_gate_up[e] is
     [w1; w3] (gate; up) of expert e, w_down[e] its w2; the router is HF's
@@ -137,18 +162,24 @@ class MoE(nn.Module):
         super().__init__()
         E, C = cfg.n_experts, cfg.d_model
         self.k, self.hidden = cfg.n_experts_per_token, cfg.moe_ffn_hidden
+        self.normalize = cfg.moe_norm_topk
         self.router = nn.Linear(C, E, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(E, 2 * self.hidden, C))
         self.w_down = nn.Parameter(torch.empty(E, C, self.hidden))
+        # None without model.moe_shared_ffn_hidden: no branch is taken on the decode step then.
+        shared = cfg.moe_shared_ffn_hidden
+        self.shared = SharedExpert(C, shared) if shared else None
         self.drop = nn.Dropout(cfg.dropout)
         self.stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, C), N = B*T
-        probs, weights, experts = route(flat, self.router.weight, self.k)
+        probs, weights, experts = route(flat, self.router.weight, self.k, self.normalize)
         counts = torch.bincount(experts.flatten(), minlength=probs.shape[1]).float()
         self.stats = RouterStats(probs.sum(dim=0), counts, flat.shape[0])
         y = dispatch_experts(flat, weights, experts, self.expert_ffns())
+        if self.shared is not None:
+            y = y + self.shared(flat)
         return self.drop(y.view(x.shape))
 
     def expert_ffns(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:

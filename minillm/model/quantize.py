@@ -150,6 +150,10 @@ class Int8MoE(MoE):
     def __init__(self, moe: MoE) -> None:
         nn.Module.__init__(self)  # not MoE's: no fp32 expert stacks to allocate
         self.k, self.hidden, self.router, self.drop = moe.k, moe.hidden, moe.router, moe.drop
+        self.normalize, self.shared = moe.normalize, moe.shared
+        if self.shared is not None:  # its gate (one row) stays fp32, as the router
+            self.shared.w_gate_up = Int8Linear(self.shared.w_gate_up.weight)
+            self.shared.w_down = Int8Linear(self.shared.w_down.weight)
         self.activation = moe.activation
         self.stats = None
         self.gate_up = nn.ModuleList(Int8Linear(w) for w in moe.w_gate_up.unbind(0))

@@ -190,15 +190,16 @@ class GeGLU(SwiGLU):
 class Block(nn.Module):
     """Pre-norm residual block: x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)), the FFN a SwiGLU
     (a GeGLU with model.ffn_activation gelu_tanh) or, with model.n_experts, a mixture of SwiGLU
-    experts (minillm.model.moe). With model.sandwich_norm each branch's output is normalised
-    too before it is added: x + RMSNorm(Attn(RMSNorm(x))) (Gemma)."""
+    experts (minillm.model.moe) unless block `layer` is one of model.moe_dense_layers. With
+    model.sandwich_norm each branch's output is normalised too before it is added:
+    x + RMSNorm(Attn(RMSNorm(x))) (Gemma)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        if cfg.n_experts:
+        if cfg.n_experts and layer not in cfg.moe_dense_layers:
             self.ffn = MoE(cfg)
         else:
             self.ffn = GeGLU(cfg) if cfg.ffn_activation == "gelu_tanh" else SwiGLU(cfg)
@@ -238,7 +239,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         # train.activation_checkpointing: keep each block's input only, recompute the rest.
         self.activation_checkpointing = False
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -281,15 +282,17 @@ class Transformer(nn.Module):
 
     def residual_projections(self) -> list[nn.Parameter]:
         """The weights that write into the residual stream: each block's attn.wo and ffn.w_down
-        (an MoE's (E, C, F) stack of its experts' down projections)."""
-        return [
-            w
-            for b in self.blocks
-            for w in (
-                b.attn.wo.weight,
-                b.ffn.w_down if isinstance(b.ffn, MoE) else b.ffn.w_down.weight,
-            )
-        ]
+        (an MoE's (E, C, F) stack of its experts' down projections, and its shared expert's)."""
+        out = []
+        for b in self.blocks:
+            out.append(b.attn.wo.weight)
+            if not isinstance(b.ffn, MoE):
+                out.append(b.ffn.w_down.weight)
+                continue
+            out.append(b.ffn.w_down)
+            if b.ffn.shared is not None:
+                out.append(b.ffn.shared.w_down.weight)
+        return out
 
     @property
     def head_weight(self) -> torch.Tensor:

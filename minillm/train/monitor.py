@@ -158,7 +158,8 @@ class ExpertLoad:
     """A mixture of experts' routing over the steps since the last log line: the
     load-balancing loss and, per layer, the fraction of tokens routed to each expert (k/E each
     when balanced), as TensorBoard scalars xray/moe/aux_loss and
-    xray/moe/layer{i}/expert{e}."""
+    xray/moe/layer{i}/expert{e} (i counts the sparse blocks: model.moe_dense_layers have no
+    router)."""
 
     def __init__(self, n_experts: int) -> None:
         self.n_experts = n_experts
