@@ -40,6 +40,7 @@ from minillm.config import SampleConfig
 from minillm.data.jinja_chat import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from minillm.errors import UserError
 from minillm.model.hf_names import hf_config_dict, to_hf_state_dict
+from minillm.runtime.disk_space import raise_if_disk_full
 from minillm.runtime.files import commit_dir, save_safetensors
 
 
@@ -129,6 +130,10 @@ def published_generation_config(
     return gen
 
 
+# What a failed export promises (a full disk: minillm.runtime.disk_space).
+KEPT = "nothing at --out was changed; free some space or choose another --out"
+
+
 def check_export_target(out: str | Path, force: bool, source: str | Path | None = None) -> None:
     """UserError if `out` is a file, a non-empty folder without force, or would overwrite the
     checkpoint being exported (`source`, a run or a checkpoint folder) or any of its run's.
@@ -196,8 +201,10 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
         check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
         commit_dir(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        need = lambda: 4 * sum(v.numel() for v in ckpt.model.state_dict().values())  # noqa: E731
+        raise_if_disk_full(e, out.parent, f"the hf export {out.name}", need, KEPT)
         raise
     return out
 
