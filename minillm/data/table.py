@@ -98,7 +98,9 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, int | float):
         return "a number"
     if isinstance(value, list):
-        return "chat messages" if value and _is_chat_value(value) else "a list"
+        # Messages with a key missing are still messages: check_messages names the key.
+        looks = value and all(isinstance(m, dict) and "role" in m for m in value)
+        return "chat messages" if looks or (value and _is_chat_value(value)) else "a list"
     return "an object" if isinstance(value, dict) else type(value).__name__
 
 
