@@ -418,7 +418,7 @@ def test_full_disk_is_one_line_and_keeps_previous_shards(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ShardWriter, "write", full)
-    with pytest.raises(UserError, match="No space left on device"):
+    with pytest.raises(UserError, match="tokens: no space left on the device writing token shards"):
         write_shards(make_cfg(tmp_path, source=src, vocab_size=350), retrain=True)
     assert hashes(out) == before
 

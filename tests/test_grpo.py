@@ -246,3 +246,23 @@ def test_grpo_under_fsdp_is_refused_in_one_line(base: Path, tmp_path: Path) -> N
     assert result.exit_code == 2
     assert "train.parallel: fsdp cannot run train.objective: grpo" in error_line(result)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_progress_line_shows_reward_and_share_correct(base: Path, tmp_path: Path) -> None:
+    # A GRPO loss is about 0 whatever the rewards: the line shows them beside it (issue 53).
+    (tmp_path / "rw.py").write_text("def half(m, reply, answer):\n    return 0.5\n")
+    grpo = {"group_size": 2, "max_new_tokens": 3, "reward": "python:rw:half"}
+    path = grpo_yaml(base, tmp_path / "run", max_steps=1, grpo=grpo)
+    result = runner.invoke(app, ["train", str(path)])
+    assert result.exit_code == 0, result.output
+    step = next(line for line in result.stdout.splitlines() if line.startswith("step 1/1 "))
+    assert "  loss " in step and "  reward 0.500  correct 1.000  lr " in step, step
+
+
+def test_beside_loss_puts_the_objectives_scalars_after_the_loss() -> None:
+    from minillm.train.trainer import _beside_loss
+
+    shown = {"loss": "0.0001", "lr": "1e-3", "tok/s": "10"}
+    got = _beside_loss(shown, {"grpo/reward": 0.25, "x": 1.0}, {"grpo/reward": "reward"})
+    assert list(got.items()) == [("loss", "0.0001"), ("reward", "0.250"), ("lr", "1e-3"),
+                                 ("tok/s", "10")]  # fmt: skip

@@ -229,5 +229,5 @@ def test_a_grpo_run_charts_its_quality_first_and_its_timings_as_diagnostics(
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     grpo = {t for t in tags if t.startswith("grpo/")}
-    assert grpo == {"grpo/reward", "grpo/any_correct", "grpo/all_correct"}  # kl 0: no grpo/kl
+    assert grpo == {"grpo/reward", "grpo/correct", "grpo/any_correct", "grpo/all_correct"}  # no kl
     assert {"xray/grpo/sample_share", "xray/grpo/reply_tokens", "train/loss"} <= tags

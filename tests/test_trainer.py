@@ -94,7 +94,7 @@ def test_failed_save_leaves_previous_checkpoint_and_latest(
         trainer.train_step()
         trainer.state.step += 1
         monkeypatch.setattr(ckpt.torch, "save", full_disk)
-        with pytest.raises(ckpt.CheckpointError, match="No space left on device"):
+        with pytest.raises(ckpt.UserError, match="checkpoints: no space left on the device"):
             trainer.save()
     finally:
         trainer.close()

@@ -42,10 +42,11 @@ from minillm.checkpoint.gguf_tokens import (
     gguf_specials,
     gguf_vocab,
 )
-from minillm.checkpoint.hf_export import check_not_over_source
+from minillm.checkpoint.hf_export import KEPT, check_not_over_source
 from minillm.config import ModelConfig, SampleConfig
 from minillm.errors import CheckpointError, UserError
 from minillm.model.hf_names import hf_model_type
+from minillm.runtime.disk_space import raise_if_disk_full
 from minillm.runtime.files import StagedFile, fsync_dir, fsync_file
 from minillm.tokenizer.chat_template import HF_CHAT_TEMPLATE
 
@@ -416,11 +417,13 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         check_gguf_target(out, force, ckpt.path, dtype)  # again: someone may have written since
         staged.commit()
         modelfile.commit()
-    except BaseException:
+    except BaseException as e:
         w.close()
         staged.discard()
         if modelfile is not None:
             modelfile.discard()
+        need = lambda: sum(data.nbytes for _, data, _ in tensors)  # noqa: E731
+        raise_if_disk_full(e, out.parent, f"the GGUF file {out.name}", need, KEPT)
         raise
     fsync_dir(out.parent)
     return out

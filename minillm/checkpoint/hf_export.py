@@ -39,6 +39,7 @@ from minillm.checkpoint.model_tokens import model_tokens
 from minillm.config import SampleConfig
 from minillm.errors import UserError
 from minillm.model.hf_names import hf_config_dict, to_hf_state_dict
+from minillm.runtime.disk_space import raise_if_disk_full
 from minillm.runtime.files import commit_dir, save_safetensors
 from minillm.tokenizer.conventions import ModelTokens
 
@@ -74,6 +75,10 @@ def published_generation_config(
             gen.pop(key, None)
         gen.update(sampling_config(sample))
     return gen
+
+
+# What a failed export promises (a full disk: minillm.runtime.disk_space).
+KEPT = "nothing at --out was changed; free some space or choose another --out"
 
 
 def check_export_target(out: str | Path, force: bool, source: str | Path | None = None) -> None:
@@ -144,7 +149,9 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
         check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
         commit_dir(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        need = lambda: 4 * sum(v.numel() for v in ckpt.model.state_dict().values())  # noqa: E731
+        raise_if_disk_full(e, out.parent, f"the hf export {out.name}", need, KEPT)
         raise
     return out

@@ -18,9 +18,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from minillm.checkpoint.hf_export import check_export_target
+from minillm.checkpoint.hf_export import KEPT, check_export_target
 from minillm.errors import UserError
 from minillm.model.lora import peft_modules, to_peft_state_dict
+from minillm.runtime.disk_space import raise_if_disk_full
 from minillm.runtime.files import commit_dir, save_safetensors
 
 CONFIG_FILE = "adapter_config.json"
@@ -87,7 +88,9 @@ def export_peft(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         (tmp / CONFIG_FILE).write_text(text, encoding="utf-8")
         check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
         commit_dir(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        need = lambda: 4 * sum(v.numel() for v in ckpt.adapters.values())  # noqa: E731
+        raise_if_disk_full(e, out.parent, f"the peft export {out.name}", need, KEPT)
         raise
     return out

@@ -46,6 +46,7 @@ from minillm.checkpoint.layout import (
 )
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
 from minillm.errors import CheckpointError, UserError
+from minillm.runtime.disk_space import full_disk_error, is_disk_full
 from minillm.runtime.files import (
     atomic_write_json,
     atomic_write_text,
@@ -110,7 +111,16 @@ def save_checkpoint(
             atomic_write_text(ckpt_root / "BEST", name + "\n")
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):  # a full disk, a quota, an I/O error: say so in one line
+        if is_disk_full(e):  # OSError ENOSPC, or torch.save's RuntimeError on a short write
+            need = _nbytes(model_state) + _nbytes(trainer_state)
+            raise full_disk_error(
+                ckpt_root,
+                f"checkpoint {name}",
+                need,
+                "LATEST still names the previous checkpoint, which is intact; free some space "
+                "and run again (it resumes from there)",
+            ) from None
+        if isinstance(e, OSError):  # a quota, an I/O error: say so in one line
             raise CheckpointError(
                 f"{ckpt_root}: writing checkpoint {name} failed ({e.strerror or e}); "
                 f"LATEST still names the previous one, which is intact"
@@ -118,6 +128,17 @@ def save_checkpoint(
         raise
     prune_checkpoints(ckpt_root, keep_last)
     return final
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of the tensors in `obj` (nested dicts, lists): what saving it needs, about."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:

@@ -51,11 +51,13 @@ def serve(
     with continuous batching, and a chat page at /. The model's name is the run's name.
     """
     try:
+        from minillm.serve.server import bind
         from minillm.serve.server import serve as run_server
     except ImportError as e:
         print_error(f"minillm serve needs FastAPI and uvicorn ({e}): pip install 'minillm[serve]'")
         raise typer.Exit(2) from None
 
+    sock = run(bind, host, port)  # a busy port is one line now, not after the model loads
     loaded = load_ckpt(ckpt, device, best, quantize, overrides)
     name = loaded.path.parent.parent.name if loaded.path.parent.name == "checkpoints" else None
     run(
@@ -67,6 +69,7 @@ def serve(
         api_key=api_key or None,
         max_batch=max_batch,
         max_queue=max_queue,
+        sock=sock,
     )
 
 

@@ -399,6 +399,14 @@ def _check_paths(raw: dict[str, Any], file: Path, overridden: typing.Collection[
                 raise ConfigError(dotted, message, str(file))
 
 
+def _other_suffix(path: Path) -> str:
+    """`; did you mean configs/tiny.yaml?` where the other YAML suffix names a file, or ""."""
+    other = {".yml": ".yaml", ".yaml": ".yml"}.get(path.suffix.lower())
+    if other is not None and path.with_suffix(other).is_file():
+        return f"; did you mean {path.with_suffix(other)}?"
+    return ""
+
+
 def read_raw_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """The YAML file as plain data with the overrides applied, before types and checks (but
     after the check of its paths: see the module's docstring)."""
@@ -407,7 +415,7 @@ def read_raw_config(path: str | Path, overrides: list[str] | None = None) -> dic
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError("", "no such config file", file) from None
+        raise ConfigError("", "no such config file" + _other_suffix(path), file) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError("", f"cannot read: {e}", file) from None
     try:

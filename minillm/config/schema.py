@@ -298,6 +298,13 @@ class DataConfig(Section):
         "system, user, assistant) is chat: each message becomes <|role|> + content + <|end|> "
         "(a published model's tokenizer: its own chat template).",
     )
+    chat_format: Literal["auto", "messages", "sharegpt", "alpaca"] = setting(
+        "auto",
+        help="Layout of chat rows: messages ([{role, content}, ...] in text_field); sharegpt (a "
+        "conversations column of [{from: human|gpt|system, value}, ...]); alpaca (instruction, "
+        "input and output columns). auto = messages or sharegpt by what text_field holds, or, "
+        "without a text_field column, a conversations column or instruction and output columns.",
+    )
     loss_on: Literal["auto", "all", "assistant"] = setting(
         "auto",
         help="Which tokens are training targets: all, or (chat data) the assistant turns' tokens "

@@ -15,6 +15,11 @@ from minillm.config.section import DEVICE_PATTERN, Section, setting
 
 # The model's linear layers that `train.lora.targets` may name (minillm.model.lora).
 LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")
+# peft's (Hugging Face Llama's) names of the same layers: a target named so points to ours.
+PEFT_TARGETS = {
+    "q_proj": "wqkv", "k_proj": "wqkv", "v_proj": "wqkv", "o_proj": "wo",
+    "gate_proj": "w_gate_up", "up_proj": "w_gate_up", "down_proj": "w_down",
+}  # fmt: skip
 
 
 @dataclass
@@ -55,6 +60,15 @@ class LoRAConfig(Section):
         if not 0.0 <= self.dropout < 1.0:
             self._fail("dropout", f"must be in [0, 1), got {self.dropout}")
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown and unknown[0] in PEFT_TARGETS:
+            ours = PEFT_TARGETS[unknown[0]]
+            peft = "/".join(k for k, v in PEFT_TARGETS.items() if v == ours)
+            self._fail(
+                "targets",
+                f"{unknown[0]!r} is peft's name; minillm's layer for {peft} is {ours!r} (one "
+                "fused adapter, exported to peft as its separate ones): use targets: "
+                f"[{ours}, ...] (valid: {', '.join(LORA_TARGETS)})",
+            )
         if unknown:
             self._fail(
                 "targets", f"unknown layer {unknown[0]!r} (valid: {', '.join(LORA_TARGETS)})"
@@ -337,7 +351,7 @@ class TrainConfig(Section):
         for i, path in enumerate(self.eval_tasks):
             if not path:
                 self._fail("eval_tasks", f"entry {i} is empty")
-        if self.min_lr > self.lr:
+        if self.min_lr > self.lr and self.schedule != "constant":  # constant never uses it
             self._fail("min_lr", f"{self.min_lr} is above lr={self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             self._fail("betas", f"must be two numbers in [0, 1), got {list(self.betas)}")

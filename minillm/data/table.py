@@ -26,6 +26,12 @@ from typing import Any
 
 from minillm.config import DataConfig
 from minillm.data.arrow_text import Undecodable, decoded, pylist
+from minillm.data.chat_formats import (
+    ALPACA_FIELDS,
+    is_sharegpt_value,
+    pick_chat_format,
+    to_messages,
+)
 from minillm.data.corpus import (
     Corpus,
     Document,
@@ -59,6 +65,19 @@ def _is_chat_type(kind: Any) -> bool | None:
     return None
 
 
+def _is_sharegpt(kind: Any, value: Any) -> bool:
+    """Whether a column (its arrow type, or a stream's first value) holds ShareGPT turns."""
+    import pyarrow as pa
+
+    if kind is None:
+        return is_sharegpt_value(value)
+    return (
+        (pa.types.is_list(kind) or pa.types.is_large_list(kind))
+        and pa.types.is_struct(kind.value_type)
+        and {"from", "value"} <= {f.name for f in kind.value_type}
+    )
+
+
 def _is_chat_value(value: Any) -> bool | None:
     """_is_chat_type for a row's value (a stream whose column types are known only once read)."""
     if value is None or isinstance(value, str):
@@ -79,7 +98,9 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, int | float):
         return "a number"
     if isinstance(value, list):
-        return "chat messages" if value and _is_chat_value(value) else "a list"
+        # Messages with a key missing are still messages: check_messages names the key.
+        looks = value and all(isinstance(m, dict) and "role" in m for m in value)
+        return "chat messages" if looks or (value and _is_chat_value(value)) else "a list"
     return "an object" if isinstance(value, dict) else type(value).__name__
 
 
@@ -159,25 +180,47 @@ class TableCorpus(Corpus):
         self._mark: dict[str, Any] | None = None  # the stream's cursor where its batch began
         self._start_cursor: dict[str, Any] | None = None  # seek's: where the stream begins
         self.streaming = isinstance(ds, datasets.IterableDataset)
-        self.field = field = data.text_field
         self.decode_errors = data.decode_errors
         self.max_documents, self.max_bytes = data.max_documents, data.max_bytes
         self.val_documents, self.val_fraction = data.val_documents, data.val_fraction
         self.ds = ds
-        columns, kind, value = ds.column_names, None, None
-        if self.streaming and ds.features is not None:
-            kind = ds.features.arrow_schema.field(field).type if field in columns else None
-        elif self.streaming:  # json: the columns are known once a row is read
+        columns, kind, value, first = ds.column_names, None, None, None
+        if self.streaming and ds.features is None:  # json: the columns are known once read
+            self.layout, self.field = "auto", data.text_field  # as _batches reads them
             first = next(self._batches(), None)
             columns = list(first) if first is not None else []
+        # ShareGPT and Alpaca rows become messages as they are read (minillm.data.chat_formats)
+        self.layout, field = pick_chat_format(data.chat_format, data.text_field, columns or [])
+        self.field = field
+        if self.streaming and ds.features is not None:
+            kind = ds.features.arrow_schema.field(field).type if field in columns else None
+        elif self.streaming:
             value = first[field][0] if first is not None and field in first else None
         else:
             kind = ds.data.schema.field(field).type if field in columns else None
+        self.read = [field]  # the columns read: Alpaca's three, otherwise the one
+        if self.layout == "alpaca":
+            self.read = [c for c in ALPACA_FIELDS if c in (columns or [])]
+            if "output" not in self.read and (columns or not self.streaming):
+                found = ", ".join(columns or []) or "none"
+                message = f"no column 'output' for data.chat_format alpaca (columns found: {found})"
+                raise corpus_error(label, "data.chat_format", message)
         if field not in (columns or []) and (columns or not self.streaming):
             found = ", ".join(columns or []) or "none"
             message = f"no column {field!r} (columns found: {found})"
             raise corpus_error(label, "data.text_field", message)
         chat = _is_chat_type(kind) if kind is not None else _is_chat_value(value)
+        if kind is not None and chat is None and not self.streaming and len(ds):
+            value = ds[0][field]  # a column arrow keeps as JSON (turns with differing keys)
+        if self.layout in ("auto", "sharegpt") and not chat and _is_sharegpt(None, value):
+            self.layout, chat = "sharegpt", True
+        elif self.layout in ("auto", "sharegpt") and not chat and _is_sharegpt(kind, value):
+            self.layout, chat = "sharegpt", True
+        elif self.layout == "alpaca":
+            chat = True
+        elif self.layout == "sharegpt" and chat is not None:
+            message = f"column {field!r} holds {kind or _json_kind(value)}, not ShareGPT turns"
+            raise corpus_error(label, "data.chat_format", message)
         if chat is None and (problem := jsonl_problem(files, field)) is not None:
             raise problem  # the line at fault, not only the column's type
         if chat is None:
@@ -188,7 +231,7 @@ class TableCorpus(Corpus):
                 f"column {field!r} holds {held}, not text or a list of {{role, content}} messages",
             )
         self.chat = chat
-        self.ds = ds.select_columns([field]) if columns else ds
+        self.ds = ds.select_columns(self.read) if columns else ds
         self.mask = None
         if self.streaming:
             self.n_rows = self.n_documents = 0  # unknown until read
@@ -211,6 +254,8 @@ class TableCorpus(Corpus):
         known = self.streaming or revision
         dataset = "" if known else getattr(ds, "_fingerprint", "")
         extra = {"hub": label, "revision": revision, "dataset": dataset} if not files else {}
+        if data.chat_format != "auto":  # so a fingerprint taken before the key stays valid
+            extra["chat_format"] = data.chat_format
         self.fingerprint = self._fingerprint(data, extra)
 
     def _batches(self) -> Iterator[dict[str, list[Any]]]:
@@ -298,21 +343,29 @@ class TableCorpus(Corpus):
                     found = ", ".join(batch) or "none"
                     message = f"no column {self.field!r} (columns found: {found})"
                     raise corpus_error(self.label, "data.text_field", message)
-                yield batch[self.field]
+                yield self._values({c: batch.get(c) for c in self.read})
             return
         files = [f["filename"] for f in self.ds.cache_files]
         if not files or getattr(self.ds, "_indices", None) is not None:
             for table in self.ds.with_format("arrow").iter(batch_size=ROWS_PER_BATCH):
-                yield pylist(table.column(self.field).combine_chunks())
+                yield self._values({c: pylist(table.column(c).combine_chunks()) for c in self.read})
             return
         rows = 0
         for name in files:
             with pa.OSFile(name) as f:
                 for batch in pa.ipc.open_stream(f):
                     rows += batch.num_rows
-                    yield pylist(batch.column(self.field))
+                    yield self._values({c: pylist(batch.column(c)) for c in self.read})
         if rows != self.n_rows:  # a datasets change we do not know: fail loudly, not wrong
             raise RuntimeError(f"read {rows} rows from {files}, expected {self.n_rows}")
+
+    def _values(self, columns: dict[str, list[Any] | None]) -> list[Any]:
+        """A batch's values: the one column's, or for Alpaca one {column: value} dict a row."""
+        if self.layout != "alpaca":
+            return columns[self.field] or []
+        n = max(len(v) for v in columns.values() if v is not None)
+        lists = {c: v if v is not None else [None] * n for c, v in columns.items()}
+        return [{c: lists[c][i] for c in lists} for i in range(n)]
 
     def texts(self) -> Iterator[str]:
         """Every row's text in order, before any split (`minillm eval`); a chat column is scored
@@ -361,9 +414,12 @@ class TableCorpus(Corpus):
                     yield i, None, mark
                     continue
                 if self.chat:
+                    value = to_messages(self.layout, value, self.label, i + 1, self.field)
                     try:
                         value = check_messages(value, self.label, i + 1, self.field)
                     except ConfigError as e:
+                        if self.layout in ("sharegpt", "alpaca"):  # no jsonl messages to name
+                            raise
                         # A jsonl file's rows are named by their lines (blank lines count)
                         raise (jsonl_problem(self.files, self.field) or e) from None
                     nbytes += content_bytes(value) if self.max_bytes else 0

@@ -38,7 +38,7 @@ from minillm.data import shard_staging as staging_mod
 from minillm.data.corpus import Corpus, prefix_keys
 from minillm.data.encode_batches import ChatBatches, TextBatches
 from minillm.data.encode_pool import Encoded, EncodePool
-from minillm.data.meta import MASK_SUFFIX, SPLITS, shard_dtype
+from minillm.data.meta import MASK_SUFFIX, SPLITS, TOKEN_DTYPES, shard_dtype
 from minillm.data.shard_staging import Staging, commit, make_meta, pass_inputs, resume_writers
 from minillm.data.shard_writer import ShardWriter
 from minillm.data.sources import open_corpus
@@ -46,6 +46,7 @@ from minillm.data.summary import pass_splits
 from minillm.data.tokenizer_train import train_on_corpus
 from minillm.errors import ConfigError, UserError, warn
 from minillm.runtime.cpus import default_num_proc
+from minillm.runtime.disk_space import full_disk_error, is_disk_full
 from minillm.runtime.files import atomic_write_text, ensure_writable_dir, removing_new_dirs
 from minillm.runtime.progress import Progress
 from minillm.tokenizer.bpe import (
@@ -245,10 +246,20 @@ class _Pass:
                     f"{self.out_dir}: tokenize interrupted; run it again to resume from its "
                     "checkpoint"
                 )
-            error = _as_user_error(e, self.out_dir)
+            error = _as_user_error(e, self.out_dir, self._bytes_needed)
             if error is None:
                 raise
             raise error from None
+
+    def _bytes_needed(self) -> int | None:
+        """What the shards will take, about: ~4 bytes of text a token (a trained BPE's usual),
+        each token `dtype` bytes and, with a mask, one more; None before the dtype is known."""
+        dtype = getattr(self, "dtype", None)
+        if dtype is None:
+            return None
+        text = sum(f.stat().st_size for f in self.corpus.files if f.is_file())
+        per_token = TOKEN_DTYPES[dtype].itemsize + (1 if self.masks else 0)
+        return text // 4 * per_token
 
     def summary(
         self, stats: dict[str, dict[str, Any]], pass_seconds: float, seconds: float
@@ -272,9 +283,14 @@ class _Pass:
         }
 
 
-def _as_user_error(e: BaseException, out_dir: Path) -> UserError | None:
+def _as_user_error(
+    e: BaseException, out_dir: Path, needed: Callable[[], int | None]
+) -> UserError | None:
     """The one line that a failure which is neither bad data nor a bug is (None: it is)."""
-    if isinstance(e, OSError):  # a full disk, a quota, an I/O error
+    if is_disk_full(e):
+        after = "the previous shards are intact; free some space and run `minillm tokenize` again"
+        return full_disk_error(out_dir, "token shards", needed(), after + " (it resumes)")
+    if isinstance(e, OSError):  # a quota, an I/O error
         return UserError(
             f"{out_dir}: writing the tokenizer and shards failed ({e.strerror or e}); "
             "free some space and run `minillm tokenize` again (it resumes)"

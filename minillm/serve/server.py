@@ -1,6 +1,7 @@
 """The process `minillm serve` runs: bind the socket, print where it listens, run uvicorn.
 
-Offers `serve(...)`, what the command runs: check the limits, bind (a bad --host or --port is one
+Offers `bind` (the listening socket; `minillm serve` binds before loading the checkpoint) and
+`serve(...)`, what the command runs: check the limits, bind (a bad --host or --port is one
 error line, before the slow startup), print the URL and the model's name, serve the app of
 `minillm.serve.app` until Ctrl-C or SIGTERM, then finish the requests in flight (a few seconds at
 most) and stop the engine.
@@ -21,7 +22,7 @@ from minillm.runtime.cpus import default_num_proc
 from minillm.serve.app import create_app
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     """The listening socket, or a UserError naming --host/--port (before the slow startup)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -49,15 +50,17 @@ def serve(
     api_key: str | None = None,
     max_batch: int = 16,
     max_queue: int = 64,
+    sock: socket.socket | None = None,
 ) -> None:
-    """What `minillm serve` runs (module docstring); returns after a clean shutdown."""
+    """What `minillm serve` runs (module docstring); returns after a clean shutdown. `sock`:
+    the socket `bind` made before the checkpoint loaded (None: bound here)."""
     import uvicorn
 
     if max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {max_batch}")
     if max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {max_queue}")
-    sock = _bind(host, port)
+    sock = sock if sock is not None else bind(host, port)
     app = create_app(
         ckpt,
         name,

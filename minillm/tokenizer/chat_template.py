@@ -71,7 +71,8 @@ def check_messages(
         if role not in ROLES:
             raise fail(f"{field}[{i}].role: {role!r} is not one of {', '.join(ROLES)}")
         if not isinstance(content, str):
-            raise fail(f"{field}[{i}].content: expected a string, got {type(content).__name__}")
+            got = "missing" if "content" not in m else f"got {type(content).__name__}"
+            raise fail(f"{field}[{i}].content: expected a string, {got}")
         out.append({"role": role, "content": content})
     if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise fail(f"{field}: no assistant turn, so nothing to learn from")

@@ -182,6 +182,8 @@ def resume_point(
         raise UserError(
             f"{found}: cannot resume with a different architecture, tokenizer or optimizer: "
             + "; ".join(refused)
+            + f". To train this config, give it a new train.out_dir (or start over in {run_dir} "
+            "with --no-resume --force, which deletes its checkpoints)"
         )
     redrawn = None
     if verbose:

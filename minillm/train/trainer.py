@@ -293,7 +293,9 @@ class Trainer:
             if self.expert_load is not None:
                 monitor.scalars(self.expert_load.scalars(), self.state.step)
                 self.expert_load.reset()
-            monitor.scalars(self.objective.scalars(), self.state.step)
+            own = self.objective.scalars()
+            monitor.scalars(own, self.state.step)
+            shown = _beside_loss(shown, own, self.objective.console)
         monitor.step(self.state.step, shown, log)
         if log:
             meter.reset()
@@ -412,3 +414,16 @@ def train(
         # traceback keeps the trainer): the group's destructor joins its threads.
         del trainer
         gc.collect()
+
+
+def _beside_loss(
+    shown: dict[str, str], own: dict[str, float], console: dict[str, str]
+) -> dict[str, str]:
+    """The progress line's items with the objective's `console` scalars put right after loss."""
+    extra = {label: f"{own[tag]:.3f}" for tag, label in console.items() if tag in own}
+    out: dict[str, str] = {}
+    for key, value in shown.items():
+        out[key] = value
+        if key == "loss":
+            out.update(extra)
+    return out if len(out) == len(shown) + len(extra) else {**shown, **extra}

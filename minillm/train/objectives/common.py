@@ -112,6 +112,9 @@ class Objective(Protocol):
     dropout: bool  # whether the model's dropout stays on in `loss` (off: dropout_off)
     chat: bool  # trains on conversations (a LoRA run then checks the base knows the chat tokens)
     needs_start_weights: bool  # whether it reads train.init_from's weights on a resume too
+    # Its scalars shown on the progress line beside the loss: {tag: label} (a GRPO loss is ~0,
+    # so its reward and share of correct replies are what a user watches).
+    console: dict[str, str]
 
     def attach(self, model: Transformer) -> None:
         """The model it trains, holding its starting weights (before a resume loads its own)."""

@@ -179,6 +179,7 @@ class DPO:
 
     dropout = False
     chat = True
+    console = {"dpo/reward_accuracy": "acc"}
     needs_start_weights = True  # the reference is train.init_from, on a resume too
 
     def __init__(self, setup: Setup) -> None:

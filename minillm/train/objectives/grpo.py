@@ -118,6 +118,7 @@ class GRPO:
 
     dropout = False
     chat = True
+    console = {"grpo/reward": "reward", "grpo/correct": "correct"}
 
     def __init__(self, setup: Setup) -> None:
         cfg = setup.cfg
@@ -216,6 +217,7 @@ class GRPO:
         correct = rewards > 0
         self.meter.add({
             "grpo/reward": float(rewards.mean()),
+            "grpo/correct": float(correct.double().mean()),
             "grpo/any_correct": float(correct.any(dim=1).double().mean()),
             "grpo/all_correct": float(correct.all(dim=1).double().mean()),
             "xray/grpo/reply_tokens": sum(len(r.reply) for r in flat) / len(flat),

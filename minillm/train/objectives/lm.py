@@ -76,6 +76,7 @@ class LM:
     the loss and the validation loss and bits per byte."""
 
     dropout = True
+    console: dict[str, str] = {}
     needs_start_weights = False  # a resume takes its own checkpoint's weights
 
     def __init__(self, setup: Setup) -> None:
