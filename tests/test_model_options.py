@@ -158,8 +158,12 @@ def test_a_sliding_window_cache_holds_only_the_window() -> None:
 
 def test_dynamic_ntk_rows_at_different_lengths_equal_each_row_alone() -> None:
     """Rows of one cache at different lengths each get their own length's frequencies."""
-    model = random_model(tiny(rope_scaling=SCALINGS["dynamic"]))
-    a, b = torch.randint(0, 97, (1, 40)), torch.randint(0, 97, (1, 12))
+    _rows_step_equals_each_row_alone(random_model(tiny(rope_scaling=SCALINGS["dynamic"])), 12)
+
+
+def _rows_step_equals_each_row_alone(model, short: int) -> KVCache:  # noqa: ANN001
+    """A batched step of two rows (40 and `short` tokens) equals each row's full forward."""
+    a, b = torch.randint(0, 97, (1, 40)), torch.randint(0, 97, (1, short))
     with torch.inference_mode():
         cache = KVCache(model.cfg, batch_size=2)
         decoder = Decoder(model, cache)
@@ -170,23 +174,13 @@ def test_dynamic_ntk_rows_at_different_lengths_equal_each_row_alone() -> None:
         want_a = model(torch.cat([a, nxt[None, :1]], 1))[0][0, -1]
         want_b = model(torch.cat([b, nxt[None, 1:]], 1))[0][0, -1]
     torch.testing.assert_close(got, torch.stack([want_a, want_b]), atol=1e-5, rtol=0)
+    return cache
 
 
 def test_local_layers_of_rows_at_different_lengths_equal_each_row_alone() -> None:
     """Gemma's cache keeps every key and bands the local layers' (CacheWrite.band_mask): a
     batched step of rows at different lengths, past the window or not, is each row alone."""
-    model = random_model(tiny(**GEMMA))
-    a, b = torch.randint(0, 97, (1, 40)), torch.randint(0, 97, (1, 5))
-    with torch.inference_mode():
-        cache = KVCache(model.cfg, batch_size=2)
-        decoder = Decoder(model, cache)
-        decoder.prefill(0, a[0])
-        decoder.prefill(1, b[0])
-        nxt = torch.tensor([5, 6])
-        got = decoder.step(nxt)
-        want_a = model(torch.cat([a, nxt[None, :1]], 1))[0][0, -1]
-        want_b = model(torch.cat([b, nxt[None, 1:]], 1))[0][0, -1]
-    torch.testing.assert_close(got, torch.stack([want_a, want_b]), atol=1e-5, rtol=0)
+    cache = _rows_step_equals_each_row_alone(random_model(tiny(**GEMMA)), 5)
     assert cache.ring is None
 
 
