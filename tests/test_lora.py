@@ -358,7 +358,8 @@ def test_a_chat_lora_on_a_base_that_never_saw_the_chat_tokens_is_warned(capsys) 
         (
             {"rank": 4, "targets": ["wqkv", "q_proj"]},
             True,
-            "train.lora.targets: unknown layer 'q_proj'",
+            "train.lora.targets: 'q_proj' is peft's name; minillm's layer for q_proj/k_proj/v_proj "
+            "is 'wqkv'",
         ),
         ({"rank": 4, "alpha": "sixteen"}, True, "train.lora.alpha: expected a number"),
         ({"rank": 4, "alpha": True}, True, "train.lora.alpha: expected a number"),
