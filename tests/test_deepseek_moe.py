@@ -158,12 +158,26 @@ def test_param_counts_and_flops() -> None:
     assert model.param_count() == 101 * C + C + 2 * attn + 3 * C * Fd + moe
     assert model.param_count() - model.active_param_count() == (E - 2) * expert
     assert "blocks.1.ffn.router_bias" in model.state_dict()  # a buffer, not a parameter
+    ours, hf = moe_pair(**CASES["groups-norm"])  # transformers counts the block as we do
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
     matmul = model.active_param_count() - 5 * C
     assert model.flops_per_token(32) == 6 * matmul + 12 * 2 * C * 32
     assert cfg.moe_shared_ffn_hidden == S
 
 
 runner = CliRunner()
+
+
+def test_info_cli_shows_the_router(tmp_path: Path) -> None:
+    path = tmp_path / "ds.yaml"
+    model = ", ".join(
+        f"{k}: {v}" for k, v in {**BASE, **MODEL, "max_seq_len": 256, "vocab_size": 4096}.items()
+    )
+    path.write_text(f"model: {{{model}}}\n")
+    result = runner.invoke(app, ["info", str(path)], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "top-2 (sigmoid router, 2 of 4 groups, weights x 2.5), a shared expert" in result.output
+    assert "2 of 8 experts" in result.output
 
 
 @pytest.mark.parametrize(
@@ -289,7 +303,13 @@ def test_an_hf_or_gguf_export_of_the_sigmoid_router_is_refused_by_key() -> None:
     from minillm.config import ConfigError
     from minillm.model.hf_names import hf_config_dict
 
-    cfg = ModelConfig(**BASE, **MODEL)
+    cfg = ModelConfig(**BASE, **{**MODEL, "moe_dense_layers": []})
     with pytest.raises(ConfigError) as e:
         hf_config_dict(cfg, bos_id=0, eos_id=0)
+    assert e.value.key == "model.moe_router"
+    pytest.importorskip("gguf")
+    from minillm.checkpoint.gguf_file import gguf_arch
+
+    with pytest.raises(ConfigError) as e:  # its family is asked first
+        gguf_arch(cfg)
     assert e.value.key == "model.moe_router"

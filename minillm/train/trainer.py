@@ -10,7 +10,8 @@ contract is minillm.train.objectives.common.Objective): the objective says what 
 prepares it (GRPO's rollouts), counts what divides its loss and makes the loss of a micro-batch;
 the Trainer sets the learning rate, all-reduces the counts, runs each micro-batch under `no_sync`
 and autocast, adds the MoE load-balancing loss, scales (fp16), backpropagates, unscales, clips,
-checks that the step is finite and steps. The batch of step s is a pure function of (seed, s,
+checks that the step is finite and steps (then moves a sigmoid router's bias by the step's
+expert load, train.moe_bias_update). The batch of step s is a pure function of (seed, s,
 rank, world size) and every other piece of state is in the checkpoint, so a resumed run
 continues bit for bit.
 """
