@@ -249,14 +249,20 @@ def test_the_bias_update_balances_a_skewed_router() -> None:
     assert abs(float(moe.router_bias.sum())) < 1e-4  # centred: the biases keep their sum
 
 
-def test_training_moves_the_bias_by_the_steps_load_and_logs_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recompute", [False, True])
+def test_training_moves_the_bias_by_the_steps_load_and_logs_it(
+    tmp_path: Path, recompute: bool
+) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rate = 0.01
+    # With activation checkpointing the backward runs each block's forward again: the load is
+    # still counted once per micro-batch.
+    train = dict(moe_bias_update=rate, grad_accum=2, max_steps=6, log_every=3)
     cfg = prepared_config(
         tmp_path,
         model={**MODEL, "moe_dense_layers": []},
-        train=dict(moe_bias_update=rate, grad_accum=2, max_steps=6, log_every=3),
+        train={**train, "activation_checkpointing": recompute},
     )
     trainer = make_trainer(cfg, verbose=False)
     try:
