@@ -96,6 +96,8 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "moe_ffn_hidden": m.moe_ffn_hidden,
         "moe_shared_ffn_hidden": m.moe_shared_ffn_hidden,
         "moe_dense_layers": list(m.moe_dense_layers),
+        # model.moe_router sigmoid (DeepSeekMoE): "" for the softmax router
+        "moe_router": _router_text(m) if m.n_experts else "",
         # train.lora: the adapters train, the base (and every other parameter) is frozen
         "params_trainable": trainable,
         "params_frozen": frozen,
@@ -120,6 +122,14 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         # Per micro-batch of the config (one sequence under auto), without and with checkpointing.
         "activation_bytes": {"full": micro * per_seq[False], "checkpointed": micro * per_seq[True]},
     }
+
+
+def _router_text(m: Any) -> str:
+    """The sigmoid router's options for the shape line ("" for the softmax router)."""
+    if m.moe_router != "sigmoid":
+        return ""
+    groups = f", {m.moe_topk_group} of {m.moe_n_group} groups" if m.moe_n_group > 1 else ""
+    return f"(sigmoid router{groups}, weights x {m.moe_routed_scale:g})"
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -160,6 +170,7 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
             f"ffn {info['ffn_hidden']}",
             f"{info['n_experts']} experts of ffn {info['moe_ffn_hidden']}, "
             f"top-{info['n_experts_per_token']}"
+            + (f" {r}" if (r := info.get("moe_router")) else "")
             + (f", a shared expert of ffn {s}" if (s := info["moe_shared_ffn_hidden"]) else "")
             + (
                 f", dense blocks {d} of ffn {info['ffn_hidden']}"

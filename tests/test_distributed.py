@@ -124,6 +124,20 @@ def test_single_process_resumes_a_two_rank_checkpoint_with_a_warning(workdir: Pa
     assert (dst / "checkpoints" / "step_000008").is_dir()
 
 
+def test_the_routing_bias_update_sums_the_load_over_ranks(workdir: Path) -> None:
+    # DeepSeekMoE: each step's bias update reads the tokens per expert of the whole global
+    # batch (all-reduced), so two ranks move the biases exactly as one process does.
+    moe = ["model.n_experts=4", "model.moe_router=sigmoid", "train.moe_bias_update=0.01"]
+    single(workdir, *moe, "train.grad_accum=4", "train.out_dir=single_bias")
+    torchrun(workdir, *moe, "train.out_dir=ddp_bias")
+    got = load_model_state(workdir / "ddp_bias" / "checkpoints" / "step_000006")
+    want = load_model_state(workdir / "single_bias" / "checkpoints" / "step_000006")
+    for layer in range(2):
+        bias = f"blocks.{layer}.ffn.router_bias"
+        assert want[bias].abs().max() > 0
+        torch.testing.assert_close(got[bias], want[bias], rtol=0, atol=1e-6)
+
+
 def test_muon_under_ddp_follows_the_single_process_and_fsdp_refuses_it(workdir: Path) -> None:
     single(workdir, "train.grad_accum=4", "train.out_dir=single_muon", "train.optimizer=muon")
     torchrun(workdir, "train.optimizer=muon", "train.out_dir=ddp_muon")

@@ -435,15 +435,24 @@ def test_info_cli_shows_total_and_active_parameters(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ resume, sample
 
 
-def test_an_moe_run_resumes_bitwise(tmp_path: Path) -> None:
+# DeepSeekMoE's: the sigmoid router's bias, moved each step by train.moe_bias_update, is model
+# state (a buffer) that a resume must restore with the weights.
+SIGMOID = dict(moe_router="sigmoid", n_experts=4, moe_routed_scale=2.0, moe_shared_ffn_hidden=32)
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_an_moe_run_resumes_bitwise(tmp_path: Path, router: str) -> None:
     from tests.helpers import assert_same_weights, resumed_runs
 
-    cfg = prepared_config(
-        tmp_path, model={**MOE, "dropout": 0.1}, train=dict(moe_aux_loss=0.02, grad_accum=2)
-    )
-    straight, _, resumed = resumed_runs(cfg, tmp_path, stop_at=3)  # saves at step 3
+    model, train = {**MOE, "dropout": 0.1}, dict(moe_aux_loss=0.02, grad_accum=2)
+    if router == "sigmoid":
+        model, train = {**model, **SIGMOID}, {**train, "moe_bias_update": 0.01}
+    cfg = prepared_config(tmp_path, model=model, train=train)
+    straight, stopped, resumed = resumed_runs(cfg, tmp_path, stop_at=3)  # saves at step 3
     assert resumed.state.step == 8 and "blocks.0.ffn.w_gate_up" in straight.model.state_dict()
     assert_same_weights(straight, resumed)
+    if router == "sigmoid":  # the bias had moved when the run stopped
+        assert stopped.model.state_dict()["blocks.1.ffn.router_bias"].abs().max() > 0
 
 
 def test_sample_cli_decodes_an_moe_run(tmp_path: Path) -> None:

@@ -141,6 +141,8 @@ def _moe_arch(cfg: ModelConfig, refuse: Any) -> Any:
 
     if cfg.moe_dense_layers:
         raise refuse("moe_dense_layers", f"{cfg.moe_dense_layers} (its MoE graphs have none)")
+    if cfg.moe_router == "sigmoid":
+        raise refuse("moe_router", "sigmoid (the llama and qwen MoE graphs route by softmax)")
     if cfg.qk_norm and not (cfg.moe_shared_ffn_hidden or cfg.attention_bias):
         arch, renormalised = gguf.MODEL_ARCH.QWEN3MOE, True
     elif cfg.moe_shared_ffn_hidden and not cfg.qk_norm:

@@ -193,6 +193,30 @@ class ModelConfig(Section):
         help="Blocks (from 0) whose FFN is the dense SwiGLU of ffn_hidden instead of the "
         "experts (Qwen-MoE's mlp_only_layers and decoder_sparse_step).",
     )
+    moe_router: Literal["softmax", "sigmoid"] = setting(
+        "softmax",
+        help="How the router scores the experts: softmax over them (Mixtral, Qwen-MoE), or "
+        "sigmoid per expert (DeepSeek-V3): a routing bias, a buffer that train.moe_bias_update "
+        "moves, is added to the scores for the choice only, the k weights are the unbiased "
+        "scores (renormalised with moe_norm_topk, times moe_routed_scale) and the shared "
+        "expert of moe_shared_ffn_hidden has no gate.",
+    )
+    moe_n_group: int = setting(
+        1,
+        help="Sigmoid router: the experts in this many equal groups, each scored by the sum of "
+        "its two best biased scores; a token's k experts come from its moe_topk_group best "
+        "groups (DeepSeek-V3's n_group). 1 = no grouping.",
+    )
+    moe_topk_group: int = setting(
+        1,
+        help="Sigmoid router: the groups (of moe_n_group) a token's experts may come from "
+        "(DeepSeek-V3's topk_group).",
+    )
+    moe_routed_scale: float = setting(
+        1.0,
+        help="Sigmoid router: the k weights are multiplied by this (DeepSeek-V3's "
+        "routed_scaling_factor, 2.5 there).",
+    )
 
     def __post_init__(self) -> None:
         self._positive("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden")
@@ -225,6 +249,7 @@ class ModelConfig(Section):
             )
         if self.n_experts and len(self.moe_dense_layers) == self.n_layer:
             self._fail("moe_dense_layers", "every block dense: that is n_experts 0")
+        self._check_router()
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
         self._positive("head_dim", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
         self._non_negative("sliding_window_pattern")
@@ -264,6 +289,37 @@ class ModelConfig(Section):
         if local_rope and self.rope_scaling.type == "dynamic":
             key = "rope_local_theta" if self.rope_local_theta else "sliding_window_pattern"
             self._fail(key, "with rope_scaling.type dynamic: not supported")
+
+    def _check_router(self) -> None:
+        """model.moe_router sigmoid and the keys only it reads (DeepSeek-V3's routing)."""
+        if self.moe_router == "sigmoid" and not self.n_experts:
+            self._fail("moe_router", "sigmoid needs a mixture of experts (n_experts)")
+        self._positive("moe_n_group", "moe_topk_group", "moe_routed_scale")
+        sigmoid_only = {
+            "moe_n_group": self.moe_n_group != 1,
+            "moe_topk_group": self.moe_topk_group != 1,
+            "moe_routed_scale": self.moe_routed_scale != 1.0,
+        }
+        for key, used in sigmoid_only.items():
+            if used and self.moe_router != "sigmoid":
+                self._fail(key, f"{getattr(self, key)!r} needs model.moe_router sigmoid")
+        G, E = self.moe_n_group, self.n_experts
+        if G == 1:
+            return
+        if E % G or E // G < 2:
+            self._fail(
+                "moe_n_group",
+                f"{G} groups of n_experts={E}: each group needs the same number of experts, "
+                "at least 2 (a group is scored by its two best)",
+            )
+        if self.moe_topk_group > G:
+            self._fail("moe_topk_group", f"{self.moe_topk_group} is more than moe_n_group={G}")
+        if self.moe_topk_group * (E // G) < self.n_experts_per_token:
+            self._fail(
+                "moe_topk_group",
+                f"{self.moe_topk_group} groups of {E // G} experts hold fewer than "
+                f"n_experts_per_token={self.n_experts_per_token}",
+            )
 
     def local_layer(self, i: int) -> bool:
         """Whether layer i attends within sliding_window (all do unless sliding_window_pattern
@@ -442,6 +498,12 @@ class Config:
                 "train.moe_aux_loss",
                 f"{self.train.moe_aux_loss} needs a mixture of experts (model.n_experts >= 2): "
                 "the dense model has no router to balance",
+            )
+        if self.train.moe_bias_update and self.model.moe_router != "sigmoid":
+            raise ConfigError(
+                "train.moe_bias_update",
+                f"{self.train.moe_bias_update} needs model.moe_router sigmoid (the routing bias "
+                "it moves is DeepSeek-V3's)",
             )
         ffn_targets = [t for t in self.train.lora.targets if t in ("w_gate_up", "w_down")]
         if self.model.n_experts and self.train.lora.rank and ffn_targets:

@@ -237,6 +237,14 @@ class TrainConfig(Section):
         "the layers (minimum k; Mixtral-8x7B's router_aux_loss_coef is 0.02, Switch's 0.01); "
         "0 = none. Logged as xray/moe/aux_loss beside each layer's expert load.",
     )
+    moe_bias_update: float = setting(
+        0.0,
+        help="Auxiliary-loss-free balancing of a sigmoid router (model.moe_router sigmoid; "
+        "DeepSeek-V3, 0.001 there): after each optimizer step every expert's routing bias "
+        "moves by this rate, up if it received fewer tokens than its layer's mean over the "
+        "step, down if more (torchtitan's update, centred); 0 = off. Logged as "
+        "xray/moe/load_max_ratio, load_min_ratio and bias_spread.",
+    )
     ema_decay: float = setting(
         0.0,
         help="Decay of an exponential moving average of the weights, updated after every "
@@ -343,7 +351,7 @@ class TrainConfig(Section):
             self._fail("muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
         self._positive("keep_last", "log_every", "max_bad_steps")
         self._non_negative("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every")
-        self._non_negative("moe_aux_loss")
+        self._non_negative("moe_aux_loss", "moe_bias_update")
         self._non_negative("eval_steps", "ckpt_every", "peak_flops", "sample_every")
         self._positive("sample_max_new_tokens")
         if len(set(self.log_to)) != len(self.log_to):

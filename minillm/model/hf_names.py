@@ -98,6 +98,10 @@ def _moe_type(cfg: ModelConfig) -> str:
     """The MoE family of `cfg` (n_experts > 0): Qwen3-MoE has qk_norm and no shared expert,
     Qwen2-MoE a shared expert and no qk_norm (its own sliding-window pattern is not ours),
     Mixtral neither, its top-k renormalised in every layer."""
+    if cfg.moe_router == "sigmoid":
+        raise ConfigError(
+            "model.moe_router", "sigmoid (DeepSeek-V3's): none of Mixtral and Qwen-MoE routes so"
+        )
     if cfg.qk_norm:
         if cfg.moe_shared_ffn_hidden:
             raise ConfigError(

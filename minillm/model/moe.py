@@ -1,10 +1,11 @@
 """The mixture-of-experts FFN (`model.n_experts` > 0): SwiGLU experts routed per token, as Mixtral.
 
-Offers `swiglu`, `MoE`, `SharedExpert`, `route`, `moe_reference`, `moe_dispatch` (`expert_ffns` and
-`dispatch_experts`, which an int8 MoE shares), `RouterStats`, `router_stats(model)` and
-`load_balancing_loss(stats, n_experts)`. `swiglu` is also the dense FFN's activation: it is
-defined once, here, because `minillm.model.transformer` imports this module (not the other way
-round).
+Offers `swiglu`, `MoE`, `SharedExpert`, `route`, `route_sigmoid`, `moe_reference`, `moe_dispatch`
+(`expert_ffns` and `dispatch_experts`, which an int8 MoE shares), `RouterStats`,
+`router_stats(model)`, `load_balancing_loss(stats, n_experts)` and, for the sigmoid router,
+`biased_moes`, `update_router_bias` and `router_bias_scalars`. `swiglu` is also the dense FFN's
+activation: it is defined once, here, because `minillm.model.transformer` imports this module
+(not the other way round).
 
 A linear router scores the E experts of each token; softmax over experts, the top k kept, their
 weights renormalised to sum to 1 (Mixtral; HF's `MixtralSparseMoeBlock`) or, with
@@ -12,10 +13,14 @@ model.moe_norm_topk false, left as softmax probabilities (Qwen1.5-MoE's `norm_to
 output is the weighted sum of those k experts' SwiGLU outputs, plus, with
 model.moe_shared_ffn_hidden, a shared expert every token goes through, scaled by
 sigmoid(x . w_gate) (HF's `Qwen2MoeSparseMoeBlock`; Qwen3-MoE's block is Mixtral's with or without
-the renormalisation). Dropless: every token reaches its k experts,
-however many tokens pick the same one (no capacity factor). `moe_reference` computes it plainly
-(every expert on every token, zero weights on the others); `moe_dispatch`, which the module
-runs, sorts the (token, expert) pairs by expert and makes one pair of matmuls per expert, so
+the renormalisation). With model.moe_router sigmoid the routing is DeepSeek-V3's
+(`route_sigmoid`; HF's `DeepseekV3MoE`): sigmoid scores, a routing bias for the choice only,
+group-limited choice, weights times model.moe_routed_scale and an ungated shared expert; the
+bias is a buffer that `update_router_bias` moves after each optimizer step
+(train.moe_bias_update; docs/architecture.md derives both). Dropless: every token reaches its k
+experts, however many tokens pick the same one (no capacity factor). `moe_reference` computes it
+plainly (every expert on every token, zero weights on the others); `moe_dispatch`, which the
+module runs, sorts the (token, expert) pairs by expert and makes one pair of matmuls per expert, so
 each token costs k experts, not E (tests/test_moe.py pins the two together).
 
 Shape legend: N tokens (B*T), C model dim, E experts, k experts per token, F expert hidden dim.
@@ -50,6 +55,35 @@ def route(
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return probs, weights, experts
+
+
+def route_sigmoid(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    bias: torch.Tensor,
+    k: int,
+    groups: tuple[int, int] = (1, 1),
+    normalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (HF's `DeepseekV3TopkRouter`) of tokens x (N, C): the sigmoid
+    scores (N, E) in float32, each token's k experts (N, k) chosen by score + bias (E,) among the
+    experts of its `groups` = (G, g) best groups of G, and their weights (N, k): the unbiased
+    scores, renormalised unless `normalize` is False, times `scale`."""
+    scores = F.linear(x.float(), router.float()).sigmoid()  # (N, E)
+    choice = scores + bias  # the bias decides who is chosen, never how much they weigh
+    G, keep = groups
+    if keep < G:  # group-limited: a group's score is the sum of its two best
+        N, E = choice.shape
+        grouped = choice.view(N, G, E // G)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(keep, dim=-1).indices  # (N, g)
+        dropped = torch.ones(N, G, dtype=torch.bool, device=x.device).scatter(1, best, False)
+        choice = grouped.masked_fill(dropped[..., None], float("-inf")).view(N, E)
+    experts = choice.topk(k, dim=-1).indices  # (N, k)
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores, weights * scale, experts
 
 
 def moe_reference(
@@ -131,19 +165,20 @@ class RouterStats:
 
 class SharedExpert(nn.Module):
     """Qwen2-MoE's shared expert: a SwiGLU of width S on every token, scaled per token by
-    sigmoid(x . gate), gate (1, C) (HF's `shared_expert` and `shared_expert_gate`)."""
+    sigmoid(x . gate), gate (1, C) (HF's `shared_expert` and `shared_expert_gate`); ungated
+    (`gated` False) DeepSeek-V3's `shared_experts`, its n_shared_experts fused into one width."""
 
     activation = staticmethod(swiglu)
 
-    def __init__(self, d_model: int, hidden: int) -> None:
+    def __init__(self, d_model: int, hidden: int, gated: bool = True) -> None:
         super().__init__()
         self.w_gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
         self.w_down = nn.Linear(hidden, d_model, bias=False)
-        self.gate = nn.Linear(d_model, 1, bias=False)
+        self.gate = nn.Linear(d_model, 1, bias=False) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.w_down(self.activation(self.w_gate_up(x)))  # (N, C)
-        return torch.sigmoid(self.gate(x)) * y
+        return y if self.gate is None else torch.sigmoid(self.gate(x)) * y
 
 
 class MoE(nn.Module):
@@ -166,15 +201,30 @@ class MoE(nn.Module):
         self.router = nn.Linear(C, E, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(E, 2 * self.hidden, C))
         self.w_down = nn.Parameter(torch.empty(E, C, self.hidden))
+        # model.moe_router sigmoid (DeepSeek-V3): the routing bias, HF's e_score_correction_bias.
+        # A buffer: in the state dict and checkpoints, moved by train.moe_bias_update, never by
+        # the optimizer. None (no state-dict entry) for the softmax router.
+        sigmoid = cfg.moe_router == "sigmoid"
+        self.register_buffer("router_bias", torch.zeros(E) if sigmoid else None)
+        self.groups, self.scale = (cfg.moe_n_group, cfg.moe_topk_group), cfg.moe_routed_scale
         # None without model.moe_shared_ffn_hidden: no branch is taken on the decode step then.
         shared = cfg.moe_shared_ffn_hidden
-        self.shared = SharedExpert(C, shared) if shared else None
+        self.shared = SharedExpert(C, shared, gated=not sigmoid) if shared else None
         self.drop = nn.Dropout(cfg.dropout)
         self.stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # (N, C), N = B*T
-        probs, weights, experts = route(flat, self.router.weight, self.k, self.normalize)
+        if self.router_bias is None:
+            probs, weights, experts = route(flat, self.router.weight, self.k, self.normalize)
+        else:
+            scores, weights, experts = route_sigmoid(
+                flat, self.router.weight, self.router_bias, self.k, self.groups, self.normalize,
+                self.scale,
+            )  # fmt: skip
+            # The load-balancing loss reads each token's scores normalised to sum to 1
+            # (DeepSeek-V3's balance loss does; it takes them per sequence, this per batch).
+            probs = scores / scores.sum(dim=-1, keepdim=True)
         counts = torch.bincount(experts.flatten(), minlength=probs.shape[1]).float()
         self.stats = RouterStats(probs.sum(dim=0), counts, flat.shape[0])
         y = dispatch_experts(flat, weights, experts, self.expert_ffns())
@@ -190,6 +240,35 @@ class MoE(nn.Module):
 def router_stats(model: nn.Module) -> list[RouterStats]:
     """The `RouterStats` of each MoE layer of `model` (a Transformer) from its last forward."""
     return [m.stats for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
+
+
+def biased_moes(model: nn.Module) -> list[MoE]:
+    """The MoE layers of `model` with a routing bias (model.moe_router sigmoid), in order."""
+    return [m for m in model.modules() if isinstance(m, MoE) and m.router_bias is not None]
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, as torchtitan writes it: load (L, E) the
+    tokens each expert of each biased layer received over an optimizer step (all micro-batches
+    and ranks); each bias moves by `rate` towards balance, up for an expert under its layer's
+    mean load, down for one over it, the change centred so a layer's biases keep their sum."""
+    moes = biased_moes(model)
+    if len(moes) != load.shape[0]:
+        raise ValueError(f"a load of {load.shape[0]} layers for {len(moes)} biased MoE layers")
+    delta = rate * torch.sign(load.mean(dim=1, keepdim=True) - load)  # (L, E)
+    delta = delta - delta.mean(dim=1, keepdim=True)
+    for moe, d in zip(moes, delta):
+        moe.router_bias.add_(d.to(moe.router_bias.dtype))
+
+
+def router_bias_scalars(model: nn.Module) -> dict[str, float]:
+    """xray/moe/bias_spread: the largest max - min of a layer's routing biases ({} without)."""
+    moes = biased_moes(model)
+    if not moes:
+        return {}
+    spread = max(float(m.router_bias.max() - m.router_bias.min()) for m in moes)
+    return {"xray/moe/bias_spread": spread}
 
 
 def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tensor:

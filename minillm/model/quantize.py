@@ -151,7 +151,10 @@ class Int8MoE(MoE):
         nn.Module.__init__(self)  # not MoE's: no fp32 expert stacks to allocate
         self.k, self.hidden, self.router, self.drop = moe.k, moe.hidden, moe.router, moe.drop
         self.normalize, self.shared = moe.normalize, moe.shared
-        if self.shared is not None:  # its gate (one row) stays fp32, as the router
+        # model.moe_router sigmoid's routing, fp32 as the router (None: softmax)
+        self.register_buffer("router_bias", moe.router_bias)
+        self.groups, self.scale = moe.groups, moe.scale
+        if self.shared is not None:  # its gate (one row, if any) stays fp32, as the router
             self.shared.w_gate_up = Int8Linear(self.shared.w_gate_up.weight)
             self.shared.w_down = Int8Linear(self.shared.w_down.weight)
         self.activation = moe.activation

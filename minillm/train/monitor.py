@@ -159,7 +159,8 @@ class ExpertLoad:
     load-balancing loss and, per layer, the fraction of tokens routed to each expert (k/E each
     when balanced), as TensorBoard scalars xray/moe/aux_loss and
     xray/moe/layer{i}/expert{e} (i counts the sparse blocks: model.moe_dense_layers have no
-    router)."""
+    router), and the extremes of load / mean load over layers and experts
+    (xray/moe/load_max_ratio, load_min_ratio)."""
 
     def __init__(self, n_experts: int) -> None:
         self.n_experts = n_experts
@@ -184,6 +185,10 @@ class ExpertLoad:
         if not self.micro_batches:
             return {}
         out = {"xray/moe/aux_loss": float(self.aux) / self.micro_batches}
+        # The most and least loaded expert of any layer against its layer's mean (1 = balanced).
+        ratio = self.counts / self.counts.mean(dim=1, keepdim=True).clamp(min=1e-9)
+        out["xray/moe/load_max_ratio"] = float(ratio.max())
+        out["xray/moe/load_min_ratio"] = float(ratio.min())
         load = (self.counts / self.tokens).tolist()
         for i, layer in enumerate(load):
             out.update({f"xray/moe/layer{i}/expert{e}": f for e, f in enumerate(layer)})

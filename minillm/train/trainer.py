@@ -10,7 +10,8 @@ contract is minillm.train.objectives.common.Objective): the objective says what 
 prepares it (GRPO's rollouts), counts what divides its loss and makes the loss of a micro-batch;
 the Trainer sets the learning rate, all-reduces the counts, runs each micro-batch under `no_sync`
 and autocast, adds the MoE load-balancing loss, scales (fp16), backpropagates, unscales, clips,
-checks that the step is finite and steps. The batch of step s is a pure function of (seed, s,
+checks that the step is finite and steps (then moves a sigmoid router's bias by the step's
+expert load, train.moe_bias_update). The batch of step s is a pure function of (seed, s,
 rank, world size) and every other piece of state is in the checkpoint, so a resumed run
 continues bit for bit.
 """
@@ -32,7 +33,7 @@ from minillm.config import Config, dump_config
 from minillm.errors import UserError, warn
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
-from minillm.model.moe import router_stats
+from minillm.model.moe import router_bias_scalars, router_stats, update_router_bias
 from minillm.model.transformer import dropout_off
 from minillm.runtime.device import StopSignal, autocast_context, make_grad_scaler, seed_everything
 from minillm.runtime.files import atomic_write_text, copy_if_changed
@@ -154,6 +155,7 @@ class Trainer:
         norms = counts.clamp(min=1.0)  # what the loss divides by: an empty count divides by 1
         totals: torch.Tensor | None = None
         inputs = 0  # this rank's input tokens
+        load: torch.Tensor | None = None  # (L, E) tokens per expert: train.moe_bias_update
         dropout = contextlib.nullcontext() if obj.dropout else dropout_off(self.model)
         with dropout:
             for i, micro in enumerate(prepared):
@@ -165,14 +167,20 @@ class Trainer:
                     if self.expert_load is not None:
                         # The load-balancing loss of each micro-batch, weighted equally: the
                         # step's loss gets their mean (DDP then averages over ranks).
-                        aux = self.expert_load.add(router_stats(self.model))
+                        stats = router_stats(self.model)
+                        aux = self.expert_load.add(stats)
                         if tc.moe_aux_loss:
                             loss = loss + tc.moe_aux_loss / len(prepared) * aux
+                        if tc.moe_bias_update:  # read now: a recompute in backward rewrites them
+                            counts_now = torch.stack([s.counts for s in stats])
+                            load = counts_now if load is None else load + counts_now
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
                 totals = out.totals if totals is None else totals + out.totals
                 inputs += out.inputs
         loss_mean = obj.step_loss(all_reduce_sum(totals), norms)
         norm, finite = self._clip_and_step(loss_mean)
+        if load is not None and finite:  # a skipped step moves no bias either
+            update_router_bias(self.model, all_reduce_sum(load), tc.moe_bias_update)
         # Tokens processed (throughput, MFU, tokens_seen): with a target mask, more than targets.
         return StepResult(loss_mean, norm, lr, inputs * world, float(counts[0]), finite)
 
@@ -291,7 +299,8 @@ class Trainer:
                             self.state.step)  # fmt: skip
             shown = meter.stats(loss, result.lr)
             if self.expert_load is not None:
-                monitor.scalars(self.expert_load.scalars(), self.state.step)
+                scalars = {**self.expert_load.scalars(), **router_bias_scalars(self.model)}
+                monitor.scalars(scalars, self.state.step)
                 self.expert_load.reset()
             own = self.objective.scalars()
             monitor.scalars(own, self.state.step)
