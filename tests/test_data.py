@@ -578,7 +578,7 @@ def good_run(tmp_path: Path) -> tuple[Path, Path]:
 def test_tokenize_reuses_the_tokenizer(good_run: tuple[Path, Path]) -> None:
     config, out = good_run
     tokenizer = hashes(out)["tokenizer.json"]
-    result = CliRunner().invoke(app, ["tokenize", str(config)])
+    result = CliRunner().invoke(app, ["tokenize", str(config), "--force"])  # else up to date
     assert result.exit_code == 0 and "reused" in result.stdout
     assert hashes(out)["tokenizer.json"] == tokenizer
 

@@ -29,8 +29,17 @@ def tokenize(
         help="Train a new tokenizer even if data.tokenizer exists, and start over instead of "
         "resuming an interrupted run.",
     ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Encode the shards again even if they are up to date (same inputs and tokenizer).",
+    ),
 ) -> None:
-    """Train the tokenizer (if absent) and write the train/val token shards and meta.json."""
+    """Train the tokenizer (if absent) and write the train/val token shards and meta.json.
+
+    Shards already made from the same data settings, source files and tokenizer are left as
+    they are ("nothing to do"); --force encodes them again, --retrain also retrains the tokenizer.
+    """
     from minillm.data.summary import print_summary
     from minillm.data.tokenize_pass import write_shards
 
@@ -39,7 +48,11 @@ def tokenize(
         print(f"nothing to tokenize: train.objective {cfg.train.objective} reads "
               f"{cfg.data.source} itself; run `minillm train {config}`")  # fmt: skip
         return
-    summary = run(write_shards, cfg, retrain=retrain)
+    summary = run(write_shards, cfg, retrain=retrain, reuse=not (force or retrain))
+    if summary.get("up_to_date"):
+        print(f"nothing to do: {summary['out_dir']} is up to date (its meta.json records these "
+              "data settings, source files and tokenizer); --force encodes it again")  # fmt: skip
+        return
     print_summary(summary)
 
 

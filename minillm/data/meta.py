@@ -13,7 +13,7 @@ shorter; a document may span two shards). `meta.json` (version 2) holds:
      "train": {"tokens", "bytes", "documents", "targets", "target_bytes",
                "replaced_documents", "skipped_documents",
                "shards": [{"file", "tokens", "file_bytes", "sha256"[, "mask_sha256"]}, ...]},
-     "val": {...}, "chat", "loss_on", "tokenizer_sha256", "source_fingerprint",
+     "val": {...}, "chat", "loss_on", "tokenizer_sha256", "source_fingerprint", "inputs",
      "data": {"source", "format", "text_field", "val_fraction", "seed", "loss_on",
               "max_documents", "max_bytes", "val_documents", "decode_errors"}}
 
@@ -21,7 +21,9 @@ shorter; a document may span two shards). `meta.json` (version 2) holds:
 its contents; of a text file whose invalid bytes were replaced, its bytes on disk), for
 bits-per-byte; `replaced_documents` and `skipped_documents` count the documents that held invalid
 UTF-8 and were read with U+FFFD or left out (`data.decode_errors`; absent from older shards); a
-shard's `file_bytes` is its size on disk. With chat data (`"chat": true`) and `"loss_on":
+shard's `file_bytes` is its size on disk; `inputs` (absent from older shards) is what
+shard_staging.pass_inputs recorded but the tokenizer, for a rerun to find them up to date.
+With chat data (`"chat": true`) and `"loss_on":
 "assistant"`, each shard has a `.mask` twin (`train_000000.mask`) holding one byte per token,
 1 where the token is a training target (an assistant content's token or its `<|end|>`), and
 `targets` / `target_bytes` count those tokens and the assistant bytes. Shards without a mask make

@@ -2,7 +2,8 @@
 
 Offers `Staging` (the folder `<out_dir>/.partial/` with its state.json), `pass_inputs` (what a
 resumed pass must find unchanged), `resume_writers`, `make_meta`, `commit` (the shards into place,
-meta.json last) and `CHECKPOINT_BYTES`. The shard files themselves are written by
+meta.json last), `up_to_date` (whether the shards in place are what a pass would write again) and
+`CHECKPOINT_BYTES`. The shard files themselves are written by
 minillm.data.shard_writer's `ShardWriter`, one per split (and one per split's mask).
 
 Why: a pass over tens of GB must survive Ctrl-C or kill -9. Every `CHECKPOINT_BYTES` of text the
@@ -129,6 +130,41 @@ def pass_inputs(data: DataConfig, fingerprint: str, tokenizer: str) -> dict[str,
     inputs["data.tokenizer"] = tokenizer
     inputs["data.source"] = f"{record['source']} (fingerprint {fingerprint[:12]})"
     return inputs
+
+
+def shard_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """What meta.json records as its "inputs": a pass's inputs but the tokenizer, whose identity
+    is meta.json's tokenizer_sha256 (pass_inputs names a trained one by its path alone)."""
+    return {k: v for k, v in inputs.items() if k != "data.tokenizer"}
+
+
+def up_to_date(out_dir: Path, inputs: dict[str, Any], tok_sha: str, eot_id: int) -> bool:
+    """Whether the shards in `out_dir` are what a pass with these inputs would write again:
+    meta.json records the same inputs (every data key that shapes the shards, and the source
+    files' fingerprint: their paths, sizes and mtimes), the same tokenizer (its sha256) and
+    end-of-text id, and every shard it lists is there at its recorded size. Shards from before
+    meta.json recorded its inputs are not (a pass writes them again, once)."""
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(meta, dict) or meta.get("version") != META_VERSION:
+        return False
+    same = (meta.get("inputs"), meta.get("tokenizer_sha256"), meta.get("eot_id"))
+    if same != (shard_inputs(inputs), tok_sha, eot_id):
+        return False
+    try:
+        for s in SPLITS:
+            for sh in meta[s]["shards"]:
+                if (out_dir / sh["file"]).stat().st_size != sh["file_bytes"]:
+                    return False
+                if "mask_sha256" in sh:
+                    mask = out_dir / (sh["file"].removesuffix(".bin") + MASK_SUFFIX)
+                    if mask.stat().st_size != sh["tokens"]:  # one byte a token
+                        return False
+    except (OSError, KeyError, TypeError):
+        return False
+    return True
 
 
 def resume_writers(

@@ -39,7 +39,15 @@ from minillm.data.corpus import Corpus, prefix_keys
 from minillm.data.encode_batches import ChatBatches, TextBatches
 from minillm.data.encode_pool import Encoded, EncodePool
 from minillm.data.meta import MASK_SUFFIX, SPLITS, TOKEN_DTYPES, shard_dtype
-from minillm.data.shard_staging import Staging, commit, make_meta, pass_inputs, resume_writers
+from minillm.data.shard_staging import (
+    Staging,
+    commit,
+    make_meta,
+    pass_inputs,
+    resume_writers,
+    shard_inputs,
+    up_to_date,
+)
 from minillm.data.shard_writer import ShardWriter
 from minillm.data.sources import open_corpus
 from minillm.data.summary import pass_splits
@@ -49,6 +57,7 @@ from minillm.runtime.cpus import default_num_proc
 from minillm.runtime.disk_space import full_disk_error, is_disk_full
 from minillm.runtime.files import atomic_write_text, ensure_writable_dir, removing_new_dirs
 from minillm.runtime.progress import Progress
+from minillm.runtime.signals import interrupting_on_signals
 from minillm.tokenizer.bpe import (
     check_not_a_models_tokenizer,
     check_tokenizer,
@@ -64,21 +73,27 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 
-def write_shards(cfg: Config, retrain: bool = False) -> dict[str, Any]:
+def write_shards(cfg: Config, retrain: bool = False, reuse: bool = False) -> dict[str, Any]:
     """What `minillm tokenize` does (see the module docstring).
 
-    A failure leaves no folder behind that it created (an empty data.out_dir), except the
-    staging folder of an interrupted pass that a rerun resumes.
+    reuse: when the shards in place are what this pass would write again (same inputs and
+    tokenizer: shard_staging.up_to_date), write nothing and return {"out_dir", "up_to_date":
+    True}. A failure leaves no folder behind that it created (an empty data.out_dir), except the
+    staging folder of an interrupted pass that a rerun resumes. SIGINT and SIGTERM interrupt it
+    even when the process started with them ignored (`nohup`, `&`), as they stop `train`.
     """
-    with removing_new_dirs(cfg.data.out_dir, cfg.data.tokenizer_path.parent):
-        return _write_shards(cfg, retrain)
+    dirs = (cfg.data.out_dir, cfg.data.tokenizer_path.parent)
+    with interrupting_on_signals(), removing_new_dirs(*dirs):
+        return _write_shards(cfg, retrain, reuse)
 
 
-def _write_shards(cfg: Config, retrain: bool) -> dict[str, Any]:
+def _write_shards(cfg: Config, retrain: bool, reuse: bool) -> dict[str, Any]:
     from rich.console import Console
 
     start = time.perf_counter()
     run = _Pass(cfg, retrain)  # every check that needs no pass over the data, nothing changed
+    if reuse and run.up_to_date():
+        return {"out_dir": str(run.out_dir), "up_to_date": True}
     console = Console(highlight=False)
     with run.cleaning_up():  # a failure: what a rerun cannot use is removed, in one line
         run.get_tokenizer(console)
@@ -139,6 +154,15 @@ class _Pass:
         self.masks: dict[str, ShardWriter] | None = None  # with the loss on the assistant
         self.saved = False  # a checkpoint exists that a rerun resumes from
         self.resumed_documents = self.resumed_bytes = 0
+
+    def up_to_date(self) -> bool:
+        """Whether the shards in place are what this pass would write: no interrupted pass to
+        resume, the tokenizer reused, and meta.json records these inputs and this tokenizer."""
+        if self.state is not None or self.source is not TokenizerSource.REUSE:
+            return False
+        assert self.tok is not None
+        eot = Conventions.of(self.tok, self.tok_path.parent).doc_end
+        return up_to_date(self.out_dir, self.inputs, self.tok_sha, eot)
 
     @property
     def trained(self) -> bool:
@@ -228,6 +252,7 @@ class _Pass:
         ids = (self.vocab, self.doc_end, self.dtype)
         meta = make_meta(self.data, self.corpus.fingerprint, ids, stats, self.writers, self.masks)
         meta.update(chat=self.chat, loss_on=self.loss_on, tokenizer_sha256=self.tok_sha)
+        meta["inputs"] = shard_inputs(self.inputs)  # a rerun with the same has nothing to do
         commit(self.staging, self.out_dir, self.tok_path if self.trained else None, meta)
 
     @contextmanager
