@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -392,6 +393,29 @@ def test_cli_sample_streams_the_prompt_and_is_reproducible(run) -> None:
     ids = [eot, *tok.encode("ROMEO:").ids]
     expected = generate(loaded.model, [ids], sp(12, stop_ids=frozenset([eot])))
     assert greedy.stdout == "ROMEO:" + tok.decode(expected[0]) + "\n"
+
+
+def test_cli_sample_reports_its_speed_on_stderr_only(run) -> None:
+    """One "N tokens in X s: Y tokens/s (prefill P ms)" line on stderr; stdout is the text alone."""
+    run_dir, loaded = run
+    args = ["--ckpt", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "12"]
+    result = invoke(*args, "--temperature", "0", "--ignore-eos")
+    assert result.exit_code == 0, result.output
+    tok = loaded.tokenizer
+    expected = generate(
+        loaded.model,
+        [[eot_id(tok), *tok.encode("ROMEO:").ids]],
+        sp(12),
+        vocab_limit=tok.get_vocab_size(),
+    )
+    assert result.stdout == "ROMEO:" + tok.decode(expected[0]) + "\n"
+    lines = [line for line in result.stderr.splitlines() if "tokens/s" in line]
+    assert len(lines) == 1, result.stderr
+    match = re.fullmatch(
+        r"(\d+) tokens in ([\d.]+) s: ([\d.]+) tokens/s \(prefill (\d+) ms\)", lines[0]
+    )
+    assert match, lines[0]
+    assert int(match[1]) == 12 and float(match[3]) > 0
 
 
 def test_cli_several_prompts_give_their_one_at_a_time_text(run) -> None:

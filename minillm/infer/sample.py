@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -74,7 +75,8 @@ def sample_checkpoint(
     section. Returns the texts without their prompts, row j * num_samples + k being sample k
     of prompt j, each the text its prompt gives alone with the same seed. Every row stops at
     the end of the document (a published model's eos set) unless ignore_eos, or after
-    max_new_tokens; past the context it slides, with one note on `err`."""
+    max_new_tokens; past the context it slides, with one note on `err`. Last, one line on `err`:
+    the tokens generated, the seconds, tokens/s and the prefill's ms (until the first token)."""
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     if num_samples < 1:
@@ -108,12 +110,18 @@ def sample_checkpoint(
         out.write(texts[0])
         out.flush()
 
+    first: list[float] = []  # when the first token came: the prefill's end
+
     def show(event: Event) -> None:
+        if not first:
+            first.append(time.perf_counter())
         if stream and event.text:
             out.write(event.text)
             out.flush()
 
+    start = time.perf_counter()
     engine.run(show)
+    elapsed = time.perf_counter() - start
     results = [continuation(tok, row.prompt, row.tokens) for row in rows]
     if stream:
         out.write("\n")
@@ -123,4 +131,11 @@ def sample_checkpoint(
                 out.write("\n" + "-" * 40 + "\n")
             out.write(texts[r // num_samples] + text + "\n")
     out.flush()
+    n = sum(len(row.tokens) for row in rows)
+    prefill_ms = ((first[0] if first else start + elapsed) - start) * 1000
+    print(
+        f"{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tokens/s "
+        f"(prefill {prefill_ms:.0f} ms)",
+        file=err,
+    )
     return results
