@@ -216,6 +216,22 @@ def error_line(result) -> str:  # noqa: ANN001
     return lines[0]
 
 
+def assert_set_refused(tmp_path: Path, sets: list[str], expected: str) -> None:
+    """`minillm info` on a tiny model config with `--set` values `sets` fails with one error line
+    that begins with `expected` (named by `--set` or by the config file)."""
+    from typer.testing import CliRunner
+
+    from minillm.cli import app
+
+    path = tmp_path / "model.yaml"
+    path.write_text("model: {d_model: 64, n_layer: 2, n_head: 4}\n")
+    args = ["info", str(path)] + [a for s in sets for a in ("--set", s)]
+    line = error_line(CliRunner().invoke(app, args))
+    assert line.startswith(f"error: --set: {expected}") or line.startswith(
+        f"error: {path}: {expected}"
+    ), line
+
+
 # ------------------------------------------------------------------ runs without training
 
 
