@@ -97,7 +97,7 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "moe_shared_ffn_hidden": m.moe_shared_ffn_hidden,
         "moe_dense_layers": list(m.moe_dense_layers),
         # model.moe_router sigmoid (DeepSeekMoE): "" for the softmax router
-        "moe_router": _router_text(m) if m.n_experts else "",
+        "moe_router": _router_text(m),
         # train.lora: the adapters train, the base (and every other parameter) is frozen
         "params_trainable": trainable,
         "params_frozen": frozen,

@@ -1,8 +1,8 @@
 """Token shards on disk: the format, `meta.json`, and opening a split for reading.
 
-Offers `load_meta`, `open_split`, `open_mask`, `shard_dtype`, `shard_name`, `data_record`,
-`stale_data_keys`, `META_VERSION`, `MASK_SUFFIX`, `SPLITS` and `TOKEN_DTYPES`. The writer is
-`minillm.data.tokenize_pass` (`minillm tokenize`).
+Offers `load_meta`, `open_split`, `open_mask`, `shard_dtype`, `shard_name`, `sibling_name`,
+`data_record`, `stale_data_keys`, `META_VERSION`, `MASK_SUFFIX`, `SPLITS` and `TOKEN_DTYPES`. The
+writer is `minillm.data.tokenize_pass` (`minillm tokenize`).
 
 A split is the token ids of its documents, each document followed by the EOT id, as raw
 little-endian uint16 (uint32 when the vocabulary exceeds 65,536), cut into numbered shards
@@ -67,6 +67,12 @@ def shard_dtype(vocab_size: int) -> str:
 def shard_name(split: str, index: int, suffix: str = ".bin") -> str:
     """The file name of shard `index` of a split: train_000000.bin, its mask train_000000.mask."""
     return f"{split}_{index:06d}{suffix}"
+
+
+def sibling_name(shard_file: str, suffix: str = MASK_SUFFIX) -> str:
+    """The file beside a shard of meta.json's "shards" (train_000000.bin) with `suffix`: its
+    target mask train_000000.mask by default."""
+    return shard_file.removesuffix(".bin") + suffix
 
 
 def data_record(data: DataConfig) -> dict[str, Any]:
@@ -150,7 +156,7 @@ def _shard_files(meta: dict[str, Any], split: str, suffix: str) -> list[tuple[st
         return [(f"{split}{suffix}", meta[split]["tokens"], "")]
     key = "sha256" if suffix == ".bin" else "mask_sha256"
     return [
-        (sh["file"].removesuffix(".bin") + suffix, sh["tokens"], sh.get(key, ""))
+        (sibling_name(sh["file"], suffix), sh["tokens"], sh.get(key, ""))
         for sh in meta[split]["shards"]
     ]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from minillm.config import DataConfig
-from minillm.data.meta import MASK_SUFFIX, META_VERSION, SPLITS, data_record
+from minillm.data.meta import MASK_SUFFIX, META_VERSION, SPLITS, data_record, sibling_name
 from minillm.data.shard_writer import ShardWriter
 from minillm.errors import ConfigError, warn
 from minillm.runtime.files import atomic_copy, atomic_write_json, atomic_write_text, fsync_dir
@@ -114,7 +114,7 @@ def commit(staging: Staging, out_dir: Path, tok_path: Path | None, meta: dict[st
         for sh in meta[s]["shards"]:
             _install(staging.path / sh["file"], out_dir / sh["file"])
             if "mask_sha256" in sh:
-                mask = sh["file"].removesuffix(".bin") + MASK_SUFFIX
+                mask = sibling_name(sh["file"])
                 _install(staging.path / mask, out_dir / mask)
     fsync_dir(out_dir)
     atomic_write_text(meta_path, json.dumps(meta, indent=2) + "\n")
@@ -159,7 +159,7 @@ def up_to_date(out_dir: Path, inputs: dict[str, Any], tok_sha: str, eot_id: int)
                 if (out_dir / sh["file"]).stat().st_size != sh["file_bytes"]:
                     return False
                 if "mask_sha256" in sh:
-                    mask = out_dir / (sh["file"].removesuffix(".bin") + MASK_SUFFIX)
+                    mask = out_dir / sibling_name(sh["file"])
                     if mask.stat().st_size != sh["tokens"]:  # one byte a token
                         return False
     except (OSError, KeyError, TypeError):
