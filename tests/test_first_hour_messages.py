@@ -19,7 +19,7 @@ from minillm.config import (
     config_to_dict,
     load_config,
 )
-from minillm.data.table import jsonl_problem
+from minillm.data.jsonl_check import jsonl_problem
 from minillm.errors import UserError
 from minillm.train.resume import resume_point
 from tests.helpers import error_line, make_run

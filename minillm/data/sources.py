@@ -22,7 +22,8 @@ from typing import Any
 from minillm.config import DataConfig
 from minillm.config.loading import in_current_folder
 from minillm.data.corpus import Corpus, TextCorpus, error_reason, first_line
-from minillm.data.table import TableCorpus, jsonl_problem
+from minillm.data.jsonl_check import jsonl_problem
+from minillm.data.table import TableCorpus
 from minillm.errors import ConfigError
 
 

@@ -42,6 +42,7 @@ from minillm.data.corpus import (
     tail_cut,
     val_mask,
 )
+from minillm.data.jsonl_check import is_chat_value, json_kind, jsonl_problem
 from minillm.data.text import NOT_UTF8
 from minillm.errors import ConfigError, warn
 from minillm.tokenizer.chat_template import check_messages, content_bytes
@@ -76,83 +77,6 @@ def _is_sharegpt(kind: Any, value: Any) -> bool:
         and pa.types.is_struct(kind.value_type)
         and {"from", "value"} <= {f.name for f in kind.value_type}
     )
-
-
-def _is_chat_value(value: Any) -> bool | None:
-    """_is_chat_type for a row's value (a stream whose column types are known only once read)."""
-    if value is None or isinstance(value, str):
-        return False
-    if isinstance(value, list) and all(
-        isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value
-    ):
-        return True
-    return None
-
-
-def _json_kind(value: Any) -> str:
-    """How a JSON value reads in an error line: text, a number, a list, an object, ..."""
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, list):
-        # Messages with a key missing are still messages: check_messages names the key.
-        looks = value and all(isinstance(m, dict) and "role" in m for m in value)
-        return "chat messages" if looks or (value and _is_chat_value(value)) else "a list"
-    return "an object" if isinstance(value, dict) else type(value).__name__
-
-
-def jsonl_problem(files: list[Path], field: str, need_assistant: bool = True) -> ConfigError | None:
-    """The first line of the .jsonl `files` that the arrow loader or the corpus refuses, as an
-    error `file: data.text_field: line N: field: what` (None when all are .jsonl-clean, or a
-    file is not .jsonl).
-
-    Arrow names a bad row by its index within a block of the file (from 0, blank lines not
-    counted), which is not where a user looks; so on a failure the files are read again here,
-    line by line, counted from 1. A line is refused when it is not a JSON object, when its
-    `field` is neither text nor {role, content} messages, when it holds another kind than the
-    first line that has it, or when a key of it changes type (arrow keeps one type per column).
-    """
-    first: dict[str, tuple[str, int]] = {}  # key -> (kind, line) where it was first seen
-    for path in files:
-        if path.suffix.lower() != ".jsonl":
-            return None
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                where = f"line {n}"
-                try:
-                    obj = json.loads(raw)
-                except ValueError as e:
-                    message = f"{where}: not JSON ({getattr(e, 'msg', e)})"
-                    return corpus_error(path, "data.source", message)
-                if not isinstance(obj, dict):
-                    message = f"{where}: expected a JSON object, got {_json_kind(obj)}"
-                    return corpus_error(path, "data.source", message)
-                for key, value in obj.items():
-                    if value is None:
-                        continue
-                    kind = _json_kind(value)
-                    if key == field and kind not in ("text", "chat messages"):
-                        message = (
-                            f"{where}: {field}: holds {kind}, not text or a list of "
-                            "{role, content} messages"
-                        )
-                        return corpus_error(path, "data.text_field", message)
-                    seen = first.setdefault(key, (kind, n))
-                    if seen[0] != kind:
-                        message = f"{where}: {key}: holds {kind}, line {seen[1]} {seen[0]}"
-                        at = "data.text_field" if key == field else "data.source"
-                        return corpus_error(path, at, message)
-                    if key == field and kind == "chat messages":
-                        try:
-                            check_messages(value, str(path), n, field, need_assistant, "line")
-                        except ConfigError as e:
-                            return e
-    return None
 
 
 def _datasets_version() -> str:
@@ -209,7 +133,7 @@ class TableCorpus(Corpus):
             found = ", ".join(columns or []) or "none"
             message = f"no column {field!r} (columns found: {found})"
             raise corpus_error(label, "data.text_field", message)
-        chat = _is_chat_type(kind) if kind is not None else _is_chat_value(value)
+        chat = _is_chat_type(kind) if kind is not None else is_chat_value(value)
         if kind is not None and chat is None and not self.streaming and len(ds):
             value = ds[0][field]  # a column arrow keeps as JSON (turns with differing keys)
         if self.layout in ("auto", "sharegpt") and not chat and _is_sharegpt(None, value):
@@ -219,7 +143,7 @@ class TableCorpus(Corpus):
         elif self.layout == "alpaca":
             chat = True
         elif self.layout == "sharegpt" and chat is not None:
-            message = f"column {field!r} holds {kind or _json_kind(value)}, not ShareGPT turns"
+            message = f"column {field!r} holds {kind or json_kind(value)}, not ShareGPT turns"
             raise corpus_error(label, "data.chat_format", message)
         if chat is None and (problem := jsonl_problem(files, field)) is not None:
             raise problem  # the line at fault, not only the column's type
