@@ -160,10 +160,12 @@ class ExpertLoad:
     when balanced), as TensorBoard scalars xray/moe/aux_loss and
     xray/moe/layer{i}/expert{e} (i counts the sparse blocks: model.moe_dense_layers have no
     router), and the extremes of load / mean load over layers and experts
-    (xray/moe/load_max_ratio, load_min_ratio)."""
+    (xray/moe/load_max_ratio, load_min_ratio). `take_step` gives one optimizer step's counts
+    (train.moe_bias_update moves the routing bias by them)."""
 
     def __init__(self, n_experts: int) -> None:
         self.n_experts = n_experts
+        self.step_counts: torch.Tensor | float = 0.0  # (L, E) since the last take_step
         self.reset()
 
     def reset(self) -> None:
@@ -176,10 +178,18 @@ class ExpertLoad:
         loss, differentiable. Nothing here waits for the device."""
         aux = load_balancing_loss(stats, self.n_experts)
         self.aux = self.aux + aux.detach()
-        self.counts = self.counts + torch.stack([s.counts for s in stats])
+        # Stacked now: a recompute in backward would rewrite the routers' counts.
+        counts = torch.stack([s.counts for s in stats])
+        self.counts = self.counts + counts
+        self.step_counts = self.step_counts + counts
         self.tokens += stats[0].tokens
         self.micro_batches += 1
         return aux
+
+    def take_step(self) -> torch.Tensor | float:
+        """The tokens per expert (L, E) routed by this step's micro-batches; starts the next."""
+        counts, self.step_counts = self.step_counts, 0.0
+        return counts
 
     def scalars(self) -> dict[str, float]:
         if not self.micro_batches:

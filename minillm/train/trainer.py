@@ -155,7 +155,6 @@ class Trainer:
         norms = counts.clamp(min=1.0)  # what the loss divides by: an empty count divides by 1
         totals: torch.Tensor | None = None
         inputs = 0  # this rank's input tokens
-        load: torch.Tensor | None = None  # (L, E) tokens per expert: train.moe_bias_update
         dropout = contextlib.nullcontext() if obj.dropout else dropout_off(self.model)
         with dropout:
             for i, micro in enumerate(prepared):
@@ -171,16 +170,15 @@ class Trainer:
                         aux = self.expert_load.add(stats)
                         if tc.moe_aux_loss:
                             loss = loss + tc.moe_aux_loss / len(prepared) * aux
-                        if tc.moe_bias_update:  # read now: a recompute in backward rewrites them
-                            counts_now = torch.stack([s.counts for s in stats])
-                            load = counts_now if load is None else load + counts_now
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
                 totals = out.totals if totals is None else totals + out.totals
                 inputs += out.inputs
         loss_mean = obj.step_loss(all_reduce_sum(totals), norms)
         norm, finite = self._clip_and_step(loss_mean)
-        if load is not None and finite:  # a skipped step moves no bias either
-            update_router_bias(self.model, all_reduce_sum(load), tc.moe_bias_update)
+        if self.expert_load is not None:
+            load = self.expert_load.take_step()  # (L, E) tokens per expert, this step's
+            if tc.moe_bias_update and finite:  # a skipped step moves no bias either
+                update_router_bias(self.model, all_reduce_sum(load), tc.moe_bias_update)
         # Tokens processed (throughput, MFU, tokens_seen): with a target mask, more than targets.
         return StepResult(loss_mean, norm, lr, inputs * world, float(counts[0]), finite)
 
