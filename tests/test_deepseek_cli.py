@@ -8,6 +8,7 @@ and the run chats and evaluates."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from pathlib import Path
@@ -78,6 +79,42 @@ def test_sample_chat_and_export_equal_transformers(folder: Path, tmp_path: Path)
     idx = torch.randint(0, len(tok), (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(back(idx).logits, model(idx).logits, atol=2e-5, rtol=0)
+
+
+def test_serve_batches_two_chats_on_the_latent_cache(folder: Path) -> None:
+    """Two chat completions at once (continuous batching: rows of different lengths in one
+    latent cache), each the reply transformers generates alone."""
+    from minillm.serve import protocol as P
+    from minillm.serve.handlers import Handler
+    from minillm.serve.worker import EngineThread
+    from tests.test_serve import Connected
+
+    ckpt = load_checkpoint(folder)
+    engine = EngineThread(ckpt.model, ckpt.tokenizer, max_batch=2, max_queue=4)
+    handler = Handler(ckpt, "deepseek-v3", engine, 1 << 20, None)
+    chats = [CHAT, [{"role": "user", "content": TEXT}]]
+    jobs = [
+        P.parse_chat(
+            {"messages": m, "max_tokens": 10, "temperature": 0}, handler.limits, handler.encode_chat
+        )  # fmt: skip
+        for m in chats
+    ]
+
+    async def both() -> list[dict]:
+        return list(await asyncio.gather(*(handler.complete(Connected(), j) for j in jobs)))
+
+    engine.start()
+    try:
+        answers = asyncio.run(both())
+    finally:
+        engine.close()
+    tok, model = hf_tokenizer(folder), _hf(folder)
+    stop = tok.convert_tokens_to_ids("<｜end▁of▁sentence｜>")
+    for job, answer in zip(jobs, answers):
+        reply = list(itertools.takewhile(lambda t: t != stop, _greedy(model, job.prompts[0], 10)))
+        assert answer["choices"][0]["message"]["content"] == tok.decode(
+            reply, skip_special_tokens=True
+        )
 
 
 @pytest.mark.slow
