@@ -76,6 +76,11 @@ def test_sample_chat_and_export_equal_transformers(folder: Path, tmp_path: Path)
     _invoke(["export", "--ckpt", str(folder), "--out", str(out)])
     back = _hf(out)
     assert type(back).__name__ == "DeepseekV3ForCausalLM"
+    gguf = tmp_path / "model.gguf"  # llama.cpp's deepseek2: one line until it is built
+    result = runner.invoke(app, ["export", "--ckpt", str(folder), "--format", "gguf", "--out",
+                                 str(gguf)])  # fmt: skip
+    assert result.exit_code == 2 and "model.attention: mla" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not gguf.exists()
     idx = torch.randint(0, len(tok), (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(back(idx).logits, model(idx).logits, atol=2e-5, rtol=0)
