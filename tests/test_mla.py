@@ -312,3 +312,18 @@ def test_mla_trains_under_every_objective(tmp_path: Path, objective: str) -> Non
             assert not torch.equal(before[key], after[key]), key
     finally:
         trainer.close()
+
+
+def test_left_padding_and_packed_documents_are_each_row_alone() -> None:
+    """attention_mask (left pads output zeros, not averages) and doc_ids go through MLA's
+    decompressed path as through GQA's."""
+    torch.manual_seed(4)
+    model = Transformer(mla_config()).eval()
+    a, b = torch.randint(0, V, (1, 7)), torch.randint(0, V, (1, 4))
+    padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), b), dim=1)
+    mask = torch.tensor([[1] * 7, [0, 0, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        both = model(torch.cat((a, padded)), attention_mask=mask)[0]
+        torch.testing.assert_close(both[1, 3:], model(b)[0][0], atol=1e-5, rtol=0)
+        packed = model(torch.cat((a, b), dim=1), doc_ids=torch.tensor([[0] * 7 + [1] * 4]))[0]
+        torch.testing.assert_close(packed[0, 7:], model(b)[0][0], atol=1e-5, rtol=0)

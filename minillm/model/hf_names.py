@@ -325,6 +325,9 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
         raise ConfigError(
             key, f"rope_type {kind!r} is not supported (minillm: {', '.join(_ROPE_KEYS)})", where
         )
+    for extra in ("mscale", "mscale_all_dim"):  # DeepSeek's (MLA's softmax scale) for any type
+        if kind != "yarn" and params.get(extra):
+            raise ConfigError(f"{key}.{extra}", f"{params[extra]!r} with {kind} is not supported")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{key}.partial_rotary_factor", "partial RoPE is not supported", where)
     scaling = {
