@@ -255,8 +255,11 @@ def test_cache_bytes_per_token_are_the_latent() -> None:
     cfg = mla_config()
     cache = KVCache(cfg, 1)
     cache.reserve(1, 8)
-    per_token_layer = cache.nbytes() / (8 * cfg.n_layer)
-    assert per_token_layer == 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert cache.nbytes() == 8 * cache.token_bytes()
+    assert cache.token_bytes() == cfg.n_layer * 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    gqa = ModelConfig(vocab_size=V, d_model=32, n_layer=2, n_head=4, n_kv_head=2)
+    bf16 = KVCache(gqa, 1, dtype=torch.bfloat16)
+    assert bf16.token_bytes() == gqa.n_layer * 2 * 2 * gqa.n_kv_head * gqa.head_dim
 
 
 @pytest.mark.parametrize(
