@@ -157,6 +157,16 @@ def test_yarn_mscale_attention_factor_is_transformers() -> None:
     assert factor == pytest.approx(want_factor, abs=1e-7) and factor != 1.0
 
 
+def test_quantized_weights_are_refused_by_key() -> None:
+    """DeepSeek-V3's published folder holds fp8 blocks with scales (quantization_config):
+    read as they are they would be garbage, so one error naming the key."""
+    hf = hf_deepseek(16).config.to_dict()
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(hf)
+    assert e.value.key == "quantization_config" and "fp8" in e.value.message
+
+
 def test_family_defaults_are_transformers() -> None:
     defaults = transformers.DeepseekV3Config()
     for key, value in DEEPSEEK_DEFAULTS.items():

@@ -427,6 +427,9 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             where,
         )
     model_type = hf["model_type"]
+    if hf.get("quantization_config"):  # e.g. DeepSeek-V3's published fp8 blocks: read raw, garbage
+        method = hf["quantization_config"].get("quant_method", "quantized")
+        raise ConfigError("quantization_config", f"{method} weights are not supported", where)
     if "num_local_experts" in hf and model_type == "qwen3_moe":  # transformers 5 saves this name
         hf = {"num_experts": hf["num_local_experts"], **hf}
     hf = {**FAMILY_DEFAULTS.get(model_type, _LLAMA_DEFAULTS), **hf}
