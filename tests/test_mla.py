@@ -167,6 +167,31 @@ def test_quantized_weights_are_refused_by_key() -> None:
     assert e.value.key == "quantization_config" and "fp8" in e.value.message
 
 
+def test_deepseek_v3s_own_config_reads_to_the_same_parameters_as_transformers() -> None:
+    """DeepSeek-V3 (671B) as its config.json has it (fp8 quantization left out), both models
+    built on the meta device: every parameter shape of ours is one of transformers'."""
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+        max_position_embeddings=163840, rope_parameters={
+            "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "rope_theta": 10000.0},
+    )  # fmt: skip
+    cfg = model_config_from_hf(hf_cfg.to_dict())
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.DeepseekV3ForCausalLM(hf_cfg).parameters())
+        ours = Transformer(cfg)
+    assert ours.param_count() == theirs == 671_026_404_352  # 671B (the MTP module left out)
+    assert cfg.moe_dense_layers == [0, 1, 2] and cfg.moe_n_group == 8
+    assert KVCache(cfg, 0, max_len=16, device="meta", dtype=torch.bfloat16).token_bytes() == (
+        61 * 2 * (512 + 64)
+    )
+
+
 def test_family_defaults_are_transformers() -> None:
     defaults = transformers.DeepseekV3Config()
     for key, value in DEEPSEEK_DEFAULTS.items():
