@@ -79,11 +79,13 @@ class Decoder:
             (b.attn.q_norm.weight, b.attn.k_norm.weight) if b.attn.q_norm is not None else None
             for b in model.blocks
         ]
-        # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
-        # model's own forward, not this path's one rotation per new token. Gemma's block
-        # (sandwich norms, GeGLU, scaled embeddings and attention, local layers) also steps
+        # Dynamic NTK rotates every cached key anew each step (Transformer.rope), and longrope
+        # refills a row once as it passes the original length, keeping each row's ids for it:
+        # that is the model's own forward, not this path's one rotation per new token. Gemma's
+        # block (sandwich norms, GeGLU, scaled embeddings and attention, local layers) also steps
         # through the model's forward, so this loop stays the Llama block's plain formulas.
-        self.by_forward = cfg.rope_scaling.type == "dynamic" or _gemma_block(cfg)
+        scaled = cfg.rope_scaling.type in ("dynamic", "longrope")
+        self.by_forward = scaled or _gemma_block(cfg)
         # An int8 model (minillm.model.quantize) rounds each token's activations to an 8-bit
         # grid, so a float rounding difference that moves one across a rounding edge changes its
         # logits by a grid step, enough to flip a near-tie: rows that would read different
