@@ -329,9 +329,10 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), {}
-    if kind not in _ROPE_KEYS:
+    if kind not in _ROPE_KEYS or (kind == "longrope" and hf.get("model_type") != "phi3"):
+        kinds = ", ".join(k for k in _ROPE_KEYS if k != "longrope")
         raise ConfigError(
-            key, f"rope_type {kind!r} is not supported (minillm: {', '.join(_ROPE_KEYS)})", where
+            key, f"rope_type {kind!r} is not supported (minillm: {kinds}; Phi-3's longrope)", where
         )
     for extra in ("mscale", "mscale_all_dim"):
         if params.get(extra):

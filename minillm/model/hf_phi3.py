@@ -75,8 +75,6 @@ def phi3_normalized(hf: dict[str, Any], where: str) -> tuple[dict[str, Any], flo
     if kind in ("su", "yarn"):
         params["rope_type"] = "longrope"
         params.pop("type", None)
-    for refused in ("resid_pdrop", "embd_pdrop"):  # dropout: no logit depends on it
-        hf = {k: v for k, v in hf.items() if k != refused}
     hf = {**hf, key: params or None}
     window = hf.get("sliding_window")
     if window is not None and window >= hf["max_position_embeddings"]:

@@ -9,7 +9,9 @@ A target layer W (out, in) becomes W x + (alpha / r) B A x with A (r, in) and B 
 at zero, so step 0 is the base model exactly, and only A and B train. The fused projections get
 one adapter each: wqkv's A is shared by q, k and v and the rows of its B are their three B's
 (gate and up likewise), which is what peft holds for q_proj, k_proj and v_proj with equal A's.
-So `to_peft_state_dict` is a copy and a split, exact, and merging is W + (alpha / r) B A.
+So `to_peft_state_dict` is a copy and a split, exact, and merging is W + (alpha / r) B A. Phi-3's
+own fused qkv_proj and gate_up_proj take an adapter whole (model.partial_rotary's q/k rows put
+back in HF's order).
 
 `train.lora.train_tokens` also trains some rows of the embedding (`TokenRows`: the chosen rows
 replaced by trainable copies, peft's trainable tokens): a base that never saw the chat tokens
