@@ -330,10 +330,8 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
     if kind == "default":
         return float(theta), {}
     if kind not in _ROPE_KEYS or (kind == "longrope" and hf.get("model_type") != "phi3"):
-        kinds = ", ".join(k for k in _ROPE_KEYS if k != "longrope")
-        raise ConfigError(
-            key, f"rope_type {kind!r} is not supported (minillm: {kinds}; Phi-3's longrope)", where
-        )
+        kinds = ", ".join(k for k in _ROPE_KEYS if k != "longrope") + "; longrope in Phi-3 only"
+        raise ConfigError(key, f"rope_type {kind!r} is not supported (minillm: {kinds})", where)
     for extra in ("mscale", "mscale_all_dim"):
         if params.get(extra):
             raise ConfigError(f"{key}.{extra}", f"{params[extra]!r} is not supported", where)
