@@ -353,3 +353,21 @@ def test_a_window_llama_cpp_turns_off_is_refused_by_name(tmp_path: Path) -> None
     with pytest.raises(CheckpointError) as e:
         gguf_arch(cfg)
     assert str(e.value).startswith("model.sliding_window: 16") and "phi3" in str(e.value)
+
+
+def test_a_cached_batch_across_the_original_length_equals_each_row_and_the_full_forward() -> None:
+    """Rows of 10 and 30 prompt tokens decoded together (one crosses 24 while the other is past
+    it): each row's greedy text is its own alone, and that of a full forward every step."""
+    from tests.test_model_options import PHI3, random_model, tiny
+
+    model = random_model(tiny(**PHI3))
+    torch.manual_seed(0)
+    a, b = torch.randint(0, 97, (10,)).tolist(), torch.randint(0, 97, (30,)).tolist()
+    both = generate(model, [a, b], SamplingParams.greedy(30))
+    assert both == [generate(model, [p], SamplingParams.greedy(30))[0] for p in (a, b)]
+    for prompt, got in zip((a, b), both):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(30):
+                ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+        assert got == ids[len(prompt) :]
