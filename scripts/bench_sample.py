@@ -107,8 +107,10 @@ def pinned_copy(model: Transformer, commit: str) -> Any:
     pkg = pinned_minillm(commit)
     fields = {f.name for f in dataclasses.fields(pkg.config.ModelConfig)}
     cfg = {k: v for k, v in dataclasses.asdict(model.cfg).items() if k in fields}
-    # rope_scaling's keys added since (null unless used) are not the pinned commit's
-    cfg["rope_scaling"] = {k: v for k, v in cfg["rope_scaling"].items() if v is not None}
+    # model.rope_scaling's keys the commit has (longrope's factors came later)
+    rope = pkg.config.ModelConfig.__dataclass_fields__["rope_scaling"].default_factory()
+    rope_fields = {f.name for f in dataclasses.fields(rope)}
+    cfg["rope_scaling"] = {k: v for k, v in cfg["rope_scaling"].items() if k in rope_fields}
     old = pkg.model.Transformer(pkg.config.ModelConfig(**cfg)).eval()
     old.load_state_dict(model.state_dict())
     return old

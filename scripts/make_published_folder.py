@@ -20,7 +20,11 @@ DeepseekV3ForCausalLM: latent attention, a dense block then DeepSeekMoE), and tw
 families with their tokenizers: `qwen1.5-moe` (Qwen1.5-MoE-A2.7B-Chat: its ChatML with a default
 system prompt, a Qwen2MoeForCausalLM) and `qwen3-moe` (Qwen3-30B-A3B: Qwen3's template, whose last
 reply carries a `<think>` block and whose earlier replies lose theirs; `<think>` and `</think>`
-added tokens that are not special, as Qwen's; a Qwen3MoeForCausalLM).
+added tokens that are not special, as Qwen's; a Qwen3MoeForCausalLM), and Phi-3's: `phi3-mini`
+(Phi-3-mini-128k: a Llama 2 sentencepiece with `<|user|>`, `<|assistant|>`, `<|end|>`,
+`<|system|>`, `<|endoftext|>`; a newline after each role tag and each `<|end|>`) and
+`phi4-mini` (a byte-level BPE with the same tokens, turns without newlines, partial RoPE), each a
+Phi3ForCausalLM with LongRoPE.
 
 The tokenizer splits text with GPT-2's byte-level regex unless `--split` names a published
 model's own pre-tokenizer, written as its tokenizer.json has it: `qwen2` (an NFC normalizer and
@@ -218,6 +222,21 @@ DEEPSEEK_V3 = (
     "{%- endfor %}"
     "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
+# Phi-3-mini's template (its newline after each role tag and turn) and Phi-4-mini's (none), from
+# their documented formats `<|user|>\n{content}<|end|>\n<|assistant|>\n`; written without the
+# eos_token their published templates add after a conversation without a generation prompt.
+PHI3 = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+PHI4 = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
@@ -227,6 +246,20 @@ GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
 DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
                      "<｜Assistant｜>"]  # fmt: skip
+PHI_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+
+
+def _longrope(pairs: int, original: int) -> dict[str, Any]:
+    """A Phi3ForCausalLM's LongRoPE keys: factors of its own per rotated pair, the original
+    length 256 of a context of 1024 (llama.cpp's least n_ctx, 256, reads the short factors)."""
+    return dict(
+        max_position_embeddings=4 * original, original_max_position_embeddings=original,
+        pad_token_id=None,  # Phi3Config's 32000 is no row of a small vocabulary
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": [round(1 + 0.1 * j, 2) for j in range(pairs)],
+                      "long_factor": [round(1.5 + 0.5 * j, 2) for j in range(pairs)]},
+    )  # fmt: skip
+
 
 # name -> special tokens, tokenizer_config values, BOS the post-processor adds, template,
 #         generation_config eos names
@@ -283,6 +316,23 @@ FAMILIES: dict[str, dict[str, Any]] = {
                       model=("Qwen3MoeForCausalLM", dict(
                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                           head_dim=16, norm_topk_prob=True))),
+    # Phi-3-mini-128k: Llama 2's sentencepiece with Phi-3's tokens, every dimension rotated,
+    # LongRoPE, an untied head. Phi-4-mini: a byte-level BPE, 3/4 of each head rotated (12 of
+    # 16: 6 factors), LongRoPE, a tied head.
+    "phi3-mini": dict(specials=[*SPM_SPECIALS, *PHI_SPECIALS], bos="<s>", template=PHI3,
+                      spm="normalizer",
+                      config=dict(bos_token="<s>", eos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>", unk_token="<unk>"),
+                      eos=["<|end|>", "<|endoftext|>"],
+                      model=("Phi3ForCausalLM", dict(partial_rotary_factor=1.0,
+                                                     **_longrope(8, 256)))),
+    "phi4-mini": dict(specials=PHI_SPECIALS, bos=None, template=PHI4,
+                      config=dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                  pad_token="<|endoftext|>", unk_token="<|endoftext|>"),
+                      eos=["<|end|>", "<|endoftext|>"],
+                      model=("Phi3ForCausalLM", dict(partial_rotary_factor=0.75,
+                                                     tie_word_embeddings=True,
+                                                     **_longrope(6, 256)))),
 }  # fmt: skip
 # A model class's own config values where the shapes are not all it needs: Gemma 3's head_dim
 # is 256 unless set, and its layers alternate local (a window of 16) and global.

@@ -211,9 +211,9 @@ LONGROPE = dict(rope_type="longrope", factor=8.0, original_max_position_embeddin
         ("gemma", "config.json", "model_type: a 'gemma' model (GemmaForCausalLM), not one of "
          "the architectures minillm reads (LlamaForCausalLM, MixtralForCausalLM, "
          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
-         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)"),
+         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM, Phi3ForCausalLM)"),
         ("rope-scaling", "config.json", "rope_scaling: rope_type 'longrope' is not supported "
-         "(minillm: linear, dynamic, yarn, llama3)"),
+         "(minillm: linear, dynamic, yarn, llama3; longrope in Phi-3 only)"),
         ("attention-bias", "config.json", "attention_bias: True is not supported (minillm needs "
          "False)"),
         ("sentencepiece", "tokenizer.json", "decoder: Metaspace without ByteFallback: its <0xNN> "

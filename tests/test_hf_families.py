@@ -362,7 +362,17 @@ def test_what_gemma3_has_beyond_our_options_is_refused_by_key(changes: dict, key
 
 @pytest.mark.parametrize(
     "model_type",
-    ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma3_text", "qwen2_moe", "qwen3_moe"],
+    [
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "gemma3_text",
+        "qwen2_moe",
+        "qwen3_moe",
+        "phi3",
+    ],
 )
 def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) -> None:
     """Issue 50, defect 5: a config.json without rope_theta, rms_norm_eps, the context, the

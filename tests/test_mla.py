@@ -305,6 +305,18 @@ def test_cache_bytes_per_token_are_the_latent() -> None:
         (dict(n_kv_head=2), "model.n_kv_head"),
         (dict(sliding_window=8), "model.sliding_window"),
         (dict(attention="gqa"), "model.q_lora_rank"),
+        (dict(partial_rotary=0.5), "model.partial_rotary"),  # Phi-3's, beside qk_rope_head_dim
+        (
+            dict(
+                rope_scaling=dict(
+                    type="longrope",
+                    original_max_position_embeddings=32,
+                    short_factor=[1.0, 1.0],
+                    long_factor=[2.0, 2.0],
+                )
+            ),
+            "model.rope_scaling.type",
+        ),
     ],
 )
 def test_bad_mla_configs_name_the_key(kw: dict, key: str) -> None:

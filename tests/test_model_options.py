@@ -100,6 +100,14 @@ GEMMA = dict(n_layer=4, qk_norm=True, sandwich_norm=True, ffn_activation="gelu_t
              sliding_window_pattern=2, rope_local_theta=50.0,
              rope_scaling={"type": "linear", "factor": 2.0})  # fmt: skip
 OPTIONS["gemma3"] = GEMMA
+# Phi-3's: partial RoPE alone (the Decoder's own step), and with LongRoPE (a row refilled once
+# as it crosses the original length, 24).
+PHI3 = dict(head_dim=16, partial_rotary=0.75,
+            rope_scaling={"type": "longrope", "factor": 4.0, "original_max_position_embeddings": 24,
+                          "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                          "long_factor": [1.2, 1.9, 2.8, 4.0, 5.5, 7.0]})  # fmt: skip
+OPTIONS["partial_rotary"] = dict(head_dim=16, partial_rotary=0.5)
+OPTIONS["phi3"] = PHI3
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -202,7 +210,7 @@ def test_sliding_window_sees_exactly_the_last_window_tokens() -> None:
         torch.testing.assert_close(packed[0, 12:], model(ids[:, 12:])[0][0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("options", ["llama-qwen-mistral", "gemma3"])
+@pytest.mark.parametrize("options", ["llama-qwen-mistral", "gemma3", "phi3"])
 def test_lora_and_cpu_kernels_keep_every_option(options: str) -> None:
     from minillm.config import LoRAConfig
     from minillm.model import use_cpu_kernels
@@ -210,8 +218,8 @@ def test_lora_and_cpu_kernels_keep_every_option(options: str) -> None:
 
     cfg = tiny(attention_bias=True, qk_norm=True, head_dim=16, sliding_window=9,
                rope_scaling=SCALINGS["yarn"])  # fmt: skip
-    if options == "gemma3":
-        cfg = tiny(**GEMMA)
+    if options in ("gemma3", "phi3"):
+        cfg = tiny(**(GEMMA if options == "gemma3" else PHI3))
     model = random_model(cfg)
     ids = torch.randint(0, 97, (2, 40))
     want, loss = model(ids, ids)

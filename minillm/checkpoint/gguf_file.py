@@ -13,19 +13,22 @@ SmolLM split is recognised by its tokenizer.json (gguf_tokens.LLAMA_CPP_SPLITS);
 pre-tokenizer is refused in one line rather than exported with a split that would silently
 differ. A sentencepiece-style BPE is llama.cpp's SPM (`llama`) model (gguf_spm).
 
-Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map.
-The architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block: norms as
-(1 + w), the local layers' window, pattern and RoPE base as keys), `qwen3` (model.qk_norm), `qwen2`
-(model.attention_bias), `qwen3moe` (experts and qk_norm), `qwen2moe` (experts and a shared expert)
-or `llama` (Mixtral's experts too). llama.cpp's `llama` RoPE rotates adjacent pairs (x0, x1), (x2,
-x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}), so for it the rows of wq and wk are
-permuted per head as the converter does; the qwen graphs rotate halves (NEOX) and take them as they
-are. RoPE scaling: linear and yarn as llama.cpp's rope.scaling keys, llama3 as the `rope_freqs`
-tensor of per-frequency divisors; what llama.cpp cannot compute (dynamic NTK, a sliding window
-shorter than the context outside gemma3, YaRN without truncation, dense blocks in an MoE) is one
-error line naming the key, and nothing written. Beside the .gguf an Ollama Modelfile
-(`NAME.Modelfile`) carries minillm's chat template in Go form (a published model's Jinja template
-Ollama takes from the file) and the stop tokens."""
+Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map. The
+architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block: norms as (1 +
+w), the local layers' window, pattern and RoPE base as keys), `qwen3` (model.qk_norm), `qwen2`
+(model.attention_bias), `qwen3moe` (experts and qk_norm), `qwen2moe` (experts and a shared expert),
+`phi3` (model.partial_rotary, longrope: fused qkv and gate-up tensors, LongRoPE's factors as its
+`rope_factors_long`/`rope_factors_short` tensors and attention factor as a key; llama.cpp picks the
+long factors by its context size, n_ctx past the original length, where transformers and minillm
+pick them by the sequence's length) or `llama` (Mixtral's experts too). llama.cpp's `llama` RoPE
+rotates adjacent pairs (x0, x1), (x2, x3) ... where ours and HF's rotate halves (x_i, x_{i + D/2}),
+so for it the rows of wq and wk are permuted per head as the converter does; the qwen and phi3
+graphs rotate halves (NEOX) and take them as HF has them. RoPE scaling: linear and yarn as
+llama.cpp's rope.scaling keys, llama3 as the `rope_freqs` tensor of per-frequency divisors; what
+llama.cpp cannot compute (dynamic NTK, a sliding window shorter than the context outside gemma3,
+YaRN without truncation, dense blocks in an MoE) is one error line naming the key, and nothing
+written. Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries minillm's chat template in
+Go form (a published model's Jinja template Ollama takes from the file) and the stop tokens."""
 
 from __future__ import annotations
 
@@ -124,8 +127,12 @@ def gguf_arch(cfg: ModelConfig) -> Any:
         return _gemma3_arch(cfg, refuse)
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
         raise refuse(
-            "sliding_window", f"{cfg.sliding_window} (its llama, qwen2 and qwen3 see it all)"
+            "sliding_window",
+            f"{cfg.sliding_window} (its llama, qwen2, qwen3 and phi3 see it all: llama.cpp "
+            "turns Phi-3's window off)",
         )
+    if hf_model_type(cfg) == "phi3":  # none or longrope: hf_model_type checked
+        return gguf.MODEL_ARCH.PHI3
     if cfg.n_experts:
         arch = _moe_arch(cfg, refuse)
     elif cfg.qk_norm or cfg.attention_bias:
@@ -218,6 +225,12 @@ def gguf_tensors(
     if cfg.rope_scaling.type == "llama3":
         named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                       llama3_rope_freqs(cfg)))  # fmt: skip
+    if cfg.rope_scaling.type == "longrope":  # phi3's: what each frequency is divided by
+        for tensor, factors in (
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, cfg.rope_scaling.long_factor),
+            (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, cfg.rope_scaling.short_factor),
+        ):
+            named.append((gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(factors)))
     hf_state = to_hf_state_dict(state, cfg)
     if cfg.tie_embeddings and arch == gguf.MODEL_ARCH.QWEN2MOE:
         hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
@@ -314,10 +327,17 @@ def _file_type(dtype: str) -> int:
 
 
 def _add_rope_scaling(w: Any, m: ModelConfig) -> None:
-    """llama.cpp's rope.scaling keys for linear and yarn (llama3 is the rope_freqs tensor)."""
+    """llama.cpp's rope.scaling keys for linear and yarn (llama3 is the rope_freqs tensor), and
+    longrope's original length and attention factor (its factors are tensors)."""
     import gguf
 
+    from minillm.model.rope import inv_frequencies
+
     s = m.rope_scaling
+    if s.type == "longrope":  # as convert_hf_to_gguf.py's Phi-3
+        w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+        w.add_rope_scaling_attn_factors(inv_frequencies(m)[1])
+        return
     if s.type not in ("linear", "yarn"):
         return
     w.add_rope_scaling_type(gguf.RopeScalingType(s.type))
@@ -372,7 +392,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_key_length(m.head_dim)
         w.add_value_length(m.head_dim)
         w.add_rope_freq_base(m.rope_theta)
-        w.add_rope_dimension_count(m.head_dim)
+        w.add_rope_dimension_count(m.rotary_dim)  # model.partial_rotary's (phi3)
         _add_rope_scaling(w, m)
         if arch == gguf.MODEL_ARCH.GEMMA3:  # its local layers: window, which ones, their base
             w.add_sliding_window(m.sliding_window or m.max_seq_len)

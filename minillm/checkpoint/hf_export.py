@@ -18,8 +18,8 @@ eos (a list where it has one) and pad in config.json and generation_config.json
 (minillm.checkpoint.model_tokens), so that the folder's `apply_chat_template` and `generate` are the
 original's. The class is the family that computes the model (minillm.model.hf_names.hf_model_type):
 LlamaForCausalLM, Qwen3ForCausalLM (qk_norm), Qwen2ForCausalLM (attention_bias), MistralForCausalLM
-(sliding_window), with `model.n_experts` MixtralForCausalLM, or with Gemma's block
-Gemma3ForCausalLM.
+(sliding_window), with `model.n_experts` MixtralForCausalLM, with Gemma's block
+Gemma3ForCausalLM, or with model.partial_rotary or longrope Phi3ForCausalLM.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Read a Hugging Face folder as our config, weights and tokenizer (an HF folder -> us): Llama,
-Qwen2, Qwen3, Mistral, Mixtral or Gemma 3's text model (minillm.model.hf_names.READABLE).
+Qwen2, Qwen3, Mistral, Mixtral, Gemma 3's text model or Phi-3 (minillm.model.hf_names.READABLE).
 
 Offers `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)` (what
 `train.init_from: DIR` uses), `hf_model_config` (the ModelConfig of config.json alone),

@@ -20,6 +20,7 @@ from typing import Any
 
 from minillm.checkpoint.hf_export import KEPT, check_export_target
 from minillm.errors import UserError
+from minillm.model.hf_phi3 import is_phi3
 from minillm.model.lora import peft_modules, to_peft_state_dict
 from minillm.runtime.disk_space import raise_if_disk_full
 from minillm.runtime.files import commit_dir, save_safetensors
@@ -28,9 +29,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def adapter_config(lora: Any, base: str, token_ids: list[int] | None = None) -> dict[str, Any]:
+def adapter_config(
+    lora: Any, base: str, token_ids: list[int] | None = None, phi3: bool = False
+) -> dict[str, Any]:
     """peft's LoraConfig of a `train.lora` section (plain LoRA: scale alpha / r, no bias);
-    token_ids: the embedding rows that trained (train.lora.train_tokens)."""
+    token_ids: the embedding rows that trained (train.lora.train_tokens); phi3: a
+    Phi3ForCausalLM base, whose modules are qkv_proj and gate_up_proj."""
     extra = {"trainable_token_indices": token_ids} if token_ids else {}
     return {
         "peft_type": "LORA",
@@ -39,7 +43,7 @@ def adapter_config(lora: Any, base: str, token_ids: list[int] | None = None) -> 
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": peft_modules(lora.targets),
+        "target_modules": peft_modules(lora.targets, phi3),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -84,7 +88,8 @@ def export_peft(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         ids = ckpt.adapters.get("tok_emb.token_ids")
         ids = None if ids is None else [int(i) for i in ids.tolist()]
-        text = json.dumps(adapter_config(cfg.train.lora, base, ids), indent=2) + "\n"
+        config = adapter_config(cfg.train.lora, base, ids, is_phi3(cfg.model))
+        text = json.dumps(config, indent=2) + "\n"
         (tmp / CONFIG_FILE).write_text(text, encoding="utf-8")
         check_export_target(out, force, ckpt.path)  # again: someone may have written meanwhile
         commit_dir(tmp, out)

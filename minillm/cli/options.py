@@ -52,8 +52,8 @@ CkptOption = typer.Option(
     metavar="PATH",
     help="A run directory (its newest intact checkpoint), one checkpoint folder, a run's "
     "checkpoints/LATEST or checkpoints/BEST, or a Hugging Face folder of Llama, Qwen2, "
-    "Qwen3, Mistral, Mixtral or Gemma 3 (text) (config.json, safetensors, tokenizer.json; its "
-    "chat template and eos are used).",
+    "Qwen3, Mistral, Mixtral, Gemma 3 (text) or Phi-3 (config.json, safetensors, "
+    "tokenizer.json; its chat template and eos are used).",
     callback=_remember_command,
 )
 BestOption = typer.Option(

@@ -21,7 +21,7 @@ from minillm.errors import ConfigError
 
 # model.rope_scaling.type: how RoPE is stretched past the length a model was trained at
 # (minillm.model.rope computes each as transformers' ROPE_INIT_FUNCTIONS does).
-ROPE_SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
+ROPE_SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3", "longrope")
 # The model keys no weight depends on: how positions are read. Extending a trained model's context
 # changes them alone, so `train.init_from` takes a config's own values of these over the source's
 # and `minillm eval --set` may change them on a checkpoint (docs/design.md, "Config").
@@ -34,23 +34,28 @@ class RopeScalingConfig(Section):
 
     _section: typing.ClassVar[str] = "model.rope_scaling"
 
-    type: Literal["none", "linear", "dynamic", "yarn", "llama3"] = setting(
+    type: Literal["none", "linear", "dynamic", "yarn", "llama3", "longrope"] = setting(
         "none",
         help="none = plain RoPE; linear = position interpolation (every frequency / factor); "
         "dynamic = NTK-aware base that grows with the sequence length past "
         "original_max_position_embeddings; yarn = YaRN (NTK-by-parts and an attention factor); "
-        "llama3 = Llama 3.1's per-band frequency scaling. As transformers' rope_type.",
+        "llama3 = Llama 3.1's per-band frequency scaling; longrope = Phi-3's LongRoPE (each "
+        "frequency divided by its short_factor, or its long_factor for a sequence longer than "
+        "original_max_position_embeddings). As transformers' rope_type.",
     )
     factor: float = setting(1.0, help="Context extension factor (new length / original).")
     original_max_position_embeddings: int | None = setting(
         None,
         help="The context the model was trained at: where yarn's and llama3's bands are "
-        "measured and past which dynamic starts to scale. Needed by dynamic, yarn and llama3.",
+        "measured, past which dynamic starts to scale and longrope takes its long_factor. "
+        "Needed by dynamic, yarn, llama3 and longrope.",
     )
     attention_factor: float | None = setting(
         None,
-        help="yarn: scale of cos and sin (so of the attention logits, squared). "
-        "null = 0.1 ln(factor) + 1, as the YaRN paper and transformers.",
+        help="yarn and longrope: scale of cos and sin (so of the attention logits, squared). "
+        "null = 0.1 ln(factor) + 1 for yarn, as the YaRN paper and transformers; "
+        "sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) for longrope, as "
+        "LongRoPE and transformers (1 where factor is 1).",
     )
     beta_fast: float = setting(32.0, help="yarn: rotations where the frequencies stay unscaled.")
     beta_slow: float = setting(1.0, help="yarn: rotations where they are fully interpolated.")
@@ -71,6 +76,15 @@ class RopeScalingConfig(Section):
     high_freq_factor: float = setting(
         4.0, help="llama3: wavelengths under original / this stay; between, a smooth blend."
     )
+    short_factor: list[float] = setting(
+        [],
+        help="longrope: what each of the rotated dimensions' frequencies is divided by while "
+        "the sequence is at most original_max_position_embeddings long (one per frequency: "
+        "head_dim * partial_rotary / 2 of them).",
+    )
+    long_factor: list[float] = setting(
+        [], help="longrope: the same for a sequence longer than original_max_position_embeddings."
+    )
 
     def __post_init__(self) -> None:
         if self.type == "none":
@@ -83,12 +97,22 @@ class RopeScalingConfig(Section):
             if getattr(self, key) is not None and self.type != "yarn":
                 self._fail(key, f"is yarn's: not used with type {self.type}")
         self._positive("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor")
-        needs_original = self.type in ("dynamic", "yarn", "llama3")
+        needs_original = self.type in ("dynamic", "yarn", "llama3", "longrope")
         if needs_original and self.original_max_position_embeddings is None:
             self._fail(
                 "original_max_position_embeddings",
                 f"type {self.type} needs the length the model was trained at",
             )
+        if self.type == "longrope":
+            for key in ("short_factor", "long_factor"):
+                factors = getattr(self, key)
+                if not factors or not all(f > 0 for f in factors):
+                    self._fail(
+                        key, f"longrope needs positive factors, one a frequency: {factors!r}"
+                    )
+        for key in ("short_factor", "long_factor"):
+            if getattr(self, key) and self.type != "longrope":
+                self._fail(key, f"is read by type longrope only (type is {self.type})")
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             self._fail(
                 "high_freq_factor",
@@ -190,6 +214,11 @@ class ModelConfig(Section):
     )
     v_head_dim: int | None = setting(
         None, help="mla: per-head value width. null = qk_nope_head_dim."
+    )
+    partial_rotary: float = setting(
+        1.0,
+        help="Share of each head's dimensions RoPE rotates (Phi-4-mini: 0.75); the rest pass "
+        "unrotated. head_dim * partial_rotary must be a whole, even number.",
     )
     rope_scaling: RopeScalingConfig = field(
         default_factory=RopeScalingConfig,
@@ -326,10 +355,40 @@ class ModelConfig(Section):
             self.moe_ffn_hidden = self.ffn_hidden
         if isinstance(self.rope_scaling, dict):  # ModelConfig(rope_scaling={...}) in Python
             self.rope_scaling = RopeScalingConfig(**self.rope_scaling)
+        self._check_partial_rotary()
+        if self.attention == "mla" and self.rope_scaling.type == "longrope":
+            self._fail("rope_scaling.type", "longrope is Phi-3's: not built with attention mla")
         local_rope = self.rope_local_theta is not None or self.sliding_window_pattern
         if local_rope and self.rope_scaling.type == "dynamic":
             key = "rope_local_theta" if self.rope_local_theta else "sliding_window_pattern"
             self._fail(key, "with rope_scaling.type dynamic: not supported")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (R): head_dim times partial_rotary."""
+        return round(self.head_dim * self.partial_rotary)
+
+    def _check_partial_rotary(self) -> None:
+        """model.partial_rotary gives a whole, even number of rotated dimensions, and longrope's
+        factors one per rotated pair."""
+        p = self.partial_rotary
+        if not 0.0 < p <= 1.0:
+            self._fail("partial_rotary", f"must be in (0, 1], got {p}")
+        R = self.head_dim * p
+        if abs(R - round(R)) > 1e-6 or round(R) % 2 or round(R) < 2:
+            self._fail(
+                "partial_rotary",
+                f"{p} of head_dim={self.head_dim} is {R:g} dimensions: RoPE rotates a whole, "
+                "even number of them",
+            )
+        s = self.rope_scaling
+        for key in ("short_factor", "long_factor"):
+            if s.type == "longrope" and len(getattr(s, key)) != self.rotary_dim // 2:
+                self._fail(
+                    f"rope_scaling.{key}",
+                    f"{len(getattr(s, key))} factors: longrope needs one per rotated pair, "
+                    f"head_dim * partial_rotary / 2 = {self.rotary_dim // 2}",
+                )
 
     def _check_router(self) -> None:
         """model.moe_router sigmoid and the keys only it reads (DeepSeek-V3's routing)."""
@@ -386,6 +445,7 @@ class ModelConfig(Section):
             "qk_norm": self.qk_norm,
             "sliding_window": self.sliding_window is not None,
             "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
+            "partial_rotary": self.partial_rotary != 1.0,  # qk_rope_head_dim is the rotated part
         }
         for key, used in unused.items():
             if used:

@@ -60,7 +60,9 @@ class Decoder:
         # minillm.model.mla's) also step through the model's forward, so this loop stays the
         # Llama block's plain formulas.
         self.by_forward = (
-            cfg.rope_scaling.type == "dynamic" or _gemma_block(cfg) or cfg.attention == "mla"
+            cfg.rope_scaling.type in ("dynamic", "longrope")
+            or _gemma_block(cfg)
+            or cfg.attention == "mla"
         )
         if self.by_forward:
             return

@@ -4,14 +4,17 @@ families that are our model with options: `Qwen2ForCausalLM` (model.attention_bi
 experts, `MixtralForCausalLM`, `Qwen2MoeForCausalLM` (a shared expert, model.moe_norm_topk,
 model.moe_dense_layers, q/k/v biases) and `Qwen3MoeForCausalLM` (qk_norm), and
 `Gemma3ForCausalLM` (model_type gemma3_text: model.qk_norm, sandwich_norm, ffn_activation
-gelu_tanh, embed_scale, query_pre_attn_scalar, local layers); each takes model.rope_scaling and
-model.head_dim; `DeepseekV3ForCausalLM` (model.attention mla) is minillm.model.hf_deepseek's.
-Gemma's RMSNorm multiplies by (1 + w) where HF stores w: our norms hold 1 + w, so the 1 is added
-on reading and taken off on writing.
+gelu_tanh, embed_scale, query_pre_attn_scalar, local layers) and `Phi3ForCausalLM`
+(model.partial_rotary, rope_scaling longrope, fused qkv_proj and gate_up_proj: its own module,
+minillm.model.hf_phi3); each takes model.rope_scaling and model.head_dim.
+`DeepseekV3ForCausalLM` (model.attention mla) is minillm.model.hf_deepseek's. Gemma's RMSNorm
+multiplies by (1 + w) where HF stores w: our norms hold 1 + w, so the 1 is added on reading
+and taken off on writing.
 
 Offers `READABLE`, `FAMILY_DEFAULTS`, `hf_model_type`, `hf_rope_scaling`, `hf_config_dict`,
 `is_llama_config`, `model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
-Both models use RoPE's "rotate half" layout, so q/k weights need no permutation; only our fused
+Both models use RoPE's "rotate half" layout, so q/k weights need no permutation (but for
+model.partial_rotary's, hf_phi3); only our fused
 projections (wqkv, w_gate_up) are split into, or joined from, HF's separate ones. Mixtral's
 experts are written under the names of its published checkpoints (block_sparse_moe.experts.N.w1,
 w2, w3), which every transformers version loads, and read from those or from transformers 5's
@@ -39,6 +42,17 @@ from minillm.model.hf_deepseek import (
     deepseek_from_hf_state,
     deepseek_to_hf_state,
 )
+from minillm.model.hf_phi3 import (
+    PHI3_DEFAULTS,
+    check_phi3_options,
+    is_phi3,
+    join_fused,
+    phi3_family_config,
+    phi3_normalized,
+    rotary_rows_to_hf,
+    rotary_rows_to_ours,
+    split_fused,
+)
 
 # The HF model types minillm reads and writes, with the class each names.
 READABLE = {
@@ -51,6 +65,7 @@ READABLE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # The options that make a model Gemma 3's block, each its transformers config's.
 _GEMMA_OPTIONS = ("qk_norm", "sandwich_norm", "embed_scale")
@@ -70,6 +85,13 @@ _ROPE_KEYS = {
         "mscale_all_dim",
     ),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "short_factor",
+        "long_factor",
+    ),
 }
 
 
@@ -77,11 +99,14 @@ def hf_model_type(cfg: ModelConfig) -> str:
     """The transformers family that computes `cfg`: Gemma 3 with sandwich norms; with experts
     Qwen3-MoE (qk_norm), Qwen2-MoE (a shared expert) or Mixtral; Qwen3 with qk_norm, Qwen2 with
     q/k/v biases, Mistral with a sliding window, else Llama (every one takes rope_scaling and
-    head_dim). A ConfigError names an option no
+    head_dim); Phi-3 with partial RoPE or LongRoPE. A ConfigError names an option no
     family has with the others."""
     if cfg.attention == "mla":  # DeepSeek-V3: minillm.model.hf_deepseek
         check_deepseek(cfg)
         return "deepseek_v3"
+    if is_phi3(cfg):
+        check_phi3_options(cfg)
+        return "phi3"
     gemma = cfg.sandwich_norm or cfg.embed_scale or cfg.ffn_activation != "silu"
     gemma = gemma or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None
     gemma = gemma or cfg.sliding_window_pattern > 0
@@ -213,6 +238,8 @@ def hf_config_dict(
         family["attention_bias"] = False
     if model_type == "llama":
         family["mlp_bias"] = False
+    if model_type == "phi3":
+        family = phi3_family_config(cfg)
     # transformers' dynamic NTK scales past max_position_embeddings: our original length.
     dynamic = cfg.rope_scaling.type == "dynamic"
     max_len = cfg.rope_scaling.original_max_position_embeddings if dynamic else cfg.max_seq_len
@@ -321,13 +348,13 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return float(theta), {}
-    if kind not in _ROPE_KEYS:
-        raise ConfigError(
-            key, f"rope_type {kind!r} is not supported (minillm: {', '.join(_ROPE_KEYS)})", where
-        )
+    if kind not in _ROPE_KEYS or (kind == "longrope" and hf.get("model_type") != "phi3"):
+        kinds = ", ".join(k for k in _ROPE_KEYS if k != "longrope") + "; longrope in Phi-3 only"
+        raise ConfigError(key, f"rope_type {kind!r} is not supported (minillm: {kinds})", where)
     for extra in ("mscale", "mscale_all_dim"):  # DeepSeek's (MLA's softmax scale) for any type
         if kind != "yarn" and params.get(extra):
-            raise ConfigError(f"{key}.{extra}", f"{params[extra]!r} with {kind} is not supported")
+            message = f"{params[extra]!r} with {kind} is not supported"
+            raise ConfigError(f"{key}.{extra}", message, where)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{key}.partial_rotary_factor", "partial RoPE is not supported", where)
     scaling = {
@@ -337,7 +364,7 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
     max_len = hf["max_position_embeddings"]
     if kind == "dynamic":  # transformers scales past max_position_embeddings
         scaling["original_max_position_embeddings"] = max_len
-    elif kind in ("yarn", "llama3"):  # transformers' defaults where the file has none
+    elif kind in ("yarn", "llama3", "longrope"):  # transformers' defaults where it has none
         # transformers 5 prefers a top-level original_max_position_embeddings (Phi-3's place
         # for it) to rope_scaling's own.
         if hf.get("original_max_position_embeddings") is not None:
@@ -382,7 +409,7 @@ def _window_from_hf(hf: dict[str, Any], where: str) -> int | None:
             key = "layer_types" if hf.get("layer_types") else "use_sliding_window"
             raise ConfigError(key, "Qwen2-MoE's sliding-window attention is not supported", where)
         return None
-    return window if hf.get("model_type") in ("mistral", "mixtral") else None
+    return window if hf.get("model_type") in ("mistral", "mixtral", "phi3") else None
 
 
 # What transformers' config classes (4.x and 5.x) give a key config.json leaves out, per family
@@ -410,6 +437,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1},
     "deepseek_v3": DEEPSEEK_DEFAULTS,
+    "phi3": PHI3_DEFAULTS,
 }  # fmt: skip
 
 
@@ -437,6 +465,9 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         return _gemma3_from_hf(hf, where)
     if model_type == "deepseek_v3":
         return deepseek_from_hf(hf, *_rope_from_hf(hf, where), where)
+    partial = 1.0
+    if model_type == "phi3":
+        hf, partial = phi3_normalized(hf, where)
     refused: list[tuple[str, Any]] = [("mlp_bias", False), ("hidden_act", "silu")]
     if model_type in ("llama", "qwen3", "mistral", "mixtral", "qwen3_moe"):  # biases o_proj too
         refused.append(("attention_bias", False))
@@ -474,6 +505,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         rope_theta=rope_theta,
         norm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        partial_rotary=partial,
         **moe,
     )
 
@@ -619,7 +651,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
         out["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.n_layer):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        q, k, v = sd[ours + "attn.wqkv.weight"].split((H * D, K * D, K * D), dim=0)
+        wqkv = rotary_rows_to_hf(sd[ours + "attn.wqkv.weight"], cfg)  # model.partial_rotary's
+        q, k, v = wqkv.split((H * D, K * D, K * D), dim=0)
         out.update(
             {
                 theirs + "input_layernorm.weight": sd[ours + "attn_norm.weight"],
@@ -645,6 +678,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             out.update(_experts_to_hf(sd, ours + "ffn.", theirs, cfg))
         else:
             out.update(_swiglu_to_hf(sd, ours + "ffn.", theirs + "mlp."))
+    if hf_model_type(cfg) == "phi3":
+        out = join_fused(out, cfg)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -685,6 +720,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     Raises KeyError on a missing name."""
     if cfg.attention == "mla":
         return deepseek_from_hf_state(sd, cfg)
+    sd = split_fused(sd, cfg)  # Phi-3's qkv_proj and gate_up_proj
     out = {
         "tok_emb.weight": sd["model.embed_tokens.weight"],
         "norm.weight": sd["model.norm.weight"],
@@ -697,8 +733,9 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         out.update(
             {
                 ours + "attn_norm.weight": sd[theirs + "input_layernorm.weight"],
-                ours + "attn.wqkv.weight": torch.cat(
-                    [sd[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")], dim=0
+                ours + "attn.wqkv.weight": rotary_rows_to_ours(
+                    torch.cat([sd[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")], dim=0),
+                    cfg,
                 ),
                 ours + "attn.wo.weight": sd[attn + "o_proj.weight"],
             }

@@ -16,6 +16,16 @@ same float32 order, so that logits match `LlamaForCausalLM` with that `rope_scal
   makes over O (beta_fast, beta_slow), and cos and sin scaled by the attention factor.
 - llama3: wavelengths under O / high_freq_factor kept, over O / low_freq_factor divided by
   `factor`, a smooth blend between.
+- longrope (Phi-3): each frequency divided by its short_factor, or by its long_factor for a
+  sequence longer than O, and cos and sin scaled by the attention factor at every length. The
+  long tables are precomputed beside the short ones; `longrope_rows` says which rows read them.
+
+`model.partial_rotary` (Phi-4-mini) rotates only the first R = head_dim * partial_rotary
+dimensions of HF's heads. Our heads hold those R as dimensions 0..R/2-1 and D/2..D/2+R/2-1 (the
+pairs our "rotate half" rotates) and the unrotated ones between (`minillm.model.hf_phi3` permutes
+the q/k rows on import and export), so the frequencies are padded with zeros to D/2: angle 0
+rotates nothing, exactly, and every RoPE path (training kernels, the decode step's matrices)
+stays the full-head one.
 
 Shape legend: D head dim, S positions.
 """
@@ -48,7 +58,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    s, D, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+    s, D, base = cfg.rope_scaling, cfg.rotary_dim, cfg.rope_theta
     attention = s.attention_factor
     if attention is None and s.mscale and s.mscale_all_dim:  # DeepSeek's ratio of the two
         attention = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
@@ -76,7 +86,7 @@ def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 def _llama3(cfg: ModelConfig) -> torch.Tensor:
     s = cfg.rope_scaling
-    inv_freq = _plain(cfg.head_dim, cfg.rope_theta)
+    inv_freq = _plain(cfg.rotary_dim, cfg.rope_theta)
     original = s.original_max_position_embeddings
     low_wavelen, high_wavelen = original / s.low_freq_factor, original / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -87,40 +97,70 @@ def _llama3(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _longrope(cfg: ModelConfig, long: bool) -> tuple[torch.Tensor, float]:
+    s, R = cfg.rope_scaling, cfg.rotary_dim
+    attention = s.attention_factor
+    if attention is None:  # from factor, as transformers (Phi-3: max / original length)
+        original = s.original_max_position_embeddings
+        attention = math.sqrt(1 + math.log(s.factor) / math.log(original)) if s.factor > 1 else 1.0
+    factors = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float32)
+    exponents = torch.arange(0, R, 2, dtype=torch.int64).float() / R
+    return 1.0 / (factors * cfg.rope_theta**exponents), float(attention)
+
+
 def inv_frequencies(
     cfg: ModelConfig, seq_len: int | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
-    """RoPE's inverse frequencies (D/2,) and the factor on cos and sin, for model `cfg`.
+    """RoPE's inverse frequencies (D/2,) and the factor on cos and sin, for model `cfg`; with
+    model.partial_rotary the unrotated dimensions' frequencies are 0.
 
-    seq_len matters to dynamic only: the length of the sequence being read (an int, or (n, 1)
-    lengths, one per row, giving (n, D/2)); None or up to the original length: plain RoPE.
+    seq_len matters to dynamic and longrope only: the length of the sequence being read (an int,
+    or for dynamic (n, 1) lengths, one per row, giving (n, D/2)); None or up to the original
+    length: plain RoPE (longrope: its short factors).
     """
-    kind, s = cfg.rope_scaling.type, cfg.rope_scaling
+    inv_freq, scale = _rotary_frequencies(cfg, seq_len)
+    pad = cfg.head_dim // 2 - inv_freq.shape[-1]
+    if pad:
+        inv_freq = torch.cat((inv_freq, inv_freq.new_zeros(*inv_freq.shape[:-1], pad)), dim=-1)
+    return inv_freq, scale
+
+
+def _rotary_frequencies(
+    cfg: ModelConfig, seq_len: int | torch.Tensor | None
+) -> tuple[torch.Tensor, float]:
+    """inv_frequencies of the R rotated dimensions only, (R/2,) or (n, R/2)."""
+    kind, s, R = cfg.rope_scaling.type, cfg.rope_scaling, cfg.rotary_dim
     if kind == "linear":
-        return _plain(cfg.head_dim, cfg.rope_theta) / s.factor, 1.0
+        return _plain(R, cfg.rope_theta) / s.factor, 1.0
     if kind == "yarn":
         return _yarn(cfg)
     if kind == "llama3":
         return _llama3(cfg), 1.0
+    if kind == "longrope":
+        original = s.original_max_position_embeddings
+        return _longrope(cfg, seq_len is not None and int(seq_len) > original)
     if kind == "dynamic" and seq_len is not None:
-        D, original = cfg.head_dim, s.original_max_position_embeddings
+        original = s.original_max_position_embeddings
         # The base in float64 then rounded, as transformers' Python float meets a float32 pow.
         length = torch.as_tensor(seq_len, dtype=torch.float64).clamp(min=original)
-        base = cfg.rope_theta * ((s.factor * length / original) - (s.factor - 1)) ** (D / (D - 2))
-        return _plain(D, base.float()), 1.0
-    return _plain(cfg.head_dim, cfg.rope_theta), 1.0
+        base = cfg.rope_theta * ((s.factor * length / original) - (s.factor - 1)) ** (R / (R - 2))
+        return _plain(R, base.float()), 1.0
+    return _plain(R, cfg.rope_theta), 1.0
 
 
 def cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of positions (..., S) times inv_freq (D/2,) or (..., 1, D/2), scaled by
-    `scale`: (..., S, D) in the "rotate half" layout (the D/2 angles twice), float32."""
+    `scale` where the frequency is not 0 (model.partial_rotary's unrotated dimensions stay
+    unscaled, as transformers scales its rotated ones only): (..., S, D) in the "rotate half"
+    layout (the D/2 angles twice), float32."""
     angles = positions.float()[..., None] * inv_freq  # (..., S, D/2)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()
     if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
+        rotated = torch.cat((inv_freq, inv_freq), dim=-1) != 0
+        cos, sin = torch.where(rotated, cos * scale, cos), torch.where(rotated, sin * scale, sin)
     return cos, sin
 
 
@@ -173,6 +213,28 @@ class Rope:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.rotate(x, self.cos, self.sin)
+
+
+def longrope_rows(
+    cfg: ModelConfig, positions: slice | torch.Tensor, write: CacheWrite | None
+) -> bool | torch.Tensor:
+    """Which rows read longrope's long factors: those whose sequence is longer than the original
+    length, as transformers picks them from max(position_ids) + 1, here per row (each row as it
+    would be alone). True or False for every row, or (B,) bools. Without a KV cache a row's
+    length is its largest position + 1; with one, its length after this write (a row that
+    crosses the original length with keys cached is refilled first, `Transformer.forward`, so
+    its cached keys are the long ones too)."""
+    original = cfg.rope_scaling.original_max_position_embeddings
+    if write is not None:
+        lengths = torch.tensor(write.starts) + write.T
+    elif isinstance(positions, slice):
+        return positions.stop > original
+    else:
+        lengths = positions.amax(dim=-1) + 1  # (B,) or (1,)
+    long = lengths > original
+    if bool(long.all()):
+        return True
+    return long if bool(long.any()) else False
 
 
 def dynamic_rope(

@@ -50,6 +50,7 @@ from minillm.model.rope import (
     cos_sin,
     dynamic_rope,
     inv_frequencies,
+    longrope_rows,
     plain_frequencies,
     rotate_half_matrix,
 )
@@ -236,6 +237,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, D)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("rope_rotate_half", rotate_half_matrix(cfg.head_dim), persistent=False)
+        if cfg.rope_scaling.type == "longrope":  # the tables of a sequence past the original
+            original = cfg.rope_scaling.original_max_position_embeddings
+            inv_freq, scale = inv_frequencies(cfg, original + 1)
+            cos, sin = cos_sin(inv_freq, torch.arange(cfg.max_seq_len), scale)
+            self.register_buffer("rope_long_cos", cos, persistent=False)
+            self.register_buffer("rope_long_sin", sin, persistent=False)
         # model.rope_local_theta: the sliding layers' own plain RoPE tables (Gemma 3)
         self.local_layers = [cfg.local_layer(i) for i in range(cfg.n_layer)]
         # Some layers local and others global: each kind its own mask (once here, not per forward)
@@ -297,6 +304,15 @@ class Transformer(nn.Module):
                 return scaled
         cos = self.rope_cos[positions][..., None, :]  # (T, 1, D) or (B, T, 1, D)
         sin = self.rope_sin[positions][..., None, :]
+        if self.cfg.rope_scaling.type == "longrope":
+            long = longrope_rows(self.cfg, positions, write)
+            long_cos = self.rope_long_cos[positions][..., None, :]
+            long_sin = self.rope_long_sin[positions][..., None, :]
+            if long is True:
+                cos, sin = long_cos, long_sin
+            elif long is not False:  # rows on either side of the original length
+                rows = long.to(cos.device)[:, None, None, None]  # (B, 1, 1, 1)
+                cos, sin = torch.where(rows, long_cos, cos), torch.where(rows, long_sin, sin)
         return Rope(cos, sin, self.rotate)
 
     def forward(
@@ -322,7 +338,7 @@ class Transformer(nn.Module):
         last_only: compute logits for the last position only (decoding).
         reduction: "mean" or "sum" of the per-token losses.
         """
-        if kv_cache is not None and self.cfg.rope_scaling.type == "dynamic":
+        if kv_cache is not None and self.cfg.rope_scaling.type in ("dynamic", "longrope"):
             logits = self._refill_past_original(idx, kv_cache, last_only)
             if logits is not None:
                 loss = None
@@ -368,20 +384,27 @@ class Transformer(nn.Module):
     def _refill_past_original(
         self, idx: torch.Tensor, kv_cache: KVCache | Any, last_only: bool
     ) -> torch.Tensor | None:
-        """Dynamic NTK with a KV cache: logits (n, T | 1, V), or None for the plain cached path.
+        """Dynamic NTK or longrope with a KV cache: logits (n, T | 1, V), or None for the plain
+        cached path.
 
         The frequencies change with the length, and with them every hidden state of a sequence
         from the second layer on, so keys cached at a shorter length are stale once a row passes
         the original length. Such a row is refilled: cleared, then its whole sequence (the cache
-        keeps each row's ids) forwarded from position 0, what a full forward computes, at the
-        cost of decoding without a cache. Up to the original length RoPE is plain and the cache
-        is used as it is.
+        keeps each row's ids) forwarded from position 0, what a full forward computes. Dynamic
+        NTK's frequencies change at every length past the original, so it decodes without a
+        cache there; longrope's long factors are one set, so a row is refilled once, at the
+        step that takes it past the original length, and its cache is used as it is after.
+        (transformers' cached generate keeps the keys rotated at the short factors and rotates
+        the new ones at the long: not its own full forward. Ours is.) Up to the original length
+        the cache is used as it is.
         """
         cache, r0 = getattr(kv_cache, "cache", kv_cache), getattr(kv_cache, "r0", 0)
         rows = range(r0, r0 + idx.shape[0])
         seqs = [torch.cat((cache.ids[r], idx[i])) for i, r in enumerate(rows)]
+        original = self.cfg.rope_scaling.original_max_position_embeddings
+        once = self.cfg.rope_scaling.type == "longrope"  # stale only at the crossing
         stale = any(
-            cache.lengths[r] and len(s) > self.cfg.rope_scaling.original_max_position_embeddings
+            cache.lengths[r] and len(s) > original and not (once and cache.lengths[r] > original)
             for r, s in zip(rows, seqs)
         )
         for r, s in zip(rows, seqs):
