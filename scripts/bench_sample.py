@@ -107,6 +107,8 @@ def pinned_copy(model: Transformer, commit: str) -> Any:
     pkg = pinned_minillm(commit)
     fields = {f.name for f in dataclasses.fields(pkg.config.ModelConfig)}
     cfg = {k: v for k, v in dataclasses.asdict(model.cfg).items() if k in fields}
+    # rope_scaling's keys added since (null unless used) are not the pinned commit's
+    cfg["rope_scaling"] = {k: v for k, v in cfg["rope_scaling"].items() if v is not None}
     old = pkg.model.Transformer(pkg.config.ModelConfig(**cfg)).eval()
     old.load_state_dict(model.state_dict())
     return old

@@ -4,16 +4,19 @@ here (nothing can be downloaded in tests, CI or the demos).
     python scripts/make_published_folder.py models/standin-chatml --family chatml
 
 A transformers model with random weights (the family's own class where it names one:
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM; else Qwen2ForCausalLM for the ChatML
-families, else LlamaForCausalLM), saved by transformers, and a byte-level BPE tokenizer trained with
-`tokenizers` on the shipped text that carries the family's real special tokens, its post-processor
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM; else
+Qwen2ForCausalLM for the ChatML families, else LlamaForCausalLM), saved by transformers, and a
+byte-level BPE tokenizer trained with `tokenizers` on the shipped text that carries the family's
+real special tokens, its post-processor
 (Llama 3 and Mistral add their BOS), its chat template (written from the families' documented
 formats), tokenizer_config.json and generation_config.json (Llama 3: two eos ids). Families:
 `chatml` (Qwen2's ChatML), `chatml-marked` (the same with `{% generation %}` markers, for
 transformers' assistant mask), `qwen2.5` (ChatML whose system prompt is a default), `llama3`
 (headers and `<|eot_id|>`), `llama3-marked`, `mistral` (`[INST]`, the reply ended by `</s>`),
 `gemma3` (`<start_of_turn>user` / `model` turns ended by `<end_of_turn>`, a system prompt prepended
-to the first user turn; a Gemma3ForCausalLM with local and global layers), and two MoE model
+to the first user turn; a Gemma3ForCausalLM with local and global layers), `deepseek-v3`
+(`<｜User｜>` / `<｜Assistant｜>` turns, each reply ended by `<｜end▁of▁sentence｜>`; a
+DeepseekV3ForCausalLM: latent attention, a dense block then DeepSeekMoE), and two MoE model
 families with their tokenizers: `qwen1.5-moe` (Qwen1.5-MoE-A2.7B-Chat: its ChatML with a default
 system prompt, a Qwen2MoeForCausalLM) and `qwen3-moe` (Qwen3-30B-A3B: Qwen3's template, whose last
 reply carries a `<think>` block and whose earlier replies lose theirs; `<think>` and `</think>`
@@ -195,12 +198,35 @@ LLAMA2 = (
     "{% endif %}{% endfor %}"
 )
 
+# DeepSeek-V3's format (its tokenizer_config.json's template, without the tool-call branches): the
+# system prompts joined after the BOS, each user turn after <｜User｜>, each reply after
+# <｜Assistant｜> and ended by the eos <｜end▁of▁sentence｜>.
+DEEPSEEK_V3 = (
+    "{% if not add_generation_prompt is defined %}"
+    "{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(system_prompt='', is_first_sp=true) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}"
+    "{% set ns.is_first_sp = false %}"
+    "{%- else %}{% set ns.system_prompt = ns.system_prompt + '\n\n' + message['content'] %}"
+    "{%- endif %}{%- endif %}{%- endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
+
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>"]  # fmt: skip
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 GEMMA3_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
+DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>",
+                     "<｜Assistant｜>"]  # fmt: skip
 
 # name -> special tokens, tokenizer_config values, BOS the post-processor adds, template,
 #         generation_config eos names
@@ -228,6 +254,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
                    config=dict(bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                                unk_token="<unk>"),
                    eos=["<eos>", "<end_of_turn>"]),
+    "deepseek-v3": dict(specials=DEEPSEEK_SPECIALS, bos="<｜begin▁of▁sentence｜>",
+                        template=DEEPSEEK_V3,
+                        config=dict(bos_token="<｜begin▁of▁sentence｜>",
+                                    eos_token="<｜end▁of▁sentence｜>",
+                                    pad_token="<｜end▁of▁sentence｜>"),
+                        eos=["<｜end▁of▁sentence｜>"]),
     # Sentencepiece-style tokenizers (`spm`): Llama 2's (a normalizer puts "▁" for spaces and
     # before the text, the decoder strips it) and Mistral v0.3's (a Metaspace pre-tokenizer).
     "llama2": dict(specials=SPM_SPECIALS, bos="<s>", template=LLAMA2, spm="normalizer",
@@ -257,6 +289,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
 MODEL_VALUES: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
                               sliding_window_pattern=2, rope_local_base_freq=10000.0),
+    # MLA (a q bottleneck), block 0 dense, then DeepSeekMoE: 4 experts in 2 groups, top-2 from
+    # the best group, one shared expert; yarn with DeepSeek's mscale keys.
+    "DeepseekV3ForCausalLM": dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+        rope_parameters=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64,
+                             mscale=1.0, mscale_all_dim=1.0, rope_theta=10000.0)),
 }  # fmt: skip
 CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 # Model shapes: `tiny` for the tests, `small` (about 2M parameters) for the demo.
@@ -440,7 +481,8 @@ def build(
         model_class
         or family_class
         or ("Qwen2ForCausalLM" if name.startswith(("chatml", "qwen")) else None)
-        or ("Gemma3ForCausalLM" if name == "gemma3" else "LlamaForCausalLM")
+        or {"gemma3": "Gemma3ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}.get(name)
+        or "LlamaForCausalLM"
     )
     if model_class == family_class:
         config = {**family_config, **config}
@@ -450,7 +492,7 @@ def build(
     config_name = CONFIG_CLASSES.get(model_class, model_class.replace("ForCausalLM", "Config"))
     config_class = getattr(transformers, config_name)
     values = dict(vocab_size=tok.get_vocab_size() + 16, tie_word_embeddings=False,
-                  **SHAPES[shape], **MODEL_VALUES.get(model_class, {}))  # fmt: skip
+                  **{**SHAPES[shape], **MODEL_VALUES.get(model_class, {})})  # fmt: skip
     hf_cfg = config_class(
         **{**values, **config}, bos_token_id=tok.token_to_id(bos), eos_token_id=eos_ids
     )

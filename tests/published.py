@@ -32,7 +32,7 @@ def _script() -> Any:
 FAMILIES: dict[str, dict[str, Any]] = _script().FAMILIES
 VOCAB = 400
 # The transformers class of a family's folder where it is not a Llama.
-MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM"}
+MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}
 
 
 @functools.lru_cache(maxsize=8)

@@ -309,8 +309,8 @@ def test_info_counts_the_active_parameters_of_the_qwen_moes(name: str, active: f
     [
         (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
               sliding_window=16, max_window_layers=1), "layer_types"),
-        (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, mscale=0.7, mscale_all_dim=0.7)),
-         "rope_scaling.mscale"),
+        (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, partial_rotary_factor=0.5)),
+         "rope_scaling.partial_rotary_factor"),
         (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True),
          "attention_bias"),
         (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],

@@ -57,6 +57,16 @@ class RopeScalingConfig(Section):
     truncate: bool = setting(
         True, help="yarn: round the correction range to whole dimensions (transformers' default)."
     )
+    mscale: float | None = setting(
+        None,
+        help="yarn (DeepSeek): with mscale_all_dim and no attention_factor, the attention factor "
+        "is (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1), as transformers.",
+    )
+    mscale_all_dim: float | None = setting(
+        None,
+        help="yarn (DeepSeek): see mscale; with model.attention mla the softmax scale is also "
+        "multiplied by (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek's attention.",
+    )
     low_freq_factor: float = setting(1.0, help="llama3: wavelengths past original / this scale.")
     high_freq_factor: float = setting(
         4.0, help="llama3: wavelengths under original / this stay; between, a smooth blend."
@@ -68,6 +78,10 @@ class RopeScalingConfig(Section):
         if not self.factor >= 1.0:
             self._fail("factor", f"must be >= 1 with type {self.type}, got {self.factor}")
         self._positive("original_max_position_embeddings", "attention_factor")
+        self._positive("mscale", "mscale_all_dim")
+        for key in ("mscale", "mscale_all_dim"):
+            if getattr(self, key) is not None and self.type != "yarn":
+                self._fail(key, f"is yarn's: not used with type {self.type}")
         self._positive("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor")
         needs_original = self.type in ("dynamic", "yarn", "llama3")
         if needs_original and self.original_max_position_embeddings is None:
@@ -150,6 +164,32 @@ class ModelConfig(Section):
         None,
         help="Attention logits are scaled by 1/sqrt(this) (Gemma 3's query_pre_attn_scalar); "
         "null = head_dim.",
+    )
+    attention: Literal["gqa", "mla"] = setting(
+        "gqa",
+        help="gqa = multi-head attention with n_kv_head key/value heads (grouped-query when "
+        "fewer than n_head); mla = DeepSeek's multi-head latent attention: keys and values "
+        "up-projected from one kv_lora_rank latent per token, the KV cache holding that latent "
+        "and a shared qk_rope_head_dim RoPE key (head_dim is then qk_rope_head_dim).",
+    )
+    q_lora_rank: int | None = setting(
+        None,
+        help="mla: queries through a q_lora_rank bottleneck (down-projection, RMSNorm, "
+        "up-projection), as DeepSeek-V3; null = one plain query projection (V2-Lite).",
+    )
+    kv_lora_rank: int | None = setting(
+        None, help="mla: width of the compressed key/value latent (DeepSeek-V3: 512). Needed."
+    )
+    qk_nope_head_dim: int | None = setting(
+        None, help="mla: per-head query/key width without RoPE (DeepSeek-V3: 128). Needed."
+    )
+    qk_rope_head_dim: int | None = setting(
+        None,
+        help="mla: width of the rotated part of each query head and of the one RoPE key all "
+        "heads share (DeepSeek-V3: 64); even. Needed.",
+    )
+    v_head_dim: int | None = setting(
+        None, help="mla: per-head value width. null = qk_nope_head_dim."
     )
     rope_scaling: RopeScalingConfig = field(
         default_factory=RopeScalingConfig,
@@ -250,6 +290,7 @@ class ModelConfig(Section):
         if self.n_experts and len(self.moe_dense_layers) == self.n_layer:
             self._fail("moe_dense_layers", "every block dense: that is n_experts 0")
         self._check_router()
+        self._check_mla()
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
         self._positive("head_dim", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
         self._non_negative("sliding_window_pattern")
@@ -320,6 +361,49 @@ class ModelConfig(Section):
                 f"{self.moe_topk_group} groups of {E // G} experts hold fewer than "
                 f"n_experts_per_token={self.n_experts_per_token}",
             )
+
+    def _check_mla(self) -> None:
+        """model.attention mla and the keys only it reads; head_dim resolves to the RoPE width
+        and n_kv_head to n_head, as transformers' DeepseekV3Config."""
+        mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
+        self._positive(*mla_keys, "v_head_dim")
+        if self.attention != "mla":
+            for key in (*mla_keys, "v_head_dim"):
+                if getattr(self, key) is not None:
+                    self._fail(key, f"{getattr(self, key)!r} needs model.attention mla")
+            return
+        for key in mla_keys[1:]:
+            if getattr(self, key) is None:
+                self._fail(key, "needed by model.attention mla")
+        if self.qk_rope_head_dim % 2:
+            self._fail("qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even for RoPE")
+        if self.head_dim not in (None, self.qk_rope_head_dim):
+            self._fail("head_dim", f"{self.head_dim}: with mla it is qk_rope_head_dim; leave null")
+        if self.n_kv_head not in (None, self.n_head):
+            self._fail("n_kv_head", f"{self.n_kv_head}: mla has no key/value heads; leave null")
+        unused = {
+            "attention_bias": self.attention_bias,
+            "qk_norm": self.qk_norm,
+            "sliding_window": self.sliding_window is not None,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
+        }
+        for key, used in unused.items():
+            if used:
+                self._fail(key, f"{getattr(self, key)!r} is not built with model.attention mla")
+        self.head_dim, self.n_kv_head = self.qk_rope_head_dim, self.n_head
+        if self.v_head_dim is None:
+            self.v_head_dim = self.qk_nope_head_dim
+
+    @property
+    def mla_softmax_scale(self) -> float:
+        """mla's logit scale: (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times yarn's
+        mscale(factor, mscale_all_dim)^2 (transformers' yarn_apply_mscale)."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        s = self.rope_scaling
+        if s.type != "none" and s.mscale_all_dim and s.factor > 1:
+            m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
+            scale *= m * m
+        return scale
 
     def local_layer(self, i: int) -> bool:
         """Whether layer i attends within sliding_window (all do unless sliding_window_pattern

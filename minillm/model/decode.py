@@ -53,6 +53,17 @@ class Decoder:
             raise ValueError("the Decoder applies no dropout: call model.eval() first")
         self.model, self.cache = model, kv_cache
         cfg = model.cfg
+        # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
+        # model's own forward, not this path's one rotation per new token. Gemma's block
+        # (sandwich norms, GeGLU, scaled embeddings and attention, local layers) and latent
+        # attention (model.attention mla, whose cache and absorbed decode are
+        # minillm.model.mla's) also step through the model's forward, so this loop stays the
+        # Llama block's plain formulas.
+        self.by_forward = (
+            cfg.rope_scaling.type == "dynamic" or _gemma_block(cfg) or cfg.attention == "mla"
+        )
+        if self.by_forward:
+            return
         self.heads = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
         # Each projection as a function: x -> x W^T (+ b), and the output projections with the
         # residual add, (x, y) -> x + y W^T. An int8 model's layers are their own
@@ -79,11 +90,6 @@ class Decoder:
             (b.attn.q_norm.weight, b.attn.k_norm.weight) if b.attn.q_norm is not None else None
             for b in model.blocks
         ]
-        # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
-        # model's own forward, not this path's one rotation per new token. Gemma's block
-        # (sandwich norms, GeGLU, scaled embeddings and attention, local layers) also steps
-        # through the model's forward, so this loop stays the Llama block's plain formulas.
-        self.by_forward = cfg.rope_scaling.type == "dynamic" or _gemma_block(cfg)
         # An int8 model (minillm.model.quantize) rounds each token's activations to an 8-bit
         # grid, so a float rounding difference that moves one across a rounding edge changes its
         # logits by a grid step, enough to flip a near-tie: rows that would read different

@@ -5,8 +5,9 @@ experts, `MixtralForCausalLM`, `Qwen2MoeForCausalLM` (a shared expert, model.moe
 model.moe_dense_layers, q/k/v biases) and `Qwen3MoeForCausalLM` (qk_norm), and
 `Gemma3ForCausalLM` (model_type gemma3_text: model.qk_norm, sandwich_norm, ffn_activation
 gelu_tanh, embed_scale, query_pre_attn_scalar, local layers); each takes model.rope_scaling and
-model.head_dim. Gemma's RMSNorm multiplies by (1 + w) where HF stores w: our norms hold 1 + w,
-so the 1 is added on reading and taken off on writing.
+model.head_dim; `DeepseekV3ForCausalLM` (model.attention mla) is minillm.model.hf_deepseek's.
+Gemma's RMSNorm multiplies by (1 + w) where HF stores w: our norms hold 1 + w, so the 1 is added
+on reading and taken off on writing.
 
 Offers `READABLE`, `FAMILY_DEFAULTS`, `hf_model_type`, `hf_rope_scaling`, `hf_config_dict`,
 `is_llama_config`, `model_config_from_hf`, `to_hf_state_dict` and `from_hf_state_dict`.
@@ -30,6 +31,14 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.errors import ConfigError
+from minillm.model.hf_deepseek import (
+    DEEPSEEK_DEFAULTS,
+    check_deepseek,
+    deepseek_config,
+    deepseek_from_hf,
+    deepseek_from_hf_state,
+    deepseek_to_hf_state,
+)
 
 # The HF model types minillm reads and writes, with the class each names.
 READABLE = {
@@ -41,6 +50,7 @@ READABLE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # The options that make a model Gemma 3's block, each its transformers config's.
 _GEMMA_OPTIONS = ("qk_norm", "sandwich_norm", "embed_scale")
@@ -56,6 +66,8 @@ _ROPE_KEYS = {
         "beta_fast",
         "beta_slow",
         "truncate",
+        "mscale",
+        "mscale_all_dim",
     ),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
 }
@@ -67,6 +79,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     q/k/v biases, Mistral with a sliding window, else Llama (every one takes rope_scaling and
     head_dim). A ConfigError names an option no
     family has with the others."""
+    if cfg.attention == "mla":  # DeepSeek-V3: minillm.model.hf_deepseek
+        check_deepseek(cfg)
+        return "deepseek_v3"
     gemma = cfg.sandwich_norm or cfg.embed_scale or cfg.ffn_activation != "silu"
     gemma = gemma or cfg.query_pre_attn_scalar is not None or cfg.rope_local_theta is not None
     gemma = gemma or cfg.sliding_window_pattern > 0
@@ -100,7 +115,9 @@ def _moe_type(cfg: ModelConfig) -> str:
     Mixtral neither, its top-k renormalised in every layer."""
     if cfg.moe_router == "sigmoid":
         raise ConfigError(
-            "model.moe_router", "sigmoid (DeepSeek-V3's): none of Mixtral and Qwen-MoE routes so"
+            "model.moe_router",
+            "sigmoid without model.attention mla: DeepSeek-V3, the family that routes so, has "
+            "latent attention",
         )
     if cfg.qk_norm:
         if cfg.moe_shared_ffn_hidden:
@@ -151,6 +168,8 @@ def hf_config_dict(
     model_type = hf_model_type(cfg)
     if model_type == "gemma3_text":
         return _gemma3_config(cfg, bos_id, eos_id)
+    if model_type == "deepseek_v3":
+        return deepseek_config(cfg, bos_id, eos_id, hf_rope_scaling(cfg))
     family: dict[str, Any] = {}
     if model_type == "mixtral":
         family = {
@@ -306,9 +325,6 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
         raise ConfigError(
             key, f"rope_type {kind!r} is not supported (minillm: {', '.join(_ROPE_KEYS)})", where
         )
-    for extra in ("mscale", "mscale_all_dim"):
-        if params.get(extra):
-            raise ConfigError(f"{key}.{extra}", f"{params[extra]!r} is not supported", where)
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{key}.partial_rotary_factor", "partial RoPE is not supported", where)
     scaling = {
@@ -390,6 +406,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {**_LLAMA_DEFAULTS, "max_position_embeddings": 32768, "num_key_value_heads": 4,
                   "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1},
+    "deepseek_v3": DEEPSEEK_DEFAULTS,
 }  # fmt: skip
 
 
@@ -412,6 +429,8 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
     hf = {**FAMILY_DEFAULTS.get(model_type, _LLAMA_DEFAULTS), **hf}
     if model_type == "gemma3_text":
         return _gemma3_from_hf(hf, where)
+    if model_type == "deepseek_v3":
+        return deepseek_from_hf(hf, *_rope_from_hf(hf, where), where)
     refused: list[tuple[str, Any]] = [("mlp_bias", False), ("hidden_act", "silu")]
     if model_type in ("llama", "qwen3", "mistral", "mixtral", "qwen3_moe"):  # biases o_proj too
         refused.append(("attention_bias", False))
@@ -580,6 +599,8 @@ def _qwen_moe_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state_dict -> HF names, splitting fused projections. Tensors are made contiguous."""
+    if cfg.attention == "mla":
+        return {k: v.contiguous() for k, v in deepseek_to_hf_state(sd, cfg).items()}
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     offset = _norm_offset(cfg)
     if offset:
@@ -656,6 +677,8 @@ def _experts_to_hf(
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF Llama (Mixtral) state_dict -> ours, joining q/k/v and gate/up (and stacking experts).
     Raises KeyError on a missing name."""
+    if cfg.attention == "mla":
+        return deepseek_from_hf_state(sd, cfg)
     out = {
         "tok_emb.weight": sd["model.embed_tokens.weight"],
         "norm.weight": sd["model.norm.weight"],

@@ -22,6 +22,10 @@ row, however long the row grows). A token decoded alone writes its key over the 
 back, which no query from then on sees, then reads the W slots; several new tokens at once (a
 prompt) read the ring's keys and their own, with the band as a mask, then keep their last W.
 
+With `model.attention: mla` a token's entry is its compressed latent and RoPE key instead
+(kv_lora_rank + qk_rope_head_dim numbers per layer, stored as the one "key head" of that width,
+with values 0 wide: `minillm.model.mla` reads the latent back out of the keys).
+
 Shape legend: L layers, B rows, K key/value heads, S slots, T new tokens, D head dim, n rows of
 one write.
 """
@@ -149,6 +153,11 @@ class KVCache:
         if max_len > cfg.max_seq_len:
             raise ValueError(f"KV cache of {max_len} exceeds max_seq_len={cfg.max_seq_len}")
         self.cfg, self.max_len, self.device, self.dtype = cfg, max_len, torch.device(device), dtype
+        # Per token and layer: K heads of D keys and D values; model.attention mla stores its
+        # latent and RoPE key, R + P numbers, as one "key" and no value (minillm.model.mla).
+        self.heads, self.widths = cfg.n_kv_head, (cfg.head_dim, cfg.head_dim)
+        if cfg.attention == "mla":
+            self.heads, self.widths = 1, (cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0)
         # A ring only where every layer slides: with model.sliding_window_pattern the global
         # layers read every key, and the local ones a band of them (CacheWrite.band_mask).
         window = None if cfg.mixed_layers else cfg.sliding_window
@@ -158,13 +167,15 @@ class KVCache:
         # Each row's token ids, kept by a dynamic NTK model's forward to refill a row past its
         # original length (Transformer.forward); empty otherwise.
         self.ids: list[torch.Tensor] = []
-        self._store(self._empty(0, 0), self._empty(0, 0))
+        self._store(*self._pair(0, 0))
         self.add_rows(batch_size)
 
-    def _empty(self, rows: int, slots: int) -> torch.Tensor:
-        c = self.cfg
-        shape = (c.n_layer, rows, c.n_kv_head, slots, c.head_dim)
+    def _empty(self, rows: int, slots: int, width: int) -> torch.Tensor:
+        shape = (self.cfg.n_layer, rows, self.heads, slots, width)
         return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def _pair(self, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._empty(rows, slots, self.widths[0]), self._empty(rows, slots, self.widths[1])
 
     @property
     def batch_size(self) -> int:
@@ -179,7 +190,7 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of storage held now (keys and values)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        return (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     # ------------------------------------------------------------------ storage
 
@@ -198,7 +209,7 @@ class KVCache:
         rows = max(rows, 2 * have_rows) if rows > have_rows else have_rows
         grown = min(self.max_slots, max(slots, 2 * have_slots))
         slots = grown if slots > have_slots else have_slots
-        k, v = self._empty(rows, slots), self._empty(rows, slots)
+        k, v = self._pair(rows, slots)
         k[:, :have_rows, :, :have_slots] = self.k
         v[:, :have_rows, :, :have_slots] = self.v
         self._store(k, v)
@@ -211,7 +222,7 @@ class KVCache:
         """Free the storage of a cache whose rows are all gone (a server gone idle)."""
         if self.lengths:
             raise ValueError(f"{self.batch_size} rows still hold sequences")
-        self._store(self._empty(0, 0), self._empty(0, 0))
+        self._store(*self._pair(0, 0))
 
     # ------------------------------------------------------------------ rows
 

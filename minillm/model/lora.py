@@ -10,6 +10,8 @@ at zero, so step 0 is the base model exactly, and only A and B train. The fused 
 one adapter each: wqkv's A is shared by q, k and v and the rows of its B are their three B's
 (gate and up likewise), which is what peft holds for q_proj, k_proj and v_proj with equal A's.
 So `to_peft_state_dict` is a copy and a split, exact, and merging is W + (alpha / r) B A.
+With model.attention mla, target wqkv means the latent attention's input projections (its
+query projections, wkv_a and wkv_b, `minillm.model.mla.MLA.lora_layers`), each its own adapter.
 
 `train.lora.train_tokens` also trains some rows of the embedding (`TokenRows`: the chosen rows
 replaced by trainable copies, peft's trainable tokens): a base that never saw the chat tokens
@@ -131,7 +133,19 @@ def warn_unseen_chat_tokens(
 
 
 def _layers(model: Transformer, targets: Sequence[str]) -> list[tuple[nn.Module, str]]:
-    return [(getattr(block, _OWNER[t]), t) for block in model.blocks for t in targets]
+    """(owner, layer name) of each target's layers in every block: a target names its own
+    layer, or the ones its owner lists under it (an MLA module's `lora_layers`: wqkv its query
+    and key/value projections) where they exist."""
+    out = []
+    for block in model.blocks:
+        for t in targets:
+            owner = getattr(block, _OWNER[t])
+            named = getattr(owner, "lora_layers", None)
+            if named is None:
+                out.append((owner, t))
+            else:
+                out += [(owner, n) for n in named.get(t, ()) if getattr(owner, n) is not None]
+    return out
 
 
 def add_lora(
@@ -237,6 +251,12 @@ def to_peft_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Our adapters -> peft's adapter_model.safetensors names and tensors (exact: A copied to
     each projection of a fused layer, B split by rows). Tensors are contiguous."""
+    if cfg.attention == "mla":
+        raise ConfigError(
+            "model.attention",
+            "mla: its adapters have no peft layout minillm writes; merge them (export without "
+            "--format peft)",
+        )
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     rows = {
         "wqkv": (H * D, K * D, K * D),

@@ -46,8 +46,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.errors import UserError
+from minillm.model.mla import MLA
 from minillm.model.moe import MoE
-from minillm.model.transformer import Attention, SwiGLU, Transformer
+from minillm.model.transformer import SwiGLU, Transformer
 
 QUANTIZE_CHOICES = ("none", "int8")
 
@@ -197,9 +198,12 @@ def quantize_int8(model: Transformer) -> str | None:
         return problem
     with torch.no_grad():
         for block in model.blocks:
-            attn: Attention = block.attn
-            attn.wqkv = Int8Linear(attn.wqkv.weight, attn.wqkv.bias)
-            attn.wo = Int8Linear(attn.wo.weight)
+            attn = block.attn
+            if isinstance(attn, MLA):
+                _quantize_mla(attn)
+            else:
+                attn.wqkv = Int8Linear(attn.wqkv.weight, attn.wqkv.bias)
+                attn.wo = Int8Linear(attn.wo.weight)
             if isinstance(block.ffn, SwiGLU):
                 block.ffn.w_gate_up = Int8Linear(block.ffn.w_gate_up.weight)
                 block.ffn.w_down = Int8Linear(block.ffn.w_down.weight)
@@ -209,6 +213,15 @@ def quantize_int8(model: Transformer) -> str | None:
         model.lm_head = Int8Linear(model.head_weight)
     model.quantized = "int8"
     return None
+
+
+def _quantize_mla(attn: MLA) -> None:
+    """Int8 projections of latent attention, but for wkv_b: its decode absorbs its float weight
+    into the query and the output (minillm.model.mla), so it stays as it is."""
+    for name in ("wq", "wq_a", "wq_b", "wkv_a", "wo"):
+        layer = getattr(attn, name)
+        if layer is not None:
+            setattr(attn, name, Int8Linear(layer.weight))
 
 
 __all__ = [

@@ -1,13 +1,12 @@
 """RoPE's frequencies, plain and scaled (`model.rope_scaling`), and their cos/sin tables.
 
-Offers `rope_tables`, `plain_frequencies`, `apply_rope`, `rotate_half_matrix`, `rope_rotation`
-(plain RoPE in the "rotate half" layout of Hugging Face's Llama), `Rope` (RoPE at one forward's
-positions, for every layer), `inv_frequencies(cfg, seq_len)`, `cos_sin` (the tables of given
-positions) and
-`dynamic_rope`. For `model.rope_scaling` each type
-computes what transformers' `ROPE_INIT_FUNCTIONS` compute for its `rope_type`, formula for
-formula and in the same float32 order, so that logits match `LlamaForCausalLM` with that
-`rope_scaling` (tests/test_rope_scaling.py compares the frequencies and attention factors):
+Offers `rope_tables`, `plain_frequencies`, `yarn_mscale`, `apply_rope`, `rotate_half_matrix`,
+`rope_rotation` (plain RoPE in the "rotate half" layout of Hugging Face's Llama), `Rope` (RoPE
+at one forward's positions, for every layer), `inv_frequencies(cfg, seq_len)`, `cos_sin` (the
+tables of given positions) and `dynamic_rope`. For `model.rope_scaling` each type computes what
+transformers' `ROPE_INIT_FUNCTIONS` compute for its `rope_type`, formula for formula and in the
+same float32 order, so that logits match `LlamaForCausalLM` with that `rope_scaling`
+(tests/test_rope_scaling.py compares the frequencies and attention factors):
 
 - linear (position interpolation): every frequency divided by `factor`.
 - dynamic (NTK-aware): the base grows with the sequence length L past the original length O,
@@ -43,11 +42,18 @@ def plain_frequencies(head_dim: int, base: float | torch.Tensor) -> torch.Tensor
 _plain = plain_frequencies
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 mscale ln(factor) + 1 (1 for factor <= 1), transformers' yarn_get_mscale."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
 def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     s, D, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
     attention = s.attention_factor
+    if attention is None and s.mscale and s.mscale_all_dim:  # DeepSeek's ratio of the two
+        attention = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
     if attention is None:
-        attention = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
+        attention = yarn_mscale(s.factor)
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
         original = s.original_max_position_embeddings

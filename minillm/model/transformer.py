@@ -1,15 +1,16 @@
 """The LLaMA-style decoder-only Transformer, as docs/architecture.md derives it.
 
-Offers `RMSNorm`, `rms_norm`, `attention`, `cross_entropy`, `Attention`, `SwiGLU`, `Block`,
-`Transformer` and `dropout_off`; RoPE (its tables, rotation and scaled frequencies) is
-`minillm.model.rope`. The model is the same function as Hugging Face's `LlamaForCausalLM` given
-the same weights (RoPE in its "rotate half" layout; `minillm.model.hf_names` maps the parameter
-names), and its options are the other families' differences: `head_dim`, `attention_bias`
-(Qwen2), `qk_norm` (Qwen3), `sliding_window` (Mistral) and `rope_scaling` (Llama 3.1 and the
-long-context methods); Gemma 3 adds `sandwich_norm`, `ffn_activation` (GeGLU), `embed_scale`,
-`query_pre_attn_scalar` and local layers (`sliding_window_pattern`, `rope_local_theta`). Gemma's
-RMSNorm gain (1 + w) is held as the one number 1 + w (`minillm.model.hf_names` adds and removes
-the 1), so its norms are these.
+Offers `RMSNorm` and `rms_norm` (from `minillm.model.norm`), `attention`, `cross_entropy`,
+`Attention`, `SwiGLU`, `Block`, `Transformer` and `dropout_off`; RoPE (its tables, rotation and
+scaled frequencies) is `minillm.model.rope`. The model is the same function as Hugging Face's
+`LlamaForCausalLM` given the same weights (RoPE in its "rotate half" layout;
+`minillm.model.hf_names` maps the parameter names), and its options are the other families'
+differences: `head_dim`, `attention_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window`
+(Mistral) and `rope_scaling` (Llama 3.1 and the long-context methods); `attention: mla` is
+DeepSeek's latent attention (`minillm.model.mla`); Gemma 3 adds `sandwich_norm`,
+`ffn_activation` (GeGLU), `embed_scale`, `query_pre_attn_scalar` and local layers
+(`sliding_window_pattern`, `rope_local_theta`). Gemma's RMSNorm gain (1 + w) is held as the one
+number 1 + w (`minillm.model.hf_names` adds and removes the 1), so its norms are these.
 
 Everything here is the plain PyTorch of the formulas. The fast paths sit on top and are chosen by
 their callers: `minillm.model.kernels_cpu.use_cpu_kernels(model)` swaps in hand-written autograd
@@ -38,7 +39,11 @@ from torch.utils.checkpoint import checkpoint
 from minillm.config import ModelConfig
 from minillm.model.inputs import AttentionMask, forward_inputs
 from minillm.model.kv_cache import CacheWrite, KVCache
+from minillm.model.mla import MLA
 from minillm.model.moe import MoE, swiglu  # defined there: the experts use it too
+
+# defined there (MLA's latents use it too); rms_norm re-exported for the decoder
+from minillm.model.norm import RMSNorm, rms_norm  # noqa: F401
 from minillm.model.rope import (
     Rope,
     apply_rope,
@@ -51,29 +56,6 @@ from minillm.model.rope import (
 
 # `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-
-# ----------------------------------------------------------------------------- RMSNorm
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x (..., C) with gain weight (C,), normalised in float32 whatever x's dtype."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return weight * y.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * g, computed in float32 like LLaMA."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
 
 # ----------------------------------------------------------------------------- attention
 
@@ -188,7 +170,9 @@ class GeGLU(SwiGLU):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)), the FFN a SwiGLU
+    """Pre-norm residual block: x + Attn(RMSNorm(x)), then x + FFN(RMSNorm(x)), the attention
+    grouped-query heads or, with model.attention mla, latent attention (minillm.model.mla), the
+    FFN a SwiGLU
     (a GeGLU with model.ffn_activation gelu_tanh) or, with model.n_experts, a mixture of SwiGLU
     experts (minillm.model.moe) unless block `layer` is one of model.moe_dense_layers. With
     model.sandwich_norm each branch's output is normalised too before it is added:
@@ -197,7 +181,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = MLA(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.n_experts and layer not in cfg.moe_dense_layers:
             self.ffn = MoE(cfg)
@@ -451,7 +435,10 @@ class Transformer(nn.Module):
             matmul += self.tok_emb.weight.numel()
         window = cfg.sliding_window or seq_len
         keys = sum(min(seq_len, window) if local else seq_len for local in self.local_layers)
-        return 6 * matmul + 12 * cfg.n_head * cfg.head_dim * keys
+        width = cfg.head_dim  # per head: the mean of the query/key and the value widths
+        if cfg.attention == "mla":
+            width = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
+        return 6 * matmul + int(12 * cfg.n_head * width * keys)
 
 
 @contextlib.contextmanager
@@ -461,7 +448,7 @@ def dropout_off(model: nn.Module) -> Iterator[nn.Module]:
     with a reference that runs without dropout (DPO) or with the distribution it sampled from
     (GRPO) must not add dropout's noise to one side."""
     drops = [(m, m.p) for m in model.modules() if isinstance(m, nn.Dropout)]
-    attns = [(m, m.dropout) for m in model.modules() if isinstance(m, Attention)]
+    attns = [(m, m.dropout) for m in model.modules() if isinstance(m, (Attention, MLA))]
     try:
         for m, _ in drops:
             m.p = 0.0

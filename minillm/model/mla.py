@@ -1,0 +1,142 @@
+"""Multi-head latent attention (`model.attention: mla`), DeepSeek-V2/V3's, with a latent KV cache.
+
+Offers `MLA`, the same function as transformers' `DeepseekV3Attention` given the same weights
+(`minillm.model.hf_deepseek` maps the names). Each token's keys and values come from one
+compressed latent c = RMSNorm(x W_dkv) (R numbers) through one up-projection W_ukv, plus one
+RoPE key k_pe (P numbers) that every head shares; the queries go through their own bottleneck
+(q_lora_rank, RMSNorm between) or one plain projection. Each head's query and key are the
+concatenation [nope (N), rope (P)]; the logits are scaled by (N + P)^-0.5, times yarn's
+mscale(factor, mscale_all_dim)^2 (`ModelConfig.mla_softmax_scale`).
+
+Without a cache the keys and values are decompressed per head, as transformers does (training,
+evaluation). With one (`minillm.model.kv_cache`, which then holds R + P numbers per token and
+layer, not per-head keys and values) the up-projection is absorbed: head h's logit
+q_nope_h . (W_uk_h c) + q_pe_h . k_pe equals (W_uk_h^T q_nope_h) . c + q_pe_h . k_pe, so the
+query moves into the latent space, attends over the cached [c, k_pe] as keys and over c as
+values, and W_uv_h maps the attended latent to the head's value width before the output
+projection (docs/architecture.md derives it).
+
+RoPE is held in the "rotate half" layout of the rest of minillm: DeepSeek's interleaved pairs
+(transformers' rope_interleave) are a fixed permutation of the rotated rows of the q and kv
+down-projections, which `minillm.model.hf_deepseek` applies on import and undoes on export.
+
+Shape legend: B batch, T new tokens, S keys (cached + new), H heads, N qk_nope_head_dim,
+P qk_rope_head_dim, V v_head_dim, R kv_lora_rank, Q q_lora_rank, C model dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minillm.config import ModelConfig
+from minillm.model.inputs import AttentionMask
+from minillm.model.kv_cache import CacheWrite
+from minillm.model.norm import RMSNorm
+from minillm.model.rope import Rope
+
+# transformers builds q_a_layernorm and kv_a_layernorm without rms_norm_eps: its default, 1e-6.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLA(nn.Module):
+    """Causal multi-head latent attention through SDPA (the module docstring derives it)."""
+
+    # train.lora.targets: the layers each target names in this module (minillm.model.lora):
+    # wqkv, the attention's input projections, and wo its output projection.
+    lora_layers = {"wqkv": ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b"), "wo": ("wo",)}
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        H, N, P = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        V, R, C = cfg.v_head_dim, cfg.kv_lora_rank, cfg.d_model
+        self.dims = (H, N, P, V, R)
+        # The query: one projection, or (q_lora_rank) down, RMSNorm, up.
+        self.wq = nn.Linear(C, H * (N + P), bias=False) if cfg.q_lora_rank is None else None
+        Q = cfg.q_lora_rank or 0
+        self.wq_a = nn.Linear(C, Q, bias=False) if Q else None
+        self.q_norm = RMSNorm(Q, LATENT_NORM_EPS) if Q else None
+        self.wq_b = nn.Linear(Q, H * (N + P), bias=False) if Q else None
+        self.wkv_a = nn.Linear(C, R + P, bias=False)  # [latent, shared RoPE key]
+        self.kv_norm = RMSNorm(R, LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(R, H * (N + V), bias=False)  # per head [W_uk; W_uv]
+        self.wo = nn.Linear(H * V, C, bias=False)
+        self.scale = cfg.mla_softmax_scale
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        mask: AttentionMask,
+        cache: CacheWrite | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, N, P, V, R = self.dims
+        if self.wq is not None:
+            q = self.wq(x)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_pe = q.view(B, T, H, N + P).split((N, P), dim=-1)
+        c, k_pe = self.wkv_a(x).split((R, P), dim=-1)  # (B, T, R), (B, T, P)
+        c = self.kv_norm(c)
+        pe = rope(torch.cat((q_pe, k_pe[:, :, None]), dim=2))  # (B, T, H + 1, P): one pass
+        q_pe, k_pe = pe.split((H, 1), dim=2)
+        if cache is None:
+            y = self._decompressed(q_nope, q_pe, c, k_pe, mask)
+        else:
+            y = self._absorbed(q_nope, q_pe, c, k_pe, mask, cache, layer)
+        if mask.empty_rows is not None:
+            # A query that may see no key at all (a left pad) outputs zeros, not an average.
+            y = y.masked_fill(mask.empty_rows, 0.0)
+        y = y.transpose(1, 2).reshape(B, T, H * V)
+        return self.resid_drop(self.wo(y))
+
+    def _decompressed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        """Per-head keys and values from the latent, as transformers: (B, H, T, V)."""
+        B, T, H, _ = q_nope.shape
+        _, N, P, V, _ = self.dims
+        k_nope, v = self.wkv_b(c).view(B, T, H, N + V).split((N, V), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # (B, H, T, N + P)
+        k = torch.cat((k_nope, k_pe.expand(B, T, H, P)), dim=-1).transpose(1, 2)
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), mask.bool_mask, dropout, mask.is_causal, scale=self.scale
+        )
+
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+        mask: AttentionMask,
+        cache: CacheWrite,
+        layer: int,
+    ) -> torch.Tensor:
+        """Attention over the cached latents with W_uk in the query and W_uv after: (B, H, T, V)."""
+        H, N, _, V, R = self.dims
+        latent = torch.cat((c, k_pe[:, :, 0]), dim=-1)[:, None]  # (B, 1, T, R + P)
+        # The cache's "keys" are [c, k_pe] (R + P wide), its "values" nothing (0 wide): c is read
+        # from the keys, so each token is stored once.
+        keys, _ = cache.update(layer, latent, latent[..., :0])  # (B, 1, S, R + P)
+        w_uk, w_uv = self.wkv_b.weight.view(H, N + V, R).split((N, V), dim=1)  # (H, N|V, R)
+        q_latent = torch.matmul(q_nope.transpose(1, 2), w_uk)  # (B, H, T, R)
+        q = torch.cat((q_latent, q_pe.transpose(1, 2)), dim=-1)  # (B, H, T, R + P)
+        B, S = keys.shape[0], keys.shape[2]
+        k = keys.expand(B, H, S, keys.shape[3])  # one latent for every head: a view
+        v = keys[..., :R].expand(B, H, S, R)
+        o = F.scaled_dot_product_attention(
+            q, k, v, mask.bool_mask, 0.0, mask.is_causal, scale=self.scale
+        )  # (B, H, T, R)
+        return torch.matmul(o, w_uv.transpose(1, 2))  # (B, H, T, V)
