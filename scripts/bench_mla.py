@@ -18,7 +18,7 @@ and 8 streams of 16-token prompts and --new-tokens tokens, the median of --repea
 runs, tokens/s counting every row's new tokens. KV-cache bytes per token is the cache's own
 storage for one row of max_seq_len tokens (fp32) over those tokens, every layer included.
 
-    python scripts/bench_mla.py --seconds 180                    # the README's table
+    python scripts/bench_mla.py --seconds 300 --threads 1        # the README's table
     python scripts/bench_mla.py --seconds 20 --variants gqa,mla  # a quick look
 
 Prints a markdown table. Timings on a shared machine drift: the load average is printed; the
@@ -113,15 +113,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pace-steps", type=int, default=8, help="alternated steps timed each")
     p.add_argument("--new-tokens", type=int, default=128, help="decoded tokens per stream")
     p.add_argument("--repeats", type=int, default=3, help="alternated decode runs per side")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--json", type=Path, help="also write the rows to this file")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     cfgs = [load_config(args.config, [*args.set, *VARIANTS[n]]) for n in names]
     ensure_data(cfgs[0])
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    threads = torch.get_num_threads()
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {threads} threads")
     rows: list[tuple[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="bench_mla_") as tmp:
         step_s = pace(cfgs, args.pace_steps, Path(tmp))
