@@ -16,7 +16,9 @@ its 1,990), its checkpoint is scored on the whole validation split (`minillm eva
 function: val bits/byte), and decoded greedily through the decoding core (`generate`): 1 stream
 and 8 streams of 16-token prompts and --new-tokens tokens, the median of --repeats alternated
 runs, tokens/s counting every row's new tokens. KV-cache bytes per token is the cache's own
-storage for one row of max_seq_len tokens (fp32) over those tokens, every layer included.
+storage for one row of max_seq_len tokens (fp32) over those tokens, every layer included. Read
+the variants' relative training speed from "ms a step, alternated" (the pacing): train tokens/s
+is each run's own, one after another, so a change of the machine's load between runs shows there.
 
     python scripts/bench_mla.py --seconds 300 --threads 1        # the README's table
     python scripts/bench_mla.py --seconds 20 --variants gqa,mla  # a quick look
@@ -91,12 +93,13 @@ def decode_speed(model: torch.nn.Module, vocab: int, new: int, repeats: int) -> 
 
 def format_table(rows: list[tuple[str, dict[str, Any]]], seconds: float) -> str:
     head = (
-        f"| variant ({seconds:g} s of training each) | params (active) | steps | val bits/byte "
-        "| train tokens/s | KV cache bytes/token | decode tokens/s, 1 stream | 8 streams |\n"
-        "|---|---|---|---|---|---|---|---|"
+        f"| variant ({seconds:g} s of training each) | params (active) | ms a step, alternated "
+        "| steps | val bits/byte | train tokens/s | KV cache bytes/token "
+        "| decode tokens/s, 1 stream | 8 streams |\n|---|---|---|---|---|---|---|---|---|"
     )
     lines = [
-        f"| {name} | {r['params'] / 1e6:.2f}M ({r['params_active'] / 1e6:.2f}M) | {r['steps']} "
+        f"| {name} | {r['params'] / 1e6:.2f}M ({r['params_active'] / 1e6:.2f}M) "
+        f"| {r['pace_ms']:.0f} | {r['steps']} "
         f"| {r['val_bpb']:.4f} | {r['tokens_per_s']:,.0f} | {r['cache_bytes']:,.0f} "
         f"| {r['decode']['1']:,.0f} | {r['decode']['8']:,.0f} |"
         for name, r in rows
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=180.0, help="training time of each variant")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, in order")
     p.add_argument("--set", action="append", default=[], help="override for every variant")
-    p.add_argument("--pace-steps", type=int, default=8, help="alternated steps timed each")
+    p.add_argument("--pace-steps", type=int, default=20, help="alternated steps timed each")
     p.add_argument("--new-tokens", type=int, default=128, help="decoded tokens per stream")
     p.add_argument("--repeats", type=int, default=3, help="alternated decode runs per side")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -133,8 +136,9 @@ def main(argv: list[str] | None = None) -> None:
             cfg.train.max_steps = max(1, round(args.seconds / s))
             cfg.train.warmup_steps = min(cfg.train.warmup_steps, cfg.train.max_steps // 10)
             print(f"{name}: {s * 1e3:.0f} ms a step -> {cfg.train.max_steps} steps", flush=True)
-        for name, cfg in zip(names, cfgs, strict=True):
+        for name, cfg, s in zip(names, cfgs, step_s, strict=True):
             row = run_variant(cfg, Path(tmp) / name)
+            row["pace_ms"] = s * 1e3
             model = load_checkpoint(Path(tmp) / name).model.eval()
             row["params_active"] = model.active_param_count()
             row["cache_bytes"] = cache_bytes_per_token(cfg.model)
