@@ -7,7 +7,7 @@ Three variants of configs/tiny.yaml (the demo), each within 1% of its 2.5M param
               query bottleneck (V2-Lite's q_lora_rank null)
     mla-moe   mla with a DeepSeekMoE FFN: 8 experts of 40, 2 per token, a shared expert of 64,
               the sigmoid router and train.moe_bias_update 1e-3 (equal total parameters; the
-              active ones are 0.62x)
+              active ones are 0.71x)
 
 First their training steps are timed alternately in this process (bench_quality.pace), so that
 each gets the steps that fill --seconds of training at its own pace; then each trains from
@@ -20,7 +20,7 @@ storage for one row of max_seq_len tokens (fp32) over those tokens, every layer 
 the variants' relative training speed from "ms a step, alternated" (the pacing): train tokens/s
 is each run's own, one after another, so a change of the machine's load between runs shows there.
 
-    python scripts/bench_mla.py --seconds 300 --threads 1        # the README's table
+    python scripts/bench_mla.py --seconds 240 --threads 1 --new-tokens 64   # README's table
     python scripts/bench_mla.py --seconds 20 --variants gqa,mla  # a quick look
 
 Prints a markdown table. Timings on a shared machine drift: the load average is printed; the
