@@ -211,7 +211,7 @@ LONGROPE = dict(rope_type="longrope", factor=8.0, original_max_position_embeddin
         ("gemma", "config.json", "model_type: a 'gemma' model (GemmaForCausalLM), not one of "
          "the architectures minillm reads (LlamaForCausalLM, MixtralForCausalLM, "
          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, "
-         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)"),
+         "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM)"),
         ("rope-scaling", "config.json", "rope_scaling: rope_type 'longrope' is not supported "
          "(minillm: linear, dynamic, yarn, llama3)"),
         ("attention-bias", "config.json", "attention_bias: True is not supported (minillm needs "

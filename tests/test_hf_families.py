@@ -311,6 +311,8 @@ def test_info_counts_the_active_parameters_of_the_qwen_moes(name: str, active: f
               sliding_window=16, max_window_layers=1), "layer_types"),
         (dict(rope_scaling=dict(rope_type="yarn", factor=4.0, partial_rotary_factor=0.5)),
          "rope_scaling.partial_rotary_factor"),
+        (dict(rope_scaling=dict(rope_type="linear", factor=4.0, mscale_all_dim=1.0)),
+         "rope_scaling.mscale_all_dim"),
         (dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=True),
          "attention_bias"),
         (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],

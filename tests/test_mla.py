@@ -157,6 +157,41 @@ def test_yarn_mscale_attention_factor_is_transformers() -> None:
     assert factor == pytest.approx(want_factor, abs=1e-7) and factor != 1.0
 
 
+def test_quantized_weights_are_refused_by_key() -> None:
+    """DeepSeek-V3's published folder holds fp8 blocks with scales (quantization_config):
+    read as they are they would be garbage, so one error naming the key."""
+    hf = hf_deepseek(16).config.to_dict()
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(hf)
+    assert e.value.key == "quantization_config" and "fp8" in e.value.message
+
+
+def test_deepseek_v3s_own_config_reads_to_the_same_parameters_as_transformers() -> None:
+    """DeepSeek-V3 (671B) as its config.json has it (fp8 quantization left out), both models
+    built on the meta device: every parameter shape of ours is one of transformers'."""
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8,
+        topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+        max_position_embeddings=163840, rope_parameters={
+            "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "rope_theta": 10000.0},
+    )  # fmt: skip
+    cfg = model_config_from_hf(hf_cfg.to_dict())
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.DeepseekV3ForCausalLM(hf_cfg).parameters())
+        ours = Transformer(cfg)
+    assert ours.param_count() == theirs == 671_026_404_352  # 671B (the MTP module left out)
+    assert cfg.moe_dense_layers == [0, 1, 2] and cfg.moe_n_group == 8
+    assert KVCache(cfg, 0, max_len=16, device="meta", dtype=torch.bfloat16).token_bytes() == (
+        61 * 2 * (512 + 64)
+    )
+
+
 def test_family_defaults_are_transformers() -> None:
     defaults = transformers.DeepseekV3Config()
     for key, value in DEEPSEEK_DEFAULTS.items():
@@ -255,8 +290,11 @@ def test_cache_bytes_per_token_are_the_latent() -> None:
     cfg = mla_config()
     cache = KVCache(cfg, 1)
     cache.reserve(1, 8)
-    per_token_layer = cache.nbytes() / (8 * cfg.n_layer)
-    assert per_token_layer == 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert cache.nbytes() == 8 * cache.token_bytes()
+    assert cache.token_bytes() == cfg.n_layer * 4 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    gqa = ModelConfig(vocab_size=V, d_model=32, n_layer=2, n_head=4, n_kv_head=2)
+    bf16 = KVCache(gqa, 1, dtype=torch.bfloat16)
+    assert bf16.token_bytes() == gqa.n_layer * 2 * 2 * gqa.n_kv_head * gqa.head_dim
 
 
 @pytest.mark.parametrize(
@@ -312,3 +350,18 @@ def test_mla_trains_under_every_objective(tmp_path: Path, objective: str) -> Non
             assert not torch.equal(before[key], after[key]), key
     finally:
         trainer.close()
+
+
+def test_left_padding_and_packed_documents_are_each_row_alone() -> None:
+    """attention_mask (left pads output zeros, not averages) and doc_ids go through MLA's
+    decompressed path as through GQA's."""
+    torch.manual_seed(4)
+    model = Transformer(mla_config()).eval()
+    a, b = torch.randint(0, V, (1, 7)), torch.randint(0, V, (1, 4))
+    padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), b), dim=1)
+    mask = torch.tensor([[1] * 7, [0, 0, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        both = model(torch.cat((a, padded)), attention_mask=mask)[0]
+        torch.testing.assert_close(both[1, 3:], model(b)[0][0], atol=1e-5, rtol=0)
+        packed = model(torch.cat((a, b), dim=1), doc_ids=torch.tensor([[0] * 7 + [1] * 4]))[0]
+        torch.testing.assert_close(packed[0, 7:], model(b)[0][0], atol=1e-5, rtol=0)

@@ -325,6 +325,9 @@ def _rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]
         raise ConfigError(
             key, f"rope_type {kind!r} is not supported (minillm: {', '.join(_ROPE_KEYS)})", where
         )
+    for extra in ("mscale", "mscale_all_dim"):  # DeepSeek's (MLA's softmax scale) for any type
+        if kind != "yarn" and params.get(extra):
+            raise ConfigError(f"{key}.{extra}", f"{params[extra]!r} with {kind} is not supported")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{key}.partial_rotary_factor", "partial RoPE is not supported", where)
     scaling = {
@@ -424,6 +427,9 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
             where,
         )
     model_type = hf["model_type"]
+    if hf.get("quantization_config"):  # e.g. DeepSeek-V3's published fp8 blocks: read raw, garbage
+        method = hf["quantization_config"].get("quant_method", "quantized")
+        raise ConfigError("quantization_config", f"{method} weights are not supported", where)
     if "num_local_experts" in hf and model_type == "qwen3_moe":  # transformers 5 saves this name
         hf = {"num_experts": hf["num_local_experts"], **hf}
     hf = {**FAMILY_DEFAULTS.get(model_type, _LLAMA_DEFAULTS), **hf}

@@ -188,6 +188,11 @@ class KVCache:
             raise ValueError(f"the rows of this KV cache are at different lengths {self.lengths}")
         return self.lengths[0] if self.lengths else 0
 
+    def token_bytes(self) -> int:
+        """Bytes one token takes in every layer: 2 L K D values, or L (R + P) under mla."""
+        per_layer = self.heads * sum(self.widths)
+        return self.cfg.n_layer * per_layer * torch.empty((), dtype=self.dtype).element_size()
+
     def nbytes(self) -> int:
         """Bytes of storage held now (keys and values)."""
         return (self.k.numel() + self.v.numel()) * self.k.element_size()
