@@ -76,14 +76,29 @@ def test_sample_chat_and_export_equal_transformers(folder: Path, tmp_path: Path)
     _invoke(["export", "--ckpt", str(folder), "--out", str(out)])
     back = _hf(out)
     assert type(back).__name__ == "DeepseekV3ForCausalLM"
-    gguf = tmp_path / "model.gguf"  # llama.cpp's deepseek2: one line until it is built
-    result = runner.invoke(app, ["export", "--ckpt", str(folder), "--format", "gguf", "--out",
-                                 str(gguf)])  # fmt: skip
-    assert result.exit_code == 2 and "model.attention: mla" in result.output
-    assert len(result.output.strip().splitlines()) == 1 and not gguf.exists()
     idx = torch.randint(0, len(tok), (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(back(idx).logits, model(idx).logits, atol=2e-5, rtol=0)
+
+
+def test_gguf_export_tokenizes_and_decodes_in_llama_cpp_as_transformers(
+    folder: Path, tmp_path: Path
+) -> None:
+    """llama.cpp's deepseek2 on the exported file (tests/test_gguf_deepseek.py: its logits):
+    DeepSeek-V3's tokenizer gives transformers' ids, and greedy text is `generate`'s."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed")
+    gguf = tmp_path / "model.gguf"
+    _invoke(["export", "--ckpt", str(folder), "--format", "gguf", "--out", str(gguf)])
+    model, tok = _hf(folder), hf_tokenizer(folder)
+    ids = tok(TEXT)["input_ids"]
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=128, n_threads=2, verbose=False,
+                          type_k=0, type_v=0)  # fmt: skip
+    try:
+        assert llm.tokenize(TEXT.encode(), add_bos=True) == ids
+        cpp = list(itertools.islice(llm.generate(ids, temp=0.0, repeat_penalty=1.0), 20))
+    finally:
+        llm.close()
+    assert cpp == _greedy(model, ids, 20)
 
 
 def test_serve_batches_two_chats_on_the_latent_cache(folder: Path) -> None:

@@ -15,7 +15,8 @@ differ. A sentencepiece-style BPE is llama.cpp's SPM (`llama`) model (gguf_spm).
 
 Weights go through the HF names (minillm.model.hf_names) and gguf's own HF -> GGUF name map. The
 architecture is llama.cpp's own for the family (`gguf_arch`): `gemma3` (Gemma's block: norms as (1 +
-w), the local layers' window, pattern and RoPE base as keys), `qwen3` (model.qk_norm), `qwen2`
+w), the local layers' window, pattern and RoPE base as keys), `deepseek2` (model.attention mla,
+DeepSeekMoE: minillm.checkpoint.gguf_deepseek), `qwen3` (model.qk_norm), `qwen2`
 (model.attention_bias), `qwen3moe` (experts and qk_norm), `qwen2moe` (experts and a shared expert),
 `phi3` (model.partial_rotary, longrope: fused qkv and gate-up tensors, LongRoPE's factors as its
 `rope_factors_long`/`rope_factors_short` tensors and attention factor as a key; llama.cpp picks the
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from minillm.checkpoint.gguf_deepseek import add_deepseek2_keys, deepseek2_problem, split_kv_b
 from minillm.checkpoint.gguf_tokens import (
     GgufSpecials,
     gguf_specials,
@@ -102,11 +104,14 @@ def gguf_arch(cfg: ModelConfig) -> Any:
     def refuse(key: str, what: str) -> CheckpointError:
         return CheckpointError(f"model.{key}: {what}; llama.cpp has no equivalent, not exported")
 
-    if cfg.attention == "mla":  # llama.cpp's deepseek2 graph: its export is not written yet
-        raise CheckpointError(
-            "model.attention: mla: the GGUF export of latent attention is not built"
-        )
     s = cfg.rope_scaling
+    if cfg.attention == "mla":  # its own YaRN and MoE rules (gguf_deepseek)
+        problem = deepseek2_problem(cfg, refuse)
+        if problem is not None:
+            raise problem
+        if s.type == "yarn":
+            _check_yarn_ranges(s, refuse)
+        return gguf.MODEL_ARCH.DEEPSEEK2
     if s.type == "dynamic":
         raise refuse("rope_scaling.type", "dynamic (NTK frequencies that follow the length)")
     if s.type == "yarn":
@@ -114,15 +119,12 @@ def gguf_arch(cfg: ModelConfig) -> Any:
         # paper's defaults for the rest (measured: its yarn_attn_factor and beta keys change
         # nothing there).
         default = 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
-        for key, value, want in (
-            ("attention_factor", s.attention_factor, default),
-            ("beta_fast", s.beta_fast, 32.0),
-            ("beta_slow", s.beta_slow, 1.0),
+        if s.attention_factor is not None and not math.isclose(
+            s.attention_factor, default, rel_tol=1e-6
         ):
-            if value is not None and not math.isclose(value, want, rel_tol=1e-6):
-                raise refuse(f"rope_scaling.{key}", f"{value} (llama.cpp's YaRN uses {want:g})")
-        if not s.truncate:
-            raise refuse("rope_scaling.truncate", "false (llama.cpp rounds the correction range)")
+            what = f"{s.attention_factor} (llama.cpp's YaRN uses {default:g})"
+            raise refuse("rope_scaling.attention_factor", what)
+        _check_yarn_ranges(s, refuse)
     if hf_model_type(cfg) == "gemma3_text":
         return _gemma3_arch(cfg, refuse)
     if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_seq_len:
@@ -142,6 +144,15 @@ def gguf_arch(cfg: ModelConfig) -> Any:
     if s.type == "llama3" and arch != gguf.MODEL_ARCH.LLAMA:  # only its llama graph reads it
         raise refuse("rope_scaling.type", f"llama3 in a {gguf.MODEL_ARCH_NAMES[arch]} model")
     return arch
+
+
+def _check_yarn_ranges(s: Any, refuse: Any) -> None:
+    """YaRN's correction range as llama.cpp computes it: beta 32 and 1, truncated."""
+    for key, value, want in (("beta_fast", s.beta_fast, 32.0), ("beta_slow", s.beta_slow, 1.0)):
+        if value is not None and not math.isclose(value, want, rel_tol=1e-6):
+            raise refuse(f"rope_scaling.{key}", f"{value} (llama.cpp's YaRN uses {want:g})")
+    if not s.truncate:
+        raise refuse("rope_scaling.truncate", "false (llama.cpp rounds the correction range)")
 
 
 def _moe_arch(cfg: ModelConfig, refuse: Any) -> Any:
@@ -219,6 +230,8 @@ def gguf_tensors(
     arch = gguf_arch(cfg)
     names = gguf.get_tensor_name_map(arch, cfg.n_layer)
     pairs = arch == gguf.MODEL_ARCH.LLAMA  # qwen2/qwen3 rotate halves, as we do
+    # deepseek2 rotates pairs, which DeepSeek's HF layout already holds (gguf_deepseek)
+    deepseek = arch == gguf.MODEL_ARCH.DEEPSEEK2
     # gemma3 takes Gemma's norms as (1 + w), as its converter writes them: ours as they are
     norm_shift = 1.0 if arch == gguf.MODEL_ARCH.GEMMA3 else 0.0
     named: list[tuple[str, torch.Tensor]] = []
@@ -236,7 +249,13 @@ def gguf_tensors(
         hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
     for hf_name, w in hf_state.items():
         moe = ".block_sparse_moe." in hf_name or ".mlp.experts." in hf_name
-        if moe or hf_name.endswith("mlp.gate.weight"):  # the experts and router: below
+        router = hf_name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+        if moe or router:  # the experts, router and routing bias: below
+            continue
+        if deepseek and hf_name.endswith("kv_b_proj.weight"):  # W_uk, W_uv as its graph absorbs
+            prefix = names.get_name(hf_name.replace("kv_b_proj", "k_b_proj"), (".weight",))
+            k_b, v_b = split_kv_b(w, cfg)
+            named += [(prefix, k_b), (prefix.replace("attn_k_b", "attn_v_b"), v_b)]
             continue
         if hf_name.endswith("shared_expert_gate.weight"):  # (1, C): llama.cpp reads (C,)
             w = w.reshape(-1)
@@ -250,8 +269,14 @@ def gguf_tensors(
         elif norm_shift and hf_name.endswith("norm.weight"):
             w = w + norm_shift
         named.append((name, w))
-    for i in range(cfg.n_layer if cfg.n_experts else 0):  # every block sparse: _moe_arch
+    for i in range(cfg.n_layer if cfg.n_experts else 0):  # dense only in deepseek2
+        if i in cfg.moe_dense_layers:
+            continue
         gate, up = state[f"blocks.{i}.ffn.w_gate_up"].chunk(2, dim=1)  # (E, F, C) each
+        bias = state.get(f"blocks.{i}.ffn.router_bias")  # the sigmoid router's: for choice
+        if bias is not None:
+            name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.FFN_EXP_PROBS_B].format(bid=i)
+            named.append((name + ".bias", bias))
         for tensor, w in (
             (gguf.MODEL_TENSOR.FFN_GATE_INP, state[f"blocks.{i}.ffn.router.weight"]),
             (gguf.MODEL_TENSOR.FFN_GATE_EXP, gate),
@@ -380,17 +405,20 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.add_block_count(m.n_layer)
         llama = arch == gguf.MODEL_ARCH.LLAMA
         w.add_feed_forward_length(m.moe_ffn_hidden if m.n_experts and llama else m.ffn_hidden)
-        if m.n_experts:  # llama (Mixtral), qwen2moe, qwen3moe: softmax, top-k (gguf_arch)
-            w.add_expert_count(m.n_experts)
-            w.add_expert_used_count(m.n_experts_per_token)
-            if not llama:
-                w.add_expert_feed_forward_length(m.moe_ffn_hidden)
-            if m.moe_shared_ffn_hidden:
-                w.add_expert_shared_feed_forward_length(m.moe_shared_ffn_hidden)
         w.add_head_count(m.n_head)
-        w.add_head_count_kv(m.n_kv_head)
-        w.add_key_length(m.head_dim)
-        w.add_value_length(m.head_dim)
+        if arch == gguf.MODEL_ARCH.DEEPSEEK2:  # the latent's attention, DeepSeekMoE, YaRN
+            add_deepseek2_keys(w, m)
+        else:
+            if m.n_experts:  # llama (Mixtral), qwen2moe, qwen3moe: softmax, top-k (gguf_arch)
+                w.add_expert_count(m.n_experts)
+                w.add_expert_used_count(m.n_experts_per_token)
+                if not llama:
+                    w.add_expert_feed_forward_length(m.moe_ffn_hidden)
+                if m.moe_shared_ffn_hidden:
+                    w.add_expert_shared_feed_forward_length(m.moe_shared_ffn_hidden)
+            w.add_head_count_kv(m.n_kv_head)
+            w.add_key_length(m.head_dim)
+            w.add_value_length(m.head_dim)
         w.add_rope_freq_base(m.rope_theta)
         w.add_rope_dimension_count(m.rotary_dim)  # model.partial_rotary's (phi3)
         _add_rope_scaling(w, m)
