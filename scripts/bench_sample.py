@@ -50,6 +50,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -267,7 +268,9 @@ def bench_shape(
 
     # The matrix-vector products of `new` tokens and nothing else: what decoding costs at best
     # with these weights in fp32 on this machine (both sides compute these products; HF splits
-    # q/k/v and gate/up into more, smaller calls).
+    # q/k/v and gate/up into more, smaller calls). Each in its fastest layout here, the
+    # Decoder's: x @ W^T from a contiguous W^T for a layer wider than its input (q/k/v,
+    # gate/up, the head), F.linear(x, W) for the others (minillm.model.decode._projection).
     weights = [
         w
         for b in ours.blocks
@@ -275,12 +278,18 @@ def bench_shape(
     ]
     weights.append(ours.head_weight)
     inputs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
+    products = [
+        partial(torch.mm, inputs[w.shape[1]], w.detach().t().contiguous())
+        if w.shape[0] > w.shape[1]
+        else partial(torch.nn.functional.linear, inputs[w.shape[1]], w)
+        for w in weights
+    ]
 
     @torch.inference_mode()
     def run_matvecs() -> int:
         for _ in range(new):
-            for w in weights:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            for product in products:
+                product()
         return new
 
     sides = {"minillm": run_ours, "hf": run_hf, "matvecs": run_matvecs}

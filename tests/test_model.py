@@ -237,6 +237,26 @@ def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
         Decoder(ours, KVCache(cfg, 3, 4)).step(nxt[:, 0])
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_new_decoder_reads_weights_changed_in_place(tied: bool) -> None:
+    # The Decoder's transposed copies (q/k/v, gate/up, the head) are kept per weight from one
+    # Decoder to the next and made anew when a weight changes in place (an optimizer step
+    # between GRPO's rollouts): a stale copy would decode with the old weights.
+    ours, _, cfg = make_pair(n_kv_head=2, tie_embeddings=tied)
+    idx = torch.randint(1, cfg.vocab_size, (1, 5))
+    for _ in range(2):
+        with torch.inference_mode():
+            ref_cache, cache = KVCache(cfg, 1, 8), KVCache(cfg, 1, 8)
+            ours(idx, kv_cache=ref_cache)
+            ours(idx, kv_cache=cache)
+            ref = ours(idx[:, :1], kv_cache=ref_cache, last_only=True)[0][:, 0]
+            got = Decoder(ours, cache).step(idx[:, 0])
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+
+
 def test_decoder_in_bf16_tracks_the_forward() -> None:
     # bf16 weights with fp32 RoPE tables (the Decoder rotates in the tables' precision, as
     # apply_rope does), and an all-bf16 model: equal up to bf16 rounding.

@@ -209,36 +209,55 @@ def _gemma_block(cfg: ModelConfig) -> bool:
     )
 
 
-# One copy of each model's transposed head, made anew when the weights change (an optimizer
-# step between GRPO's rollouts bumps the tensor's version): an Engine, and so a Decoder, is made
-# for every `generate` call.
+# One transposed copy of each weight that `_projection` and the head read as W^T, made anew when
+# the weights change (an optimizer step between GRPO's rollouts bumps the tensor's version): an
+# Engine, and so a Decoder, is made for every `generate` call.
 # (Keyed by identity: a tensor's == is elementwise.)
-_HEAD_T = WeakIdKeyDictionary()
+_TRANSPOSED = WeakIdKeyDictionary()
+
+
+def _transposed(weight: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous W^T (in, out) of a float weight W (out, in) on the CPU, else None (a
+    sharded DTensor, an accelerator, an int8 layer's packed weight)."""
+    if type(weight.data) is not torch.Tensor:
+        return None  # a sharded DTensor (FSDP)
+    if weight.device.type != "cpu" or not weight.is_floating_point():
+        return None
+    held = _TRANSPOSED.get(weight)
+    if held is None or held[0] != weight._version:
+        with torch.no_grad():
+            held = (weight._version, weight.detach().t().contiguous())
+        _TRANSPOSED[weight] = held
+    return held[1]
 
 
 def _transposed_head(model: Transformer) -> torch.Tensor | None:
     """W^T (C, V) of a float head on the CPU (Decoder.__init__ says why), else None."""
     if model.lm_head is not None and type(model.lm_head) is not nn.Linear:
         return None  # an int8 head (minillm.model.quantize) runs its own kernel
-    weight = model.tok_emb.weight if model.lm_head is None else model.lm_head.weight
-    if type(weight.data) is not torch.Tensor:
-        return None  # a sharded DTensor (FSDP)
-    if weight.device.type != "cpu" or not weight.is_floating_point():
-        return None
-    held = _HEAD_T.get(weight)
-    if held is None or held[0] != weight._version:
-        with torch.no_grad():
-            held = (weight._version, weight.detach().t().contiguous())
-        _HEAD_T[weight] = held
-    return held[1]
+    return _transposed(model.head_weight)
 
 
 def _projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> linear(x): a layer with float weights (nn.Linear, LoRA's merged `weight`) as F.linear
-    of them (a module call costs more on a CPU's decode step), an int8 one as its forward."""
-    if isinstance(getattr(linear, "weight", None), torch.Tensor):
-        return partial(F.linear, weight=linear.weight, bias=linear.bias)
-    return linear.forward  # not the module call: a decode step makes 4 a layer
+    """x (n, in) -> linear(x): a layer with float weights (nn.Linear, LoRA's merged `weight`) as
+    one op on them (a module call costs more on a CPU's decode step), an int8 one as its forward.
+
+    On the CPU a layer wider than its input (q/k/v, gate/up) multiplies a contiguous copy of
+    W^T (x @ W^T streams W^T's rows), 1.4-2x faster for one row than F.linear(x, W), which
+    reads each of `out` rows for one dot product (the head's reason, Decoder.__init__): the
+    decode step's largest products at every shape of scripts/bench_sample.py, for a second
+    copy of them in memory. Narrower ones (attn.wo, w_down) are as fast or faster as they are.
+    """
+    weight = getattr(linear, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return linear.forward  # not the module call: a decode step makes 4 a layer
+    bias = linear.bias
+    weight_t = _transposed(weight) if weight.shape[0] > weight.shape[1] else None
+    if weight_t is None:
+        return partial(F.linear, weight=weight, bias=bias)
+    if bias is None:
+        return partial(torch.mm, mat2=weight_t)
+    return partial(torch.addmm, bias, mat2=weight_t)
 
 
 def _residual(linear: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
