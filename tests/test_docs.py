@@ -324,3 +324,24 @@ def test_the_lora_note_on_a_few_examples_is_its_config() -> None:
     assert numbers[bold] == min(numbers)
     assert f"val/loss is lowest at step {steps[bold]}," in section
     assert f"BEST names step {steps[bold]}'s checkpoint" in section
+
+
+def _h2_slugs(md: Path) -> list[str]:
+    return [_slug(h) for h in re.findall(r"^## (.+)$", FENCE.sub("", md.read_text("utf-8")), re.M)]
+
+
+def test_the_readme_is_a_how_to_with_its_numbers_in_benchmarks_md() -> None:
+    """Issue 53: README keeps the quickstart, the tour and each feature's how-to; the benchmarks
+    and long measured discussions live in docs/benchmarks.md, each of whose sections README
+    links. README's contents list links every section, the published-model recipe in bold."""
+    readme_md = ROOT / "README.md"
+    readme = readme_md.read_text(encoding="utf-8")
+    assert len(readme.encode()) < 72_000, "README is past 72 KB: measurements go to benchmarks.md"
+    contents = readme.split("\n## Contents\n")[1].split("\n## ")[0]
+    linked = set(re.findall(r"\]\(#([^)]+)\)", contents))
+    missing = [s for s in _h2_slugs(readme_md) if s != "contents" and s not in linked]
+    assert not missing, f"README sections not in its Contents: {missing}"
+    assert "**[Fine-tune a published model](#fine-tune-a-published-model)**" in contents
+    pointed = set(re.findall(r"\]\(docs/benchmarks\.md#([^)]+)\)", readme))
+    unlinked = set(_h2_slugs(ROOT / "docs" / "benchmarks.md")) - pointed
+    assert not unlinked, f"docs/benchmarks.md sections README does not link: {unlinked}"
