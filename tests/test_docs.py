@@ -284,3 +284,64 @@ def test_the_first_hour_docs_agree_with_the_shipped_commands() -> None:
     for md in (readme, _design_section("CLI")):
         assert "one reply per piped line" not in md and "one reply\n  per stdin line" not in md
     assert "or a steady climb, mean" not in guide and "from 0.82 to 1.78" in guide
+
+
+def test_the_lora_note_on_a_few_examples_is_its_config() -> None:
+    """Issue 53: README's LoRA note on overfitting a few dozen examples quotes
+    configs/tiny-lora-few.yaml. Its commands name the config and the run folder the config
+    writes; the counts, steps, batch and lr in the text are the config's; and its table's steps
+    are the run's evaluation steps, the lowest val/loss bolded at the step the text calls the low
+    (a config or table changed without the note fails here)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## LoRA: fine-tune a model you did not train\n")[1].split("\n## ")[0]
+    config = yaml.safe_load((ROOT / "configs" / "tiny-lora-few.yaml").read_text(encoding="utf-8"))
+    data, train = config["data"], config["train"]
+    rows = (ROOT / data["source"]).read_text(encoding="utf-8").splitlines()
+    assert len(rows) >= data["max_documents"] > data["val_documents"] > 0
+    n_train = data["max_documents"] - data["val_documents"]
+    lr = f"{train['lr']:.0e}".replace("e-0", "e-")
+    for phrase in (
+        f"on {n_train} of the\ncopy/reverse conversations",
+        f"with the {data['val_documents']} before them held out",
+        f"`data.max_documents: {data['max_documents']}`",
+        f"`data.val_documents: {data['val_documents']}`",
+        f"evaluated every {train['eval_every']} steps",
+        "minillm tokenize configs/tiny-lora-few.yaml ",
+        f"minillm train configs/tiny-lora-few.yaml      # {train['max_steps']} steps of "
+        f"{train['batch_size']} x {train['seq_len']} tokens at lr {lr}",
+        f"minillm eval --ckpt {train['out_dir']} --best --task",
+    ):
+        assert phrase in section, phrase
+    assert train["eval_steps"] == 0 and train["lora"]["rank"] == 8  # "that whole split", "Rank 8"
+    (steps,) = re.findall(r"^\| step \|(.*)\|$", section, re.M)
+    (vals,) = re.findall(r"^\| val/loss \|(.*)\|$", section, re.M)
+    steps = [int(s) for s in steps.split("|")]
+    vals = [v.strip() for v in vals.split("|")]
+    assert all(s % train["eval_every"] == 0 and s <= train["max_steps"] for s in steps), steps
+    assert steps[-1] == train["max_steps"] and len(vals) == len(steps)
+    (bold,) = [i for i, v in enumerate(vals) if v.startswith("**")]
+    numbers = [float(v.strip("*")) for v in vals]
+    assert numbers[bold] == min(numbers)
+    assert f"val/loss is lowest at step {steps[bold]}," in section
+    assert f"BEST names step {steps[bold]}'s checkpoint" in section
+
+
+def _h2_slugs(md: Path) -> list[str]:
+    return [_slug(h) for h in re.findall(r"^## (.+)$", FENCE.sub("", md.read_text("utf-8")), re.M)]
+
+
+def test_the_readme_is_a_how_to_with_its_numbers_in_benchmarks_md() -> None:
+    """Issue 53: README keeps the quickstart, the tour and each feature's how-to; the benchmarks
+    and long measured discussions live in docs/benchmarks.md, each of whose sections README
+    links. README's contents list links every section, the published-model recipe in bold."""
+    readme_md = ROOT / "README.md"
+    readme = readme_md.read_text(encoding="utf-8")
+    assert len(readme.encode()) < 72_000, "README is past 72 KB: measurements go to benchmarks.md"
+    contents = readme.split("\n## Contents\n")[1].split("\n## ")[0]
+    linked = set(re.findall(r"\]\(#([^)]+)\)", contents))
+    missing = [s for s in _h2_slugs(readme_md) if s != "contents" and s not in linked]
+    assert not missing, f"README sections not in its Contents: {missing}"
+    assert "**[Fine-tune a published model](#fine-tune-a-published-model)**" in contents
+    pointed = set(re.findall(r"\]\(docs/benchmarks\.md#([^)]+)\)", readme))
+    unlinked = set(_h2_slugs(ROOT / "docs" / "benchmarks.md")) - pointed
+    assert not unlinked, f"docs/benchmarks.md sections README does not link: {unlinked}"

@@ -278,6 +278,6 @@ def load_balancing_loss(stats: list[RouterStats], n_experts: int) -> torch.Tenso
     every expert of every layer gets as many tokens and as much probability, is k (1 for Switch's
     top-1). For one layer it is transformers' `load_balancing_loss_func`; for several, that
     function pools the layers' tokens first, so layers unbalanced in opposite ways pass for
-    balanced (transformers issues #28255, #31464; measured on the demo in the README)."""
+    balanced (transformers issues #28255, #31464; measured on the demo in docs/benchmarks.md)."""
     per_layer = [(s.counts / s.tokens) @ (s.prob_sum / s.tokens) for s in stats]
     return n_experts * torch.stack(per_layer).mean()

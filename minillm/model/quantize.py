@@ -7,7 +7,7 @@ Offers `QUANTIZE_CHOICES`, `check_quantize(value)`, `int8_kernel_problem()`, `qu
 The kernel is fbgemm's (qnnpack's on ARM) dynamic-quantized linear, `torch.ops.quantized.
 linear_dynamic` on weights packed by `quantized.linear_prepack`: int8 weights, each output row
 with its own scale, times activations quantized to 8 bits per call, int32 accumulation. Measured
-on this project's CPU (README, "int8 inference") it is the one int8 path torch 2.13 offers that is
+on this project's CPU (docs/benchmarks.md) it is the one int8 path torch 2.13 offers that is
 faster than fp32 on a CPU: `aten._weight_int8pack_mm` was 3-20x slower than `F.linear`, and
 torchao 0.18's int8 configs in eager mode 1.2-6x slower (its wheel has no CPU kernels). Its
 status: the op is kept, but the eager `torch.ao.quantization` API around it is deprecated
