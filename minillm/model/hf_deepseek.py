@@ -69,10 +69,9 @@ def check_deepseek(cfg: ModelConfig) -> None:
         )
 
 
-def deepseek_config(
-    cfg: ModelConfig, bos_id: int | None, eos_id: int | None, rope_scaling: dict | None
-) -> dict[str, Any]:
-    """A DeepseekV3Config's config.json for `cfg` (check_deepseek passed); a dense model has
+def deepseek_config(cfg: ModelConfig, rope_scaling: dict | None) -> dict[str, Any]:
+    """A DeepseekV3Config's config.json for `cfg` (check_deepseek passed) but the keys every
+    family's ends with (hf_names' _config_tail: token ids, dtype); a dense model has
     every block dense (first_k_dense_replace = n_layer) and placeholder expert keys."""
     E = cfg.n_experts
     moe_width = cfg.moe_ffn_hidden if E else cfg.ffn_hidden
@@ -108,13 +107,6 @@ def deepseek_config(
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,  # as hf_config_dict's: no padding_idx row that never learns
-        "torch_dtype": "float32",
-        "use_cache": True,
     }
 
 

@@ -192,9 +192,9 @@ def hf_config_dict(
     router_aux_loss_coef is the run's train.moe_aux_loss."""
     model_type = hf_model_type(cfg)
     if model_type == "gemma3_text":
-        return _gemma3_config(cfg, bos_id, eos_id)
+        return {**_gemma3_config(cfg), **_config_tail(bos_id, eos_id)}
     if model_type == "deepseek_v3":
-        return deepseek_config(cfg, bos_id, eos_id, hf_rope_scaling(cfg))
+        return {**deepseek_config(cfg, hf_rope_scaling(cfg)), **_config_tail(bos_id, eos_id)}
     family: dict[str, Any] = {}
     if model_type == "mixtral":
         family = {
@@ -261,6 +261,13 @@ def hf_config_dict(
         "rope_scaling": hf_rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
+        **_config_tail(bos_id, eos_id),
+    }
+
+
+def _config_tail(bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """The keys every config.json minillm writes ends with, whatever the family."""
+    return {
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "bos_token_id": bos_id,
@@ -278,9 +285,10 @@ def _layer_types(cfg: ModelConfig) -> list[str]:
     return [kinds[cfg.local_layer(i)] for i in range(cfg.n_layer)]
 
 
-def _gemma3_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """A Gemma3TextConfig's config.json, in the keys of the published folders (rope_theta,
-    rope_local_base_freq, rope_scaling), which transformers 4 and 5 both read."""
+def _gemma3_config(cfg: ModelConfig) -> dict[str, Any]:
+    """A Gemma3TextConfig's config.json but its _config_tail, in the keys of the published
+    folders (rope_theta, rope_local_base_freq, rope_scaling), which transformers 4 and 5 both
+    read."""
     local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
     if cfg.rope_local_theta is None and cfg.sliding_window is not None:
         if cfg.rope_scaling.type != "none":  # Gemma's sliding layers take plain RoPE
@@ -318,13 +326,6 @@ def _gemma3_config(cfg: ModelConfig, bos_id: int | None, eos_id: int | None) -> 
         "attn_logit_softcapping": None,
         "attention_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,  # as hf_config_dict's: no padding_idx row that never learns
-        "torch_dtype": "float32",
-        "use_cache": True,
     }
 
 
