@@ -40,8 +40,8 @@ import torch
 import transformers
 
 from minillm.config import ModelConfig
+from minillm.families import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model import Transformer, use_cpu_kernels
-from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model.moe import load_balancing_loss, router_stats
 from minillm.runtime.device import enable_tf32
 from minillm.runtime.perf import (

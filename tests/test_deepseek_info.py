@@ -11,8 +11,8 @@ import torch
 import transformers
 
 from minillm.config import Config
+from minillm.families import model_config_from_hf
 from minillm.info import model_info
-from minillm.model.hf_names import model_config_from_hf
 
 # deepseek-ai/DeepSeek-V3's config.json, the keys that shape the model
 DEEPSEEK_V3 = dict(

@@ -301,7 +301,7 @@ def replace_out(cfg, out: Path):  # noqa: ANN001, ANN201
 
 def test_an_hf_or_gguf_export_of_the_sigmoid_router_is_refused_by_key() -> None:
     from minillm.config import ConfigError
-    from minillm.model.hf_names import hf_config_dict
+    from minillm.families import hf_config_dict
 
     cfg = ModelConfig(**BASE, **{**MODEL, "moe_dense_layers": []})
     with pytest.raises(ConfigError) as e:

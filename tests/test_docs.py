@@ -345,3 +345,18 @@ def test_the_readme_is_a_how_to_with_its_numbers_in_benchmarks_md() -> None:
     pointed = set(re.findall(r"\]\(docs/benchmarks\.md#([^)]+)\)", readme))
     unlinked = set(_h2_slugs(ROOT / "docs" / "benchmarks.md")) - pointed
     assert not unlinked, f"docs/benchmarks.md sections README does not link: {unlinked}"
+
+
+def test_the_readme_family_table_is_the_registry() -> None:
+    """README's table of families lists every family of minillm.families, in its order, with
+    the transformers class and llama.cpp architecture the family writes."""
+    from minillm.families import FAMILIES
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("| `model.family` |", 1)[1].split("\n\n", 1)[0]
+    rows = [
+        tuple(cell.strip() for cell in line.strip("|").split("|"))
+        for line in table.splitlines()[2:]
+    ]
+    want = [(f.name, f.hf_class, f.llama_cpp_arch) for f in FAMILIES.values()]
+    assert rows == want

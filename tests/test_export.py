@@ -16,9 +16,9 @@ from minillm.checkpoint.init_from import load_run_config
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.errors import CheckpointError, UserError
+from minillm.families import hf_config_dict
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer
-from minillm.model.hf_names import hf_config_dict
 from minillm.tokenizer.bpe import EOT, eot_id
 from tests.helpers import make_run, tiny_tokenizer
 

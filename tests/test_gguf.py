@@ -29,6 +29,7 @@ from minillm.checkpoint.gguf_tokens import llama_cpp_pre_tokenizer
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.errors import CheckpointError
+from minillm.families.llama import rope_pairs_permute
 from minillm.infer.engine import SamplingParams, generate
 from minillm.tokenizer.bpe import EOT, eot_id, train_tokenizer
 from minillm.tokenizer.chat_template import END
@@ -199,7 +200,7 @@ def test_rope_permutation_turns_rotate_half_into_adjacent_pairs() -> None:
     ours = apply_rope((x @ w.T).view(T, H, D)[None], cos[:, None], sin[:, None])[0]
 
     # llama.cpp's NORM rope: pair (2i, 2i+1) rotated by position * theta^(-2i/D)
-    y = (x @ gguf_file.rope_pairs_permute(w, H).T).view(T, H, D // 2, 2)
+    y = (x @ rope_pairs_permute(w, H).T).view(T, H, D // 2, 2)
     angle = torch.arange(T)[:, None] * 10000.0 ** (-torch.arange(0, D, 2) / D)
     c, s = angle.cos()[:, None], angle.sin()[:, None]
     pairs = torch.stack([y[..., 0] * c - y[..., 1] * s, y[..., 0] * s + y[..., 1] * c], -1)

@@ -18,7 +18,7 @@ from minillm.checkpoint.hf_export import export_checkpoint
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.config import ModelConfig
-from minillm.model.hf_names import hf_config_dict
+from minillm.families import hf_config_dict
 from minillm.tokenizer.bpe import EOT
 from tests.helpers import (
     SHAKESPEARE,

@@ -17,10 +17,10 @@ from minillm.checkpoint.hf_export import export_checkpoint
 from minillm.checkpoint.hf_import import import_hf_folder
 from minillm.checkpoint.store import load_checkpoint
 from minillm.config import Config, ConfigError, TrainConfig
+from minillm.families import model_config_from_hf
 from minillm.infer.engine import SamplingParams, generate
 from minillm.info import model_info
 from minillm.model import Transformer
-from minillm.model.hf_names import model_config_from_hf
 from minillm.tokenizer.bpe import EOT
 from tests.helpers import VOCAB, spread_weights_, tiny_tokenizer
 
@@ -378,7 +378,7 @@ def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) 
     """Issue 50, defect 5: a config.json without rope_theta, rms_norm_eps, the context, the
     window or the key/value heads reads as transformers' class of that family reads it (a
     Mixtral without rope_theta rotates at 1e6, not Llama's 10,000)."""
-    from minillm.model.hf_names import model_config_from_hf
+    from minillm.families import model_config_from_hf
 
     sizes = {"model_type": model_type, "vocab_size": 320, "hidden_size": 128,
              "intermediate_size": 96, "num_hidden_layers": 2,
@@ -419,7 +419,7 @@ def test_keys_left_out_of_config_json_are_the_familys_defaults(model_type: str) 
 def test_a_top_level_original_length_wins_as_in_transformers(kind: str) -> None:
     """Issue 50, defect 4: config.json's top-level original_max_position_embeddings is what
     transformers 5 uses for yarn and llama3 (over rope_scaling's): the frequencies agree."""
-    from minillm.model.hf_names import model_config_from_hf
+    from minillm.families import model_config_from_hf
     from minillm.model.rope import inv_frequencies
 
     scaling = {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 64}
@@ -448,9 +448,9 @@ def test_an_export_without_all_of_gemmas_block_names_the_missing_option(
 ) -> None:
     """Gemma 3's options come together: a model with some of them has no transformers class."""
     from minillm.config import ModelConfig
-    from minillm.model.hf_names import hf_model_type
+    from minillm.families import resolve_family
 
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layer=2, n_head=4, **options)
     with pytest.raises(ConfigError) as e:
-        hf_model_type(cfg)
+        resolve_family(cfg)
     assert e.value.key == key

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minillm.families import to_hf_state_dict
 from minillm.model import Transformer, kernels_cpu, use_cpu_kernels
-from minillm.model.hf_names import to_hf_state_dict
 from minillm.model.rope import apply_rope, rope_tables
 from minillm.model.transformer import RMSNorm
 from tests.test_model import make_pair

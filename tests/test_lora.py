@@ -18,13 +18,14 @@ from typer.testing import CliRunner
 
 from minillm.checkpoint.init_from import load_run_config
 from minillm.checkpoint.layout import read_state
+from minillm.checkpoint.peft_folder import to_peft_state_dict
 from minillm.checkpoint.store import load_checkpoint, load_model_state, save_checkpoint
 from minillm.cli import app
 from minillm.config import LoRAConfig
 from minillm.errors import UserError
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer, use_cpu_kernels
-from minillm.model.lora import LoRALinear, add_lora, is_adapter, merge_lora, to_peft_state_dict
+from minillm.model.lora import LoRALinear, add_lora, is_adapter, merge_lora
 from tests.helpers import (
     QUICK_TRAIN,
     ROOT,

@@ -16,15 +16,15 @@ from safetensors.torch import load_file, save_file
 
 from minillm.config import LoRAConfig, ModelConfig
 from minillm.errors import ConfigError
-from minillm.model import KVCache, Transformer
-from minillm.model.decode import Decoder
-from minillm.model.hf_deepseek import DEEPSEEK_DEFAULTS
-from minillm.model.hf_names import (
+from minillm.families import (
     from_hf_state_dict,
     hf_config_dict,
     model_config_from_hf,
     to_hf_state_dict,
 )
+from minillm.families.deepseek_v3 import DEEPSEEK_DEFAULTS
+from minillm.model import KVCache, Transformer
+from minillm.model.decode import Decoder
 from minillm.model.lora import add_lora, merge_lora
 from minillm.model.mla import MLA as MLA_MODULE
 from tests.helpers import make_trainer

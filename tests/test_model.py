@@ -7,10 +7,10 @@ import torch
 import transformers
 
 from minillm.config import ModelConfig
+from minillm.families import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import KVCache, Transformer
 from minillm.model.decode import Decoder
-from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model.rope import apply_rope, rope_rotation, rope_tables, rotate_half_matrix
 
 

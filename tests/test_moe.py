@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.config import ConfigError, ModelConfig
+from minillm.families import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model import KVCache, Transformer, use_cpu_kernels
 from minillm.model.decode import Decoder
-from minillm.model.hf_names import from_hf_state_dict, hf_config_dict, to_hf_state_dict
 from minillm.model.moe import (
     MoE,
     RouterStats,
@@ -398,8 +398,8 @@ MIXTRAL_8X7B = dict(
 
 def test_info_counts_mixtral_8x7b_as_transformers_does(tmp_path: Path) -> None:
     from minillm.config import Config
+    from minillm.families import model_config_from_hf
     from minillm.info import model_info
-    from minillm.model.hf_names import model_config_from_hf
 
     cfg = model_config_from_hf(MIXTRAL_8X7B)
     hf_cfg = {k: v for k, v in MIXTRAL_8X7B.items() if k not in ("model_type", "architectures")}

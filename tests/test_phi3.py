@@ -20,10 +20,10 @@ from minillm.checkpoint.hf_import import import_hf_folder
 from minillm.checkpoint.store import load_checkpoint
 from minillm.config import Config, ConfigError, ModelConfig, TrainConfig
 from minillm.errors import CheckpointError
+from minillm.families import model_config_from_hf, resolve_family
 from minillm.infer.engine import SamplingParams, generate
 from minillm.info import model_info
 from minillm.model import Transformer
-from minillm.model.hf_names import hf_model_type, model_config_from_hf
 from minillm.model.rope import inv_frequencies
 from minillm.tokenizer.bpe import EOT
 from tests.helpers import VOCAB, spread_weights_, tiny_tokenizer
@@ -81,7 +81,7 @@ def ours(folder: Path) -> Transformer:
 
 
 def _rows_ours(w: torch.Tensor, model: Transformer) -> torch.Tensor:
-    from minillm.model.hf_phi3 import rotary_rows_to_ours
+    from minillm.families.phi3 import rotary_rows_to_ours
 
     return rotary_rows_to_ours(w, model.cfg)
 
@@ -262,7 +262,7 @@ def test_keys_left_out_of_a_phi3_config_are_phi3configs_defaults() -> None:
 def test_what_minillm_cannot_read_names_the_key(changes: dict, key: str) -> None:
     with pytest.raises(ConfigError) as e:
         m = model_config_from_hf(phi4_mini(num_hidden_layers=2, **changes))
-        hf_model_type(m)
+        resolve_family(m)
     assert e.value.key == key
 
 
@@ -292,7 +292,7 @@ def test_partial_rotary_with_another_familys_option_names_it() -> None:
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layer=1, n_head=4, partial_rotary=0.5,
                       qk_norm=True)  # fmt: skip
     with pytest.raises(ConfigError) as e:
-        hf_model_type(cfg)
+        resolve_family(cfg)
     assert e.value.key == "model.qk_norm"
 
 

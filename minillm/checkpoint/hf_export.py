@@ -3,8 +3,8 @@
 Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs),
 `published_generation_config`, `sampling_config`, and `check_export_target` /
 `check_not_over_source` (the checks every export's `--out` passes: this one's, peft's and GGUF's).
-Reading a folder back is minillm.checkpoint.hf_import; parameter names and the config mapping live
-in minillm/model/hf_names.py.
+Reading a folder back is minillm.checkpoint.hf_import; parameter names and the config mapping are
+the model's family's (minillm.families, model.family).
 
 An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
@@ -16,10 +16,8 @@ of its folder, or the folder itself; minillm.tokenizer.conventions) is exported 
 its tokenizer.json and companion files (chat template, special tokens) copied as they are, its bos,
 eos (a list where it has one) and pad in config.json and generation_config.json
 (minillm.checkpoint.model_tokens), so that the folder's `apply_chat_template` and `generate` are the
-original's. The class is the family that computes the model (minillm.model.hf_names.hf_model_type):
-LlamaForCausalLM, Qwen3ForCausalLM (qk_norm), Qwen2ForCausalLM (attention_bias), MistralForCausalLM
-(sliding_window), with `model.n_experts` MixtralForCausalLM, with Gemma's block
-Gemma3ForCausalLM, or with model.partial_rotary or longrope Phi3ForCausalLM.
+original's. The class is that of the model's family (model.family: set on import, resolved from
+the options for minillm's own runs, minillm.families.resolve_family).
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from minillm.checkpoint.layout import (
 from minillm.checkpoint.model_tokens import model_tokens
 from minillm.config import SampleConfig
 from minillm.errors import UserError
-from minillm.model.hf_names import hf_config_dict, to_hf_state_dict
+from minillm.families import hf_config_dict, to_hf_state_dict
 from minillm.runtime.disk_space import raise_if_disk_full
 from minillm.runtime.files import commit_dir, save_safetensors
 from minillm.tokenizer.conventions import ModelTokens

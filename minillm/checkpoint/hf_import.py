@@ -1,15 +1,16 @@
 """Read a Hugging Face folder as our config, weights and tokenizer (an HF folder -> us): Llama,
-Qwen2, Qwen3, Mistral, Mixtral, Gemma 3's text model or Phi-3 (minillm.model.hf_names.READABLE).
+Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 3's text model, Phi-3 or DeepSeek-V3
+(minillm.families.FAMILIES).
 
 Offers `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)` (what
 `train.init_from: DIR` uses), `hf_model_config` (the ModelConfig of config.json alone),
 `check_hf_tokenizer` and `read_hf_checkpoint(dir) -> (Config, state_dict, Tokenizer)` (what
 `--ckpt DIR` loads, through `minillm.checkpoint.store.load_checkpoint`). Writing a folder is
-minillm.checkpoint.hf_export; parameter names and the config mapping live in
-minillm/model/hf_names.py.
+minillm.checkpoint.hf_export; parameter names and the config mapping are the family's
+(minillm.families), which the config records (model.family).
 
 A folder is read only where minillm computes what transformers would: one of those families
-with the options our model has (hf_names says which key is not: another rope_type, sliding
+with the options our model has (the family says which key is not: another rope_type, sliding
 windows in some layers, an MLP or output bias), and a byte-level BPE tokenizer (its special
 tokens, chat template and eos are the model's: minillm.tokenizer.conventions); anything else is
 one CheckpointError or ConfigError naming the file and the key.
@@ -35,7 +36,7 @@ from minillm.checkpoint.layout import (
 from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, DataConfig, ModelConfig, SampleConfig, TrainConfig
 from minillm.errors import CheckpointError, ConfigError, UserError
-from minillm.model.hf_names import from_hf_state_dict, model_config_from_hf
+from minillm.families import family_of, model_config_from_hf
 from minillm.runtime.files import read_json_object
 from minillm.tokenizer.pieces import tokenizer_kind
 
@@ -152,14 +153,13 @@ def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.T
     tensors = _load_safetensors(files)
     where = str(files[0]) if len(files) == 1 else str(folder / HF_WEIGHTS_INDEX)
     try:
-        state = from_hf_state_dict(tensors, cfg)
+        state = {k: v.float() for k, v in family_of(cfg).from_hf(cfg, tensors)}
     except KeyError as e:
         raise CheckpointError(
             f"{where}: weights do not fit {HF_CONFIG_FILE}: tensor {e.args[0]} is missing"
         ) from None
     except RuntimeError as e:  # q/k/v or gate/up of different widths cannot be joined
         raise CheckpointError(f"{where}: weights do not fit {HF_CONFIG_FILE} ({e})") from None
-    state = {k: v.float() for k, v in state.items()}
     # Names and shapes checked against a model on the meta device: no memory for a second copy,
     # the same messages as a checkpoint's. Loading into meta tensors is a no-op torch warns about.
     with torch.device("meta"):

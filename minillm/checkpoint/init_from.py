@@ -41,6 +41,7 @@ from minillm.config import (
     read_raw_config,
 )
 from minillm.errors import ConfigError, UserError, warn
+from minillm.families import with_family
 from minillm.tokenizer.bpe import load_tokenizer, tokenizer_sha256
 
 
@@ -213,7 +214,9 @@ def load_run_config(
         vocab_from = "--set" if "data.vocab_size" in overridden else str(path)
         _apply_init_from(raw, init_source(str(init_from), file=where), vocab_from)
     try:
-        return config_from_dict(raw, str(path), overridden, require_model=require_model)
+        cfg = config_from_dict(raw, str(path), overridden, require_model=require_model)
+        # The family is resolved once, here, and travels with the run (config.yaml, checkpoints).
+        return dataclasses.replace(cfg, model=with_family(cfg.model))
     except ConfigError as e:
         if init_from and "model." in f"{e.key} {e.message}":
             # That model section is init_from's, not the file's: name each value's source.

@@ -46,6 +46,7 @@ from minillm.checkpoint.layout import (
 )
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
 from minillm.errors import CheckpointError, UserError
+from minillm.families import add_end_of_turn, with_family
 from minillm.runtime.disk_space import full_disk_error, is_disk_full
 from minillm.runtime.files import (
     atomic_write_json,
@@ -289,6 +290,7 @@ def load_checkpoint(
         model = _model_from(cfg, weights, str(path), device)
         state = {"config": config_to_dict(cfg)}
         conventions = Conventions.of(tokenizer, Path(path))
+        add_end_of_turn(conventions, cfg.model, Path(path))
         return LoadedCheckpoint(
             Path(path),
             cfg,
@@ -304,6 +306,8 @@ def load_checkpoint(
     check_model_config(ckpt, state)
     try:
         cfg = config_from_dict(state["config"], file=str(ckpt / STATE_FILE))
+        # A checkpoint saved before model.family was stored: its family resolves on load.
+        cfg = dataclasses.replace(cfg, model=with_family(cfg.model))
     except ConfigError as e:
         raise CheckpointError(f"{ckpt / STATE_FILE}: its config is invalid: {e}") from None
     adapters = None
@@ -320,6 +324,7 @@ def load_checkpoint(
         raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
     _check_vocab(tokenizer, cfg, tok_path)
     conventions = Conventions.of(tokenizer, tok_path.parent)
+    add_end_of_turn(conventions, cfg.model, tok_path.parent)
     return LoadedCheckpoint(
         ckpt, cfg, model, tokenizer, state, conventions, adapters=adapters, tokenizer_path=tok_path
     )

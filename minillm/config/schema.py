@@ -286,6 +286,12 @@ class ModelConfig(Section):
         help="Sigmoid router: the k weights are multiplied by this (DeepSeek-V3's "
         "routed_scaling_factor, 2.5 there).",
     )
+    family: str | None = setting(
+        None,
+        help="The published family this architecture is (llama, qwen2, qwen3, mistral, mixtral, "
+        "qwen2_moe, qwen3_moe, gemma3, phi3, deepseek_v3: minillm.families), which names its "
+        "exports. Set on import; null = resolved from the options above when a run starts.",
+    )
 
     def __post_init__(self) -> None:
         self._positive("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden")

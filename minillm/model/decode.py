@@ -53,17 +53,8 @@ class Decoder:
             raise ValueError("the Decoder applies no dropout: call model.eval() first")
         self.model, self.cache = model, kv_cache
         cfg = model.cfg
-        # Dynamic NTK rotates every cached key anew each step (Transformer.rope): that is the
-        # model's own forward, not this path's one rotation per new token. Gemma's block
-        # (sandwich norms, GeGLU, scaled embeddings and attention, local layers) and latent
-        # attention (model.attention mla, whose cache and absorbed decode are
-        # minillm.model.mla's) also step through the model's forward, so this loop stays the
-        # Llama block's plain formulas.
-        self.by_forward = (
-            cfg.rope_scaling.type in ("dynamic", "longrope")
-            or _gemma_block(cfg)
-            or cfg.attention == "mla"
-        )
+        # What the loop does not compute steps through the model's forward (fast_path_serves).
+        self.by_forward = not fast_path_serves(cfg)
         if self.by_forward:
             return
         self.heads = (cfg.n_head, cfg.n_kv_head, cfg.head_dim)
@@ -197,15 +188,21 @@ class Decoder:
         return torch.cat(out)  # (n, H, 1, D)
 
 
-def _gemma_block(cfg: ModelConfig) -> bool:
-    """Whether the model has an option of Gemma's block that `Decoder.step`'s loop omits."""
-    return (
-        cfg.sandwich_norm
+def fast_path_serves(cfg: ModelConfig) -> bool:
+    """Whether `Decoder.step`'s loop computes `cfg`'s block: the plain formulas of a pre-norm
+    SwiGLU block with RoPE. Dynamic NTK and LongRoPE rotate every cached key anew each step
+    (Transformer.rope); sandwich norms, a GeGLU, scaled embeddings or attention, mixed local
+    layers and latent attention (model.attention mla, whose cache and absorbed decode are
+    minillm.model.mla's) step through the model's own forward."""
+    return not (
+        cfg.rope_scaling.type in ("dynamic", "longrope")
+        or cfg.sandwich_norm
         or cfg.embed_scale
         or cfg.ffn_activation != "silu"
         or cfg.query_pre_attn_scalar is not None
         or cfg.rope_local_theta is not None
         or cfg.mixed_layers
+        or cfg.attention == "mla"
     )
 
 

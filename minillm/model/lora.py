@@ -1,19 +1,17 @@
 """LoRA adapters (`train.lora`): low-rank updates trained on the linear layers of a frozen model.
 
 Offers `LoRALinear`, `add_lora(model, lora)`, `adapters_off(model)`, `is_adapter(name)`,
-`adapter_state(state_dict)`, `merge_lora(model)`, `trainable_frozen(model)` and
-`to_peft_state_dict(adapters, cfg)` (the adapters under Hugging Face peft's names, for `minillm
-export --format peft`).
+`adapter_state(state_dict)`, `merge_lora(model)` and `trainable_frozen(model)`; the adapters
+under Hugging Face peft's names (`minillm export --format peft`) are
+minillm.checkpoint.peft_folder's, with each family's module names (minillm.families).
 
 A target layer W (out, in) becomes W x + (alpha / r) B A x with A (r, in) and B (out, r); B starts
 at zero, so step 0 is the base model exactly, and only A and B train. The fused projections get
 one adapter each: wqkv's A is shared by q, k and v and the rows of its B are their three B's
 (gate and up likewise), which is what peft holds for q_proj, k_proj and v_proj with equal A's.
-So `to_peft_state_dict` is a copy and a split, exact, and merging is W + (alpha / r) B A.
+So peft's adapters are a copy and a split, exact, and merging is W + (alpha / r) B A.
 With model.attention mla, target wqkv means the latent attention's input projections (its
 query projections, wkv_a and wkv_b, `minillm.model.mla.MLA.lora_layers`), each its own adapter.
-Phi-3's own fused qkv_proj and gate_up_proj take an adapter whole (model.partial_rotary's q/k
-rows put back in HF's order).
 
 `train.lora.train_tokens` also trains some rows of the embedding (`TokenRows`: the chosen rows
 replaced by trainable copies, peft's trainable tokens): a base that never saw the chat tokens
@@ -34,9 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minillm.config import LORA_TARGETS, LoRAConfig, ModelConfig
+from minillm.config import LORA_TARGETS, LoRAConfig
 from minillm.errors import ConfigError, warn
-from minillm.model.hf_phi3 import is_phi3, rotary_rows_to_hf
 from minillm.model.transformer import Transformer
 
 # (module holding the layer, layer name) of a block, per target.
@@ -233,65 +230,3 @@ def merge_lora(model: Transformer) -> Transformer:
     for p in model.parameters():
         p.requires_grad_(True)
     return model
-
-
-# Our fused layer -> peft's modules (under model.layers.N.) and how B's rows split among them.
-_PEFT = {
-    "wqkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "wo": ("self_attn", ("o_proj",)),
-    "w_gate_up": ("mlp", ("gate_proj", "up_proj")),
-    "w_down": ("mlp", ("down_proj",)),
-}
-# Phi-3's own fused modules: one adapter each, as ours (model.partial_rotary's q/k rows in HF's
-# order, minillm.model.hf_phi3).
-_PEFT_PHI3 = {
-    **_PEFT,
-    "wqkv": ("self_attn", ("qkv_proj",)),
-    "w_gate_up": ("mlp", ("gate_up_proj",)),
-}
-
-
-def peft_modules(targets: Sequence[str], phi3: bool = False) -> list[str]:
-    """peft's target_modules for our targets (q_proj ... down_proj; Phi-3's qkv_proj and
-    gate_up_proj)."""
-    names = _PEFT_PHI3 if phi3 else _PEFT
-    return [m for t in LORA_TARGETS if t in targets for m in names[t][1]]
-
-
-def to_peft_state_dict(
-    adapters: dict[str, torch.Tensor], cfg: ModelConfig
-) -> dict[str, torch.Tensor]:
-    """Our adapters -> peft's adapter_model.safetensors names and tensors (exact: A copied to
-    each projection of a fused layer, B split by rows; Phi-3's fused modules take them whole).
-    Tensors are contiguous."""
-    if cfg.attention == "mla":
-        raise ConfigError(
-            "model.attention",
-            "mla: its adapters have no peft layout minillm writes; merge them (export without "
-            "--format peft)",
-        )
-    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    phi3 = is_phi3(cfg)
-    rows = {
-        "wqkv": ((H + 2 * K) * D,) if phi3 else (H * D, K * D, K * D),
-        "wo": (cfg.d_model,),
-        "w_gate_up": (2 * cfg.ffn_hidden,) if phi3 else (cfg.ffn_hidden, cfg.ffn_hidden),
-        "w_down": (cfg.d_model,),
-    }
-    out = {}
-    for i in range(cfg.n_layer):
-        for target, (part, modules) in (_PEFT_PHI3 if phi3 else _PEFT).items():
-            ours = f"blocks.{i}.{_OWNER[target]}.{target}."
-            if ours + "lora_A" not in adapters:
-                continue
-            a, b = adapters[ours + "lora_A"], adapters[ours + "lora_B"]
-            if target == "wqkv":
-                b = rotary_rows_to_hf(b, cfg)  # model.partial_rotary's q/k rows
-            prefix = f"base_model.model.model.layers.{i}.{part}."
-            for module, b_rows in zip(modules, b.split(rows[target], dim=0), strict=True):
-                out[f"{prefix}{module}.lora_A.weight"] = a.clone().contiguous()
-                out[f"{prefix}{module}.lora_B.weight"] = b_rows.contiguous()
-    if "tok_emb.token_rows" in adapters:  # peft holds the rows themselves, as TokenRows does
-        key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
-        out[key] = adapters["tok_emb.token_rows"].contiguous()
-    return out

@@ -1,7 +1,7 @@
 """Multi-head latent attention (`model.attention: mla`), DeepSeek-V2/V3's, with a latent KV cache.
 
 Offers `MLA`, the same function as transformers' `DeepseekV3Attention` given the same weights
-(`minillm.model.hf_deepseek` maps the names). Each token's keys and values come from one
+(`minillm.families.deepseek_v3` maps the names). Each token's keys and values come from one
 compressed latent c = RMSNorm(x W_dkv) (R numbers) through one up-projection W_ukv, plus one
 RoPE key k_pe (P numbers) that every head shares; the queries go through their own bottleneck
 (q_lora_rank, RMSNorm between) or one plain projection. Each head's query and key are the
@@ -18,7 +18,7 @@ projection (docs/architecture.md derives it).
 
 RoPE is held in the "rotate half" layout of the rest of minillm: DeepSeek's interleaved pairs
 (transformers' rope_interleave) are a fixed permutation of the rotated rows of the q and kv
-down-projections, which `minillm.model.hf_deepseek` applies on import and undoes on export.
+down-projections, which `minillm.families.deepseek_v3` applies on import and undoes on export.
 
 Shape legend: B batch, T new tokens, S keys (cached + new), H heads, N qk_nope_head_dim,
 P qk_rope_head_dim, V v_head_dim, R kv_lora_rank, Q q_lora_rank, C model dim.

@@ -22,7 +22,7 @@ same float32 order, so that logits match `LlamaForCausalLM` with that `rope_scal
 
 `model.partial_rotary` (Phi-4-mini) rotates only the first R = head_dim * partial_rotary
 dimensions of HF's heads. Our heads hold those R as dimensions 0..R/2-1 and D/2..D/2+R/2-1 (the
-pairs our "rotate half" rotates) and the unrotated ones between (`minillm.model.hf_phi3` permutes
+pairs our "rotate half" rotates) and the unrotated ones between (`minillm.families.phi3` permutes
 the q/k rows on import and export), so the frequencies are padded with zeros to D/2: angle 0
 rotates nothing, exactly, and every RoPE path (training kernels, the decode step's matrices)
 stays the full-head one.

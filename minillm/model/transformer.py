@@ -4,13 +4,13 @@ Offers `RMSNorm` and `rms_norm` (from `minillm.model.norm`), `attention`, `cross
 `Attention`, `SwiGLU`, `Block`, `Transformer` and `dropout_off`; RoPE (its tables, rotation and
 scaled frequencies) is `minillm.model.rope`. The model is the same function as Hugging Face's
 `LlamaForCausalLM` given the same weights (RoPE in its "rotate half" layout;
-`minillm.model.hf_names` maps the parameter names), and its options are the other families'
+`minillm.families` maps the parameter names), and its options are the other families'
 differences: `head_dim`, `attention_bias` (Qwen2), `qk_norm` (Qwen3), `sliding_window`
 (Mistral) and `rope_scaling` (Llama 3.1 and the long-context methods); `attention: mla` is
 DeepSeek's latent attention (`minillm.model.mla`); Gemma 3 adds `sandwich_norm`,
 `ffn_activation` (GeGLU), `embed_scale`, `query_pre_attn_scalar` and local layers
 (`sliding_window_pattern`, `rope_local_theta`). Gemma's RMSNorm gain (1 + w) is held as the one
-number 1 + w (`minillm.model.hf_names` adds and removes the 1), so its norms are these.
+number 1 + w (`minillm.families.gemma3` adds and removes the 1), so its norms are these.
 
 Everything here is the plain PyTorch of the formulas. The fast paths sit on top and are chosen by
 their callers: `minillm.model.kernels_cpu.use_cpu_kernels(model)` swaps in hand-written autograd

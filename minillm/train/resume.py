@@ -71,6 +71,8 @@ def resume_differences(old: dict[str, Any], new: Config) -> tuple[list[str], lis
             b = tuple(b)
         if a == b or key in SCHEDULE_KEYS:
             continue
+        if key == "model.family" and a is None:  # saved before families were stored: resolved
+            continue
         entry = f"{key} ({a!r} -> {b!r})"
         # The optimizer's state has another shape (Muon keeps one buffer, AdamW two moments).
         if (key.startswith("model.") and key != "model.dropout") or key in REFUSED_KEYS:

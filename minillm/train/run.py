@@ -28,6 +28,7 @@ from minillm.checkpoint.init_from import lora_base
 from minillm.checkpoint.rundir import RunLock
 from minillm.config import Config
 from minillm.errors import ConfigError
+from minillm.families import with_family
 from minillm.runtime.device import (
     autocast_context,
     enable_tf32,
@@ -118,6 +119,9 @@ def prepare_run(
     A run that fails here (a bad config, no shards, a bad pairs file) leaves no lock and no empty
     run folder, and has cleared nothing (`--force` clears only after the data is read).
     """
+    # model.family: the one its config load resolved, or (a Config built in Python) resolved now,
+    # so config.yaml and every checkpoint carry it.
+    cfg = dataclasses.replace(cfg, model=with_family(cfg.model))
     tc = cfg.train
     run_dir = Path(tc.out_dir)
     dist = init_distributed(resolve_device(tc.device))

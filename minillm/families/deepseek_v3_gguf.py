@@ -1,6 +1,7 @@
-"""llama.cpp's `deepseek2` for `export --format gguf` of a `model.attention: mla` model.
+"""llama.cpp's `deepseek2` for `export --format gguf` of a `model.attention: mla` model (the
+DeepSeek-V3 family's GGUF, minillm.families.deepseek_v3).
 
-Offers `deepseek2_problem`, `add_deepseek2_keys` and `split_kv_b`; gguf_file calls them. The
+Offers `deepseek2_arch`, `deepseek2_problem`, `add_deepseek2_keys` and `split_kv_b`. The
 mapping is llama.cpp's own converter's (convert_hf_to_gguf.py's DeepseekV2Model, which converts
 DeepseekV3ForCausalLM too) for the llama.cpp that llama-cpp-python 0.3.36 bundles:
 
@@ -11,7 +12,7 @@ DeepseekV3ForCausalLM too) for the llama.cpp that llama-cpp-python 0.3.36 bundle
   `attention.q_lora_rank` (0: none), `kv_lora_rank`, `key_length` R + P and `value_length` R
   (the latent as one key/value head: `head_count_kv` 1), `key_length_mla` N + P and
   `value_length_mla` V, `rope.dimension_count` P. Its RoPE rotates adjacent pairs, the layout
-  of DeepSeek's weights that the Hugging Face names already hold (hf_names): no permutation.
+  of DeepSeek's weights that the Hugging Face names already hold (deepseek_v3): no permutation.
 - DeepSeekMoE: `leading_dense_block_count` (its dense blocks come first), the experts' stacks,
   `ffn_gate_inp`, the routing bias `exp_probs_b.bias`, the shared experts `*_shexp` of
   `expert_shared_count` x `expert_feed_forward_length`; `expert_gating_func` sigmoid,
@@ -22,6 +23,8 @@ DeepseekV3ForCausalLM too) for the llama.cpp that llama-cpp-python 0.3.36 bundle
   mscale_all_dim)^2 and leaves cos and sin unscaled.
 
 What its graph computes otherwise is one CheckpointError naming the key (`deepseek2_problem`).
+llama.cpp itself takes a model of 26 or 27 layers for V2-Lite (llama-model.cpp's is_lite): a
+query bottleneck there is refused, as its loader would not read it.
 """
 
 from __future__ import annotations
@@ -34,9 +37,23 @@ import torch
 
 from minillm.config import ModelConfig
 from minillm.errors import CheckpointError
+from minillm.families.base import gguf_refusal
+from minillm.families.llama import check_yarn_ranges
 from minillm.model.rope import yarn_mscale
 
 Refuse = Callable[[str, str], CheckpointError]
+
+
+def deepseek2_arch(cfg: ModelConfig) -> Any:
+    """gguf.MODEL_ARCH.DEEPSEEK2, or the CheckpointError of what its graph computes otherwise."""
+    import gguf
+
+    problem = deepseek2_problem(cfg, gguf_refusal)
+    if problem is not None:
+        raise problem
+    if cfg.rope_scaling.type == "yarn":
+        check_yarn_ranges(cfg.rope_scaling)
+    return gguf.MODEL_ARCH.DEEPSEEK2
 
 
 def deepseek2_problem(cfg: ModelConfig, refuse: Refuse) -> CheckpointError | None:

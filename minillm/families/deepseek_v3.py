@@ -1,10 +1,9 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`, model_type deepseek_v3) in minillm's names: the config
 and the weights of a model with `model.attention: mla` and, past its first dense blocks, the
-sigmoid-routed experts of `model.moe_router: sigmoid`.
+sigmoid-routed experts of `model.moe_router: sigmoid`. Its llama.cpp architecture, deepseek2, is
+minillm.families.deepseek_v3_gguf's.
 
-Offers `DEEPSEEK_DEFAULTS`, `check_deepseek`, `deepseek_config`, `deepseek_from_hf`,
-`deepseek_to_hf_state` and `deepseek_from_hf_state`; `minillm.model.hf_names` calls them for this
-family (it reads RoPE's keys and passes them in, so neither module imports the other twice).
+Offers `DeepseekV3`, `DEEPSEEK_DEFAULTS` and `check_deepseek`.
 
 The names are those of DeepSeek's published checkpoints, which transformers' save_pretrained
 also writes: self_attn.q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa,
@@ -22,12 +21,27 @@ under one permutation of both), so import permutes those rows and export puts th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from minillm.config import ModelConfig
 from minillm.errors import ConfigError
+from minillm.families.base import (
+    Family,
+    Named,
+    Tensor,
+    experts_from_hf,
+    experts_to_hf,
+    hf_rope_scaling,
+    rope_from_hf,
+    swiglu_from_hf,
+    swiglu_to_hf,
+)
+
+_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
 
 # What transformers' DeepseekV3Config gives a key config.json leaves out (tests/test_mla.py
 # checks them against the class).
@@ -69,10 +83,15 @@ def check_deepseek(cfg: ModelConfig) -> None:
         )
 
 
-def deepseek_config(cfg: ModelConfig, rope_scaling: dict | None) -> dict[str, Any]:
+def _config(cfg: ModelConfig, router_aux_loss_coef: float) -> dict[str, Any]:
     """A DeepseekV3Config's config.json for `cfg` (check_deepseek passed) but the keys every
-    family's ends with (hf_names' _config_tail: token ids, dtype); a dense model has
-    every block dense (first_k_dense_replace = n_layer) and placeholder expert keys."""
+    family's ends with (base.config_tail: token ids, dtype); a dense model has
+    every block dense (first_k_dense_replace = n_layer) and placeholder expert keys.
+
+    It holds the routing keys of DeepSeek's published config.json too, which transformers'
+    class does not read but DeepSeek's own code, vLLM and SGLang do (`getattr(config,
+    "scoring_func", "softmax")`): without them they would route by softmax and drop the
+    correction bias."""
     E = cfg.n_experts
     moe_width = cfg.moe_ffn_hidden if E else cfg.ffn_hidden
     return {
@@ -100,26 +119,32 @@ def deepseek_config(cfg: ModelConfig, rope_scaling: dict | None) -> dict[str, An
         "v_head_dim": cfg.v_head_dim,
         "rope_interleave": True,  # DeepSeek's layout: deepseek_to_hf_state permutes to it
         "num_nextn_predict_layers": 0,  # no multi-token-prediction module
+        "scoring_func": "sigmoid",  # DeepSeekMoE's router (model.moe_router sigmoid)
+        "topk_method": "noaux_tc",  # group-limited top-k with e_score_correction_bias
+        "moe_layer_freq": 1,  # every block past the first k dense ones has experts
+        "ep_size": 1,
+        "seq_aux": True,
+        "aux_loss_alpha": router_aux_loss_coef,
+        "pretraining_tp": 1,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": rope_scaling,
+        "rope_scaling": hf_rope_scaling(cfg),
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
     }
 
 
-def deepseek_from_hf(
-    hf: dict[str, Any], rope_theta: float, scaling: dict[str, Any], where: str
-) -> ModelConfig:
-    """Our ModelConfig of a DeepseekV3Config's config.json (DEEPSEEK_DEFAULTS filled in), RoPE
-    already read (hf_names' _rope_from_hf); what minillm does not compute names its key."""
+def _config_from_hf(hf: dict[str, Any], where: str) -> ModelConfig:
+    """Our ModelConfig of a DeepseekV3Config's config.json (DEEPSEEK_DEFAULTS filled in); what
+    minillm does not compute names its key."""
     # rope_interleave false (rows already in halves) would need the folder's config with its
     # weights; no published DeepSeek folder has it.
     for key, ok in (("attention_bias", False), ("hidden_act", "silu"), ("rope_interleave", True)):
         if hf.get(key, ok) != ok:
             raise ConfigError(key, f"{hf[key]!r} is not supported (minillm needs {ok!r})", where)
+    rope_theta, scaling = rope_from_hf(hf, where)
     n_layer = hf["num_hidden_layers"]
     first = hf["first_k_dense_replace"]
     moe: dict[str, Any] = {}
@@ -157,6 +182,7 @@ def deepseek_from_hf(
         rope_theta=rope_theta,
         norm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        family="deepseek_v3",
         **moe,
     )
 
@@ -171,23 +197,7 @@ def _rope_rows(cfg: ModelConfig, heads: int, width: int, to_hf: bool) -> torch.T
     return (torch.arange(heads)[:, None] * width + block).reshape(-1)
 
 
-def _swiglu(sd: dict[str, torch.Tensor], ours: str, theirs: str, to_hf: bool) -> dict:
-    if to_hf:
-        gate, up = sd[ours + "w_gate_up.weight"].chunk(2, dim=0)
-        return {
-            theirs + "gate_proj.weight": gate,
-            theirs + "up_proj.weight": up,
-            theirs + "down_proj.weight": sd[ours + "w_down.weight"],
-        }
-    return {
-        ours + "w_gate_up.weight": torch.cat(
-            [sd[theirs + "gate_proj.weight"], sd[theirs + "up_proj.weight"]], dim=0
-        ),
-        ours + "w_down.weight": sd[theirs + "down_proj.weight"],
-    }
-
-
-def _names(cfg: ModelConfig) -> dict[str, str]:
+def _attention_names(cfg: ModelConfig) -> dict[str, str]:
     """Our attention's parameter names -> self_attn's, for this model's query path."""
     names = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj"}
     names["wo"] = "o_proj"
@@ -198,68 +208,102 @@ def _names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def _convert(sd: dict[str, torch.Tensor], cfg: ModelConfig, to_hf: bool) -> dict:
-    """Both directions of the mapping; missing names raise KeyError."""
+def _attention(cfg: ModelConfig, sd: Mapping[str, Tensor], i: int, to_hf: bool) -> Named:
+    """One layer's latent attention, either way, the RoPE rows of wq (wq_b) and wkv_a permuted."""
     H, N, P, R = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    q_rows = _rope_rows(cfg, H, N + P, to_hf)
-    kv_rows = _rope_rows(cfg, 1, R + P, to_hf)
-    pairs = [("tok_emb.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
-    if not cfg.tie_embeddings:
-        pairs.append(("lm_head.weight", "lm_head.weight"))
-    out: dict[str, torch.Tensor] = {}
-    for i in range(cfg.n_layer):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        pairs += [
-            (ours + "attn_norm.weight", theirs + "input_layernorm.weight"),
-            (ours + "ffn_norm.weight", theirs + "post_attention_layernorm.weight"),
+    ours, theirs = f"blocks.{i}.attn.", f"model.layers.{i}.self_attn."
+    for a, b in _attention_names(cfg).items():
+        src, dst = (ours + a, theirs + b) if to_hf else (theirs + b, ours + a)
+        w = sd[src + ".weight"]
+        if a in ("wq", "wq_b"):
+            w = w[_rope_rows(cfg, H, N + P, to_hf)]
+        elif a == "wkv_a":
+            w = w[_rope_rows(cfg, 1, R + P, to_hf)]
+        yield dst + ".weight", w
+
+
+class DeepseekV3(Family):
+    """DeepseekV3ForCausalLM: latent attention (mla), sigmoid-routed DeepSeekMoE."""
+
+    name = model_type = "deepseek_v3"
+    hf_class = "DeepseekV3ForCausalLM"
+    llama_cpp_arch = "deepseek2"
+    defaults = DEEPSEEK_DEFAULTS
+
+    def config_from_hf(self, hf: dict[str, Any], where: str) -> ModelConfig:
+        return _config_from_hf(hf, where)
+
+    def config_to_hf(self, cfg: ModelConfig, router_aux_loss_coef: float) -> dict[str, Any]:
+        check_deepseek(cfg)
+        return _config(cfg, router_aux_loss_coef)
+
+    def from_hf(self, cfg: ModelConfig, src: Mapping[str, Tensor]) -> Named:
+        for i in range(cfg.n_layer):
+            ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+            yield from _attention(cfg, src, i, to_hf=False)
+            yield ours + "attn_norm.weight", src[theirs + "input_layernorm.weight"]
+            yield ours + "ffn_norm.weight", src[theirs + "post_attention_layernorm.weight"]
+            mlp = theirs + "mlp."
+            if not cfg.n_experts or i in cfg.moe_dense_layers:
+                yield from swiglu_from_hf(src, mlp, ours + "ffn.")
+                continue
+            yield ours + "ffn.router.weight", src[mlp + "gate.weight"]
+            yield ours + "ffn.router_bias", src[mlp + "gate.e_score_correction_bias"]
+            if cfg.moe_shared_ffn_hidden:
+                yield from swiglu_from_hf(src, mlp + "shared_experts.", ours + "ffn.shared.")
+            yield from experts_from_hf(src, mlp, ours + "ffn.", _EXPERT_NAMES, cfg.n_experts)
+        yield "tok_emb.weight", src["model.embed_tokens.weight"]
+        yield "norm.weight", src["model.norm.weight"]
+        if not cfg.tie_embeddings:
+            yield "lm_head.weight", src["lm_head.weight"]
+
+    def to_hf(self, cfg: ModelConfig, sd: Mapping[str, Tensor]) -> Named:
+        for i in range(cfg.n_layer):
+            ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
+            yield from _attention(cfg, sd, i, to_hf=True)
+            yield theirs + "input_layernorm.weight", sd[ours + "attn_norm.weight"]
+            yield theirs + "post_attention_layernorm.weight", sd[ours + "ffn_norm.weight"]
+            mlp = theirs + "mlp."
+            if not cfg.n_experts or i in cfg.moe_dense_layers:
+                yield from swiglu_to_hf(sd, ours + "ffn.", mlp)
+                continue
+            yield mlp + "gate.weight", sd[ours + "ffn.router.weight"]
+            yield mlp + "gate.e_score_correction_bias", sd[ours + "ffn.router_bias"]
+            if cfg.moe_shared_ffn_hidden:
+                yield from swiglu_to_hf(sd, ours + "ffn.shared.", mlp + "shared_experts.")
+            yield from experts_to_hf(sd, ours + "ffn.", mlp, _EXPERT_NAMES, cfg.n_experts)
+        yield "model.embed_tokens.weight", sd["tok_emb.weight"]
+        yield "model.norm.weight", sd["norm.weight"]
+        if not cfg.tie_embeddings:
+            yield "lm_head.weight", sd["lm_head.weight"]
+
+    def check_peft(self, cfg: ModelConfig) -> None:
+        raise ConfigError(
+            "model.attention",
+            "mla: its adapters have no peft layout minillm writes; merge them (export without "
+            "--format peft)",
+        )
+
+    def gguf_arch(self, cfg: ModelConfig) -> Any:
+        from minillm.families.deepseek_v3_gguf import deepseek2_arch
+
+        return deepseek2_arch(cfg)
+
+    def add_gguf_keys(self, w: Any, cfg: ModelConfig) -> None:
+        from minillm.families.deepseek_v3_gguf import add_deepseek2_keys
+
+        w.add_feed_forward_length(cfg.ffn_hidden)
+        w.add_head_count(cfg.n_head)
+        add_deepseek2_keys(w, cfg)
+
+    def gguf_tensor(self, cfg: ModelConfig, hf_name: str, w: Tensor) -> list[tuple[str, Tensor]]:
+        if not hf_name.endswith("kv_b_proj.weight"):
+            return [(hf_name, w)]
+        from minillm.families.deepseek_v3_gguf import split_kv_b
+
+        # W_uk, W_uv as its graph absorbs them
+        k_b, v_b = split_kv_b(w, cfg)
+        return [
+            (hf_name.replace("kv_b_proj", "k_b_proj"), k_b),
+            (hf_name.replace("kv_b_proj", "v_b_proj"), v_b),
         ]
-        for a, b in _names(cfg).items():
-            src = ours + f"attn.{a}.weight" if to_hf else theirs + f"self_attn.{b}.weight"
-            rows = {"wq": q_rows, "wq_b": q_rows, "wkv_a": kv_rows}.get(a)
-            w = sd[src] if rows is None else sd[src][rows]
-            out[theirs + f"self_attn.{b}.weight" if to_hf else ours + f"attn.{a}.weight"] = w
-        if not cfg.n_experts or i in cfg.moe_dense_layers:
-            out.update(_swiglu(sd, ours + "ffn.", theirs + "mlp.", to_hf))
-        else:
-            out.update(_experts(sd, cfg, ours + "ffn.", theirs + "mlp.", to_hf))
-    for a, b in pairs:
-        out[b if to_hf else a] = sd[a if to_hf else b]
-    return out
-
-
-def _experts(sd: dict, cfg: ModelConfig, ours: str, theirs: str, to_hf: bool) -> dict:
-    """One MoE layer: router, routing bias, experts (per-expert names, or transformers 5's
-    stacks on reading), shared experts."""
-    out = {}
-    pairs = [("router.weight", "gate.weight"), ("router_bias", "gate.e_score_correction_bias")]
-    for a, b in pairs:
-        out[theirs + b if to_hf else ours + a] = sd[ours + a if to_hf else theirs + b]
-    if cfg.moe_shared_ffn_hidden:
-        out.update(_swiglu(sd, ours + "shared.", theirs + "shared_experts.", to_hf))
-    if to_hf:
-        for e in range(cfg.n_experts):
-            gate, up = sd[ours + "w_gate_up"][e].chunk(2, dim=0)
-            x = theirs + f"experts.{e}."
-            out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate, up
-            out[x + "down_proj.weight"] = sd[ours + "w_down"][e]
-        return out
-    if theirs + "experts.gate_up_proj" in sd:
-        out[ours + "w_gate_up"] = sd[theirs + "experts.gate_up_proj"]
-        out[ours + "w_down"] = sd[theirs + "experts.down_proj"]
-        return out
-    experts = [theirs + f"experts.{e}." for e in range(cfg.n_experts)]
-    out[ours + "w_gate_up"] = torch.stack(
-        [torch.cat([sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"]]) for x in experts]
-    )
-    out[ours + "w_down"] = torch.stack([sd[x + "down_proj.weight"] for x in experts])
-    return out
-
-
-def deepseek_to_hf_state(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
-    """Our state_dict -> DeepseekV3's names, RoPE rows interleaved."""
-    return _convert(sd, cfg, to_hf=True)
-
-
-def deepseek_from_hf_state(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
-    """DeepseekV3's state_dict (RoPE rows interleaved) -> ours. KeyError on a missing name."""
-    return _convert(sd, cfg, to_hf=False)
