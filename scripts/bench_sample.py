@@ -1,7 +1,7 @@
 """Decode speed of minillm's `generate` against Hugging Face `generate` on the same weights.
 
 Batch 1, a 16-token prompt, 256 new tokens, greedy, end-of-text ignored (both run all 256
-steps). Both models hold the same random weights (minillm/model/hf_names.py's mapping); the two
+steps). Both models hold the same random weights (minillm/families/llama.py's mapping); the two
 are timed alternately in one process, and the median of --repeats runs of each is reported with
 their ratio. Decode tokens/s counts the generated tokens over the whole call (prefill included:
 16 tokens, small). The table also times the matrix-vector products alone (same weights, same

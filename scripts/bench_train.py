@@ -1,6 +1,6 @@
 """Training-step throughput of minillm's Transformer against Hugging Face's LlamaForCausalLM.
 
-Both models get the same shape and the same weights (minillm/model/hf_names.py's mapping), the
+Both models get the same shape and the same weights (minillm/families/llama.py's mapping), the
 same batch and the same optimizer, and their full training steps (forward with loss, backward,
 clip_grad_norm_, AdamW, zero_grad) are timed alternately in one process: warm-up, then the
 median of --steps steps each. MFU is model FLOPs (model.flops_per_token) over a square-matmul

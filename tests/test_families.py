@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,3 +145,23 @@ def test_an_imported_config_records_its_family() -> None:
         if name == "deepseek_v3":
             hf.pop("rope_scaling", None)
         assert model_config_from_hf(hf).family == name
+
+
+def test_a_checkpoint_saved_without_a_family_resolves_it_on_load_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint from before model.family was stored (make_run saves a config without it)
+    loads with its family resolved, and a resume with the family set is no architecture change."""
+    from minillm.checkpoint.store import load_checkpoint
+    from minillm.config import config_to_dict
+    from minillm.train.resume import resume_differences
+    from tests.helpers import make_run
+
+    run_dir, cfg, _ = make_run(tmp_path, model=dict(qk_norm=True))
+    assert cfg.model.family is None
+    loaded = load_checkpoint(run_dir)
+    assert loaded.config.model.family == "qwen3"
+    refused, _ = resume_differences(config_to_dict(cfg), loaded.config)
+    assert refused == []
+    refused, _ = resume_differences(config_to_dict(loaded.config), cfg)
+    assert refused == ["model.family ('qwen3' -> None)"]
