@@ -165,3 +165,19 @@ def test_a_checkpoint_saved_without_a_family_resolves_it_on_load_and_resumes(
     assert refused == []
     refused, _ = resume_differences(config_to_dict(loaded.config), cfg)
     assert refused == ["model.family ('qwen3' -> None)"]
+
+
+def test_a_run_writes_its_resolved_family_to_config_yaml(tmp_path: Path) -> None:
+    """A run's family is resolved once, when it starts, and travels with it: config.yaml and
+    its checkpoints' config say it (a Config built in Python has none of its own)."""
+    import yaml
+
+    from minillm.checkpoint.store import load_checkpoint
+    from tests.helpers import prepared_config, run_trainer
+
+    cfg = prepared_config(tmp_path, model=dict(attention_bias=True), train=dict(max_steps=1))
+    assert cfg.model.family is None
+    trainer = run_trainer(cfg)
+    written = yaml.safe_load((trainer.run_dir / "config.yaml").read_text(encoding="utf-8"))
+    assert written["model"]["family"] == "qwen2"
+    assert load_checkpoint(trainer.run_dir).config.model.family == "qwen2"
