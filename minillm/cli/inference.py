@@ -10,15 +10,11 @@ import typer
 
 from minillm.cli.command import Command, print_error, run
 from minillm.cli.options import (
-    BestOption,
-    CkptOption,
-    ContextSetOption,
-    DeviceOption,
-    QuantizeOption,
+    CkptChoice,
     TemperatureOption,
     TopKOption,
     TopPOption,
-    load_ckpt,
+    ckpt_options,
 )
 from minillm.cli.root import app
 from minillm.errors import UserError
@@ -45,9 +41,9 @@ EVAL_HELP = (
     help=EVAL_HELP,
     short_help="Loss, perplexity and bits per byte of a checkpoint.",
 )
+@ckpt_options
 def eval_(
-    ckpt: Path = CkptOption,
-    best: bool = BestOption,
+    ckpt: CkptChoice,
     data: Path | None = typer.Option(
         None,
         "--data",
@@ -82,9 +78,6 @@ def eval_(
         help="Windows per forward pass; default: the run's train.batch_size (with --seq-len: "
         "as many windows as hold its tokens).",
     ),
-    overrides: list[str] | None = ContextSetOption,
-    device: str = DeviceOption,
-    quantize: str = QuantizeOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     task: list[Path] | None = typer.Option(
         None,
@@ -143,7 +136,7 @@ def eval_(
         print_error(f"--seq-len: must be >= 1, got {seq_len}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides, seq_len)
+    loaded = ckpt.load(seq_len)
     result = {}
     if data is not None or not tasks:
         result = run(
@@ -190,9 +183,9 @@ def _write_details(path: Path, text: str) -> None:
 
 
 @app.command(cls=Command, short_help="Generate text from a checkpoint, streamed as it comes.")
+@ckpt_options
 def sample(
-    ckpt: Path = CkptOption,
-    best: bool = BestOption,
+    ckpt: CkptChoice,
     prompt: list[str] | None = typer.Option(
         None,
         "--prompt",
@@ -226,9 +219,6 @@ def sample(
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."
     ),
-    device: str = DeviceOption,
-    quantize: str = QuantizeOption,
-    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
 
@@ -239,16 +229,16 @@ def sample(
 
     texts = run(read_prompts, prompt, prompt_file)
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = ckpt.load()
     run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
 
 
 @app.command(
     cls=Command, short_help="Talk to a chat model: one --message, a conversation or a pipe."
 )
+@ckpt_options
 def chat(
-    ckpt: Path = CkptOption,
-    best: bool = BestOption,
+    ckpt: CkptChoice,
     system: str | None = typer.Option(
         None, "--system", metavar="TEXT", help="A system message to start with."
     ),
@@ -268,9 +258,6 @@ def chat(
     top_k: int | None = TopKOption,
     top_p: float | None = TopPOption,
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
-    device: str = DeviceOption,
-    quantize: str = QuantizeOption,
-    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
     (or <|endoftext|>; a published model's: its eos and end of turn), in the model's template.
@@ -282,5 +269,5 @@ def chat(
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = ckpt.load()
     run(chat_checkpoint, loaded, params, system, message)

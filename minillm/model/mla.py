@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import ModelConfig
+from minillm.model.attention import SelfAttention
 from minillm.model.inputs import AttentionMask
 from minillm.model.kv_cache import CacheWrite
 from minillm.model.norm import RMSNorm
@@ -40,7 +41,7 @@ from minillm.model.rope import Rope
 LATENT_NORM_EPS = 1e-6
 
 
-class MLA(nn.Module):
+class MLA(SelfAttention):
     """Causal multi-head latent attention through SDPA (the module docstring derives it)."""
 
     # train.lora.targets: the layers each target names in this module (minillm.model.lora):
@@ -66,14 +67,10 @@ class MLA(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: Rope,
-        mask: AttentionMask,
-        cache: CacheWrite | None = None,
-        layer: int = 0,
+    def attend(
+        self, x: torch.Tensor, rope: Rope, mask: AttentionMask, cache: CacheWrite | None, layer: int
     ) -> torch.Tensor:
+        """Latent attention, decompressed or (with a cache) absorbed: (B, H, T, V)."""
         B, T, _ = x.shape
         H, N, P, V, R = self.dims
         if self.wq is not None:
@@ -86,14 +83,8 @@ class MLA(nn.Module):
         pe = rope(torch.cat((q_pe, k_pe[:, :, None]), dim=2))  # (B, T, H + 1, P): one pass
         q_pe, k_pe = pe.split((H, 1), dim=2)
         if cache is None:
-            y = self._decompressed(q_nope, q_pe, c, k_pe, mask)
-        else:
-            y = self._absorbed(q_nope, q_pe, c, k_pe, mask, cache, layer)
-        if mask.empty_rows is not None:
-            # A query that may see no key at all (a left pad) outputs zeros, not an average.
-            y = y.masked_fill(mask.empty_rows, 0.0)
-        y = y.transpose(1, 2).reshape(B, T, H * V)
-        return self.resid_drop(self.wo(y))
+            return self._decompressed(q_nope, q_pe, c, k_pe, mask)
+        return self._absorbed(q_nope, q_pe, c, k_pe, mask, cache, layer)
 
     def _decompressed(
         self,
