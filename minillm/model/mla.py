@@ -37,9 +37,6 @@ from minillm.model.kv_cache import CacheWrite
 from minillm.model.norm import RMSNorm
 from minillm.model.rope import Rope
 
-# transformers builds q_a_layernorm and kv_a_layernorm without rms_norm_eps: its default, 1e-6.
-LATENT_NORM_EPS = 1e-6
-
 
 class MLA(SelfAttention):
     """Causal multi-head latent attention through SDPA (the module docstring derives it)."""
@@ -57,10 +54,12 @@ class MLA(SelfAttention):
         self.wq = nn.Linear(C, H * (N + P), bias=False) if cfg.q_lora_rank is None else None
         Q = cfg.q_lora_rank or 0
         self.wq_a = nn.Linear(C, Q, bias=False) if Q else None
-        self.q_norm = RMSNorm(Q, LATENT_NORM_EPS) if Q else None
+        # The latent norms at model.norm_eps, as llama.cpp, vLLM and SGLang apply rms_norm_eps
+        # to them (transformers builds them at its default 1e-6: every published DeepSeek's).
+        self.q_norm = RMSNorm(Q, cfg.norm_eps) if Q else None
         self.wq_b = nn.Linear(Q, H * (N + P), bias=False) if Q else None
         self.wkv_a = nn.Linear(C, R + P, bias=False)  # [latent, shared RoPE key]
-        self.kv_norm = RMSNorm(R, LATENT_NORM_EPS)
+        self.kv_norm = RMSNorm(R, cfg.norm_eps)
         self.wkv_b = nn.Linear(R, H * (N + V), bias=False)  # per head [W_uk; W_uv]
         self.wo = nn.Linear(H * V, C, bias=False)
         self.scale = cfg.mla_softmax_scale
