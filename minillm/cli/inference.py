@@ -105,6 +105,13 @@ def eval_(
     seed: int = typer.Option(
         0, "--seed", metavar="S", help="Seed of the sampled replies (--temperature)."
     ),
+    max_new_tokens: int | None = typer.Option(
+        None,
+        "--max-new-tokens",
+        metavar="N",
+        help="Exact-match tasks: the longest reply in tokens; a model that rambles stops "
+        "sooner (default: the run's sample.max_new_tokens, 200 unless its config sets it).",
+    ),
     show: int = typer.Option(
         0,
         "--show",
@@ -125,6 +132,9 @@ def eval_(
 
     if (show or details is not None) and not task:
         print_error(f"{'--show' if show else '--details'}: only with --task FILE")
+        raise typer.Exit(2)
+    if max_new_tokens is not None and not task:
+        print_error("--max-new-tokens: only with --task FILE (the replies of exact-match tasks)")
         raise typer.Exit(2)
     if show < 0:
         print_error(f"--show: must be >= 0, got {show}")
@@ -161,6 +171,7 @@ def eval_(
             temperature=temperature,
             samples=samples,
             seed=seed,
+            max_new_tokens=max_new_tokens,
         )
     records = [r for t in result.get("tasks", {}).values() for r in t.get("details", [])]
     if details is not None:
