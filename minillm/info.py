@@ -211,8 +211,9 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
         table.add_row("active parameters per token", f"{active:,} ({_human(active)})")
         table.add_row("active experts per token", f"{k} of {E} experts")
     if info["lora_rank"]:
-        table.add_row(f"LoRA rank {info['lora_rank']}: trainable", f"{info['params_trainable']:,}")
-        table.add_row("frozen (the base)", f"{info['params_frozen']:,}")
+        lora = f"LoRA rank {info['lora_rank']}"
+        table.add_row(f"{lora}: adapters", f"{info['params_trainable']:,} trainable")
+        table.add_row(f"{lora}: the base", f"{info['params_frozen']:,} frozen")
     for row in _shape_rows(info):
         table.add_row(*row)
     flops = "FLOPs per token (train" + (", active)" if info["n_experts"] else ")")
