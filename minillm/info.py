@@ -17,6 +17,7 @@ from minillm.model.lora import add_lora, trainable_frozen
 from minillm.model.param_groups import split_summary
 
 GiB = 1024**3
+MLA_WIDTHS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank")
 
 
 def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
@@ -28,11 +29,13 @@ def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
     residual stream) is kept, and one block's activations live at a time during the recompute.
     A mixture of experts keeps 4 F for each of the k experts a token goes through and its k
     gathered inputs and weighted outputs (3 k C), and 4 S for a shared expert of width S (its
-    dense blocks, model.moe_dense_layers, counted as MoE blocks). An estimate, good to about 20%.
+    dense blocks, model.moe_dense_layers, counted as MoE blocks). Latent attention (`_mla_values`)
+    has its own widths in place of 3 K D. An estimate, good to about 20%.
     """
     m, t = cfg.model, cfg.train
     act = 2 if half else 4
-    per_token_layer = 10 * m.d_model + 3 * m.n_kv_head * m.head_dim + 4 * m.ffn_hidden
+    attention = _mla_values(m) if m.attention == "mla" else 3 * m.n_kv_head * m.head_dim
+    per_token_layer = 10 * m.d_model + attention + 4 * m.ffn_hidden
     if m.n_experts:
         k = m.n_experts_per_token
         per_token_layer += 4 * (k * m.moe_ffn_hidden - m.ffn_hidden) + 3 * k * m.d_model
@@ -41,6 +44,16 @@ def activation_bytes(cfg: Config, half: bool, checkpointing: bool) -> int:
         m.n_layer * per_token_layer * act
     )  # fmt: skip
     return t.seq_len * (blocks + 2 * m.vocab_size * 4)
+
+
+def _mla_values(m: Any) -> int:
+    """What latent attention keeps per token and layer beyond 10 C: its q and k, H (N + P) each,
+    the k/v up-projected from the latent, H (N + V), the attention output H V, the latent before
+    and after its norm and as wkv_b's input (3 R), the RoPE key and its rotation (2 P), and a
+    query bottleneck's latent and its norm (2 Q). Not head_dim, which is P alone under MLA."""
+    H, N, P, V = m.n_head, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    R, Q = m.kv_lora_rank, m.q_lora_rank or 0
+    return 2 * H * (N + P) + H * (N + V) + H * V + 3 * R + 2 * P + 2 * Q
 
 
 def static_bytes(
@@ -112,6 +125,9 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "n_head": m.n_head,
         "n_kv_head": m.n_kv_head,
         "head_dim": m.head_dim,
+        # model.attention mla: head_dim is the RoPE width alone; the heads' widths are these
+        "attention": m.attention,
+        **{k: getattr(m, k) for k in MLA_WIDTHS},
         "ffn_hidden": m.ffn_hidden,
         "vocab_size": m.vocab_size,
         "seq_len": t.seq_len,
@@ -125,11 +141,11 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
 
 
 def _router_text(m: Any) -> str:
-    """The sigmoid router's options for the shape line ("" for the softmax router)."""
+    """The sigmoid router's options for its row ("" for the softmax router)."""
     if m.moe_router != "sigmoid":
         return ""
     groups = f", {m.moe_topk_group} of {m.moe_n_group} groups" if m.moe_n_group > 1 else ""
-    return f"(sigmoid router{groups}, weights x {m.moe_routed_scale:g})"
+    return f"sigmoid{groups}, weights x {m.moe_routed_scale:g}"
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -139,69 +155,92 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:g}{unit}"
 
 
+def _blocks(numbers: list[int]) -> str:
+    """Block numbers as ranges ("0-2, 5"); past 24 characters, how many and the first."""
+    runs: list[list[int]] = []
+    for i in sorted(numbers):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+    return text if len(text) <= 24 else f"{len(numbers)}, from {min(numbers)}"
+
+
+def _shape_rows(info: dict[str, Any]) -> list[tuple[str, str]]:
+    """The model's shape, a row per part: each value short enough for one line at 80 columns."""
+    rows = [("layers", f"{info['n_layer']} (d_model {info['d_model']})")]
+    if info.get("attention") == "mla":
+        H, N, P, V = (info[k] for k in ("n_head", *MLA_WIDTHS[:3]))
+        rows.append(("attention", f"MLA, {H} heads, q/k {N + P} ({P} RoPE), v {V}"))
+        q = f", q {info['q_lora_rank']}" if info["q_lora_rank"] else ""
+        rows.append(("MLA latents", f"kv {info['kv_lora_rank']}{q}"))
+    else:
+        heads = f"{info['n_head']} heads ({info['n_kv_head']} kv)"
+        rows.append(("attention", f"{heads}, head dim {info['head_dim']}"))
+    if not info["n_experts"]:
+        rows.append(("ffn", f"{info['ffn_hidden']}"))
+    else:
+        E, k = info["n_experts"], info["n_experts_per_token"]
+        rows.append(("ffn", f"{E} experts of ffn {info['moe_ffn_hidden']}, top-{k}"))
+        if info.get("moe_router"):
+            rows.append(("router", info["moe_router"]))
+        if info["moe_shared_ffn_hidden"]:
+            rows.append(("shared expert", f"ffn {info['moe_shared_ffn_hidden']}"))
+        if info["moe_dense_layers"]:
+            dense = _blocks(info["moe_dense_layers"])
+            rows.append(("dense blocks", f"{dense}, ffn {info['ffn_hidden']}"))
+    rows.append(("vocab", f"{info['vocab_size']}"))
+    return rows
+
+
 def print_info(info: dict[str, Any], title: str = "model") -> None:
+    """`minillm info`'s table: every value one line at 80 columns; the optimizers' rules, prose,
+    as lines below it."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title, show_header=False)
+    table = Table(show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("parameters", f"{info['params']:,} ({_human(info['params'])})")
-    table.add_row("parameters without embeddings", f"{info['params_non_embedding']:,}")
+    table.add_row("without embeddings", f"{info['params_non_embedding']:,}")
     if info["n_experts"]:
-        table.add_row(
-            "active parameters per token",
-            f"{info['params_active']:,} ({_human(info['params_active'])}: "
-            f"{info['n_experts_per_token']} of {info['n_experts']} experts)",
-        )
+        active = info["params_active"]
+        k, E = info["n_experts_per_token"], info["n_experts"]
+        table.add_row("active parameters per token", f"{active:,} ({_human(active)})")
+        table.add_row("active experts per token", f"{k} of {E} experts")
     if info["lora_rank"]:
-        table.add_row(
-            f"LoRA rank {info['lora_rank']}",
-            f"{info['params_trainable']:,} trainable (the adapters), "
-            f"{info['params_frozen']:,} frozen",
-        )
-    shape = (
-        f"d_model {info['d_model']}, {info['n_layer']} layers, {info['n_head']} heads "
-        f"({info['n_kv_head']} kv), head dim {info['head_dim']}, ffn {info['ffn_hidden']}, "
-        f"vocab {info['vocab_size']}"
-    )
-    if info["n_experts"]:
-        shape = shape.replace(
-            f"ffn {info['ffn_hidden']}",
-            f"{info['n_experts']} experts of ffn {info['moe_ffn_hidden']}, "
-            f"top-{info['n_experts_per_token']}"
-            + (f" {r}" if (r := info.get("moe_router")) else "")
-            + (f", a shared expert of ffn {s}" if (s := info["moe_shared_ffn_hidden"]) else "")
-            + (
-                f", dense blocks {d} of ffn {info['ffn_hidden']}"
-                if (d := info["moe_dense_layers"])
-                else ""
-            ),
-        )
-    table.add_row("shape", shape)
-    flops = "FLOPs per token (train" + (", active parameters)" if info["n_experts"] else ")")
+        lora = f"LoRA rank {info['lora_rank']}"
+        table.add_row(f"{lora}: adapters", f"{info['params_trainable']:,} trainable")
+        table.add_row(f"{lora}: the base", f"{info['params_frozen']:,} frozen")
+    for row in _shape_rows(info):
+        table.add_row(*row)
+    flops = "FLOPs per token (train" + (", active)" if info["n_experts"] else ")")
     table.add_row(flops, _human(info["flops_per_token"]))
+    table.add_row("tokens per step", f"{info['tokens_per_step']:,}")
     table.add_row(
-        "tokens per step",
-        f"{info['tokens_per_step']:,} (batch x accum x world = {info['global_batch']} seqs "
-        f"of {info['seq_len']})",
+        "sequences per step", f"{info['global_batch']} of {info['seq_len']} (batch x accum x world)"
     )
     table.add_row("FLOPs per step", _human(info["flops_per_step"]))
     if info["batch_size"] == "auto":
-        table.add_row("micro-batch", "auto: found at the start of training; memory for 1 seq")
+        table.add_row("micro-batch", "auto: found when training starts")
     for o in info["optimizers"]:
         table.add_row(
-            f"optimizer: {o['optimizer']}",
-            f"{_human(o['params'])} params in {o['tensors']} tensors: {o['what']} "
-            f"(lr {o['lr']:g}, weight decay {o['weight_decay']:g})",
+            f"optimizer: {o['optimizer']}", f"{_human(o['params'])} params, {o['tensors']} tensors"
         )
+        table.add_row("lr, weight decay", f"{o['lr']:g}, {o['weight_decay']:g}")
     for name, value in info["memory_bytes"].items():
         if name == "activations":
             name += " (checkpointed)" if info["activation_checkpointing"] else ""
+            name += " (1 seq)" if info["batch_size"] == "auto" else ""
         table.add_row(f"memory: {name.replace('_', ' ')}", f"{value / GiB:.2f} GiB")
     act = info["activation_bytes"]
     table.add_row(
-        "activations without / with checkpointing",
-        f"{act['full'] / GiB:.2f} / {act['checkpointed'] / GiB:.2f} GiB",
+        "activations: full / ckpt", f"{act['full'] / GiB:.2f} / {act['checkpointed'] / GiB:.2f} GiB"
     )
-    Console(markup=False).print(table)  # the title is the config's path: text, not markup
+    console = Console(markup=False)  # the title is the config's path: text, not markup
+    console.print(title)  # a line of its own: a long path is not wrapped to the table's width
+    console.print(table)
+    for o in info["optimizers"]:
+        console.print(f"{o['optimizer']} trains {o['what']}")

@@ -92,3 +92,39 @@ def test_exact_match_on_a_model_trained_on_text_warns_once(tmp_path: Path) -> No
     assert result.exit_code == 0, result.output
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "trained on text, not chat" in warnings[0], result.stderr
+
+
+def test_eval_task_max_new_tokens_cuts_the_replies(run: Path, tmp_path: Path) -> None:
+    em = exact_match_task(tmp_path / "em.jsonl")
+    replies = {}
+    for limit in ([], ["--max-new-tokens", "2"]):
+        out = tmp_path / f"details{len(limit)}.jsonl"
+        args = ["eval", "--ckpt", str(run), "--task", str(em), "--details", str(out), *limit]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        replies[len(limit)] = [json.loads(line)["output"] for line in out.read_text().splitlines()]
+    # Greedy: 2 tokens are the start of the longer reply (sample.max_new_tokens), and shorter.
+    assert all(long.startswith(short) for short, long in zip(replies[2], replies[0]))
+    assert sum(map(len, replies[2])) < sum(map(len, replies[0]))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-new-tokens", "0", "--task", "t.jsonl"], "--max-new-tokens: must be >= 1, got 0"),
+        (["--max-new-tokens", "5"], "--max-new-tokens: only with --task FILE"),
+    ],
+)
+def test_eval_max_new_tokens_refusals(
+    run: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    exact_match_task(tmp_path / "t.jsonl")
+    args = [str(tmp_path / a) if a == "t.jsonl" else a for a in args]
+    line = error_line(runner.invoke(app, ["eval", "--ckpt", str(run), *args]))
+    assert line.startswith(f"error: {message}")
+
+
+def test_eval_help_says_the_max_new_tokens_default() -> None:
+    text = " ".join(runner.invoke(app, ["eval", "--help"]).output.split())  # unwrapped
+    assert "--max-new-tokens N Exact-match tasks" in text
+    assert "(default: the run's sample.max_new_tokens, 200 unless its config sets it)" in text

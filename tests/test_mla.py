@@ -377,3 +377,19 @@ def test_left_padding_and_packed_documents_are_each_row_alone() -> None:
         torch.testing.assert_close(both[1, 3:], model(b)[0][0], atol=1e-5, rtol=0)
         packed = model(torch.cat((a, b), dim=1), doc_ids=torch.tensor([[0] * 7 + [1] * 4]))[0]
         torch.testing.assert_close(packed[0, 7:], model(b)[0][0], atol=1e-5, rtol=0)
+
+
+def test_latent_norms_use_the_configs_norm_eps() -> None:
+    """Issue 59, defect 4: the query and key/value latents are normalised with model.norm_eps,
+    as llama.cpp (and vLLM) normalise them, not a fixed 1e-6 (tests/test_gguf_deepseek.py: a
+    run's file then computes our logits)."""
+    eps = 0.25  # about the latents' mean square below: a wrong eps shows
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layer=1, n_head=4, attention="mla",
+                      q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      norm_eps=eps)  # fmt: skip
+    attn = MLA_MODULE(cfg)
+    torch.manual_seed(0)
+    for norm, width in ((attn.q_norm, 16), (attn.kv_norm, 12)):
+        x = torch.randn(5, width, dtype=torch.float64) * 0.5
+        want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=0)

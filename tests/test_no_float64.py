@@ -65,7 +65,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("objective", ["lm", "dpo", "grpo"])
+# grpo-kl: train.grpo.kl > 0 logs the KL term's mean, totals[1] over the reply tokens (issue 59,
+# defect 5: a float32 device sum over a float64 count is float64 on MPS, which raises there).
+@pytest.mark.parametrize("objective", ["lm", "dpo", "grpo", "grpo-kl"])
 def test_a_training_step_and_its_evaluation_make_no_float64(
     objective: str, base: Path, tmp_path: Path, no_float64: None
 ) -> None:
@@ -74,7 +76,10 @@ def test_a_training_step_and_its_evaluation_make_no_float64(
     elif objective == "dpo":
         cfg = load_run_config(dpo_yaml(base, tmp_path / "run", max_steps=1), [])
     else:
-        cfg = load_run_config(grpo_yaml(base, tmp_path / "run", max_steps=1), [])
+        kl = (
+            {"grpo": {"group_size": 4, "max_new_tokens": 6, "kl": 0.1}} if "kl" in objective else {}
+        )
+        cfg = load_run_config(grpo_yaml(base, tmp_path / "run", max_steps=1, **kl), [])
     trainer = make_trainer(cfg, verbose=False)
     try:
         with NoUpcastToFloat64():
@@ -82,5 +87,8 @@ def test_a_training_step_and_its_evaluation_make_no_float64(
             scores = trainer.evaluate()
         assert result.finite and torch.isfinite(result.loss)
         assert all(v == v for v in scores.values())  # no NaN
+        if objective == "grpo-kl":
+            kl = trainer.objective.scalars()["grpo/kl"]
+            assert type(kl) is float and kl == kl
     finally:
         trainer.close()

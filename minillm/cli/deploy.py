@@ -8,23 +8,16 @@ from pathlib import Path
 import typer
 
 from minillm.cli.command import Command, print_error, run
-from minillm.cli.options import (
-    BestOption,
-    CkptOption,
-    ContextSetOption,
-    DeviceOption,
-    QuantizeOption,
-    load_ckpt,
-)
+from minillm.cli.options import BestOption, CkptChoice, CkptOption, ckpt_options, load_ckpt
 from minillm.cli.root import app
 
 
 @app.command(
     cls=Command, short_help="An OpenAI-compatible HTTP server with a chat page (several users)."
 )
+@ckpt_options
 def serve(
-    ckpt: Path = CkptOption,
-    best: bool = BestOption,
+    ckpt: CkptChoice,
     host: str = typer.Option(
         "127.0.0.1", "--host", metavar="HOST", help="Address to listen on (0.0.0.0: every one)."
     ),
@@ -43,9 +36,6 @@ def serve(
     max_queue: int = typer.Option(
         64, "--max-queue", metavar="N", help="Most rows waiting for a slot; past it: 429."
     ),
-    device: str = DeviceOption,
-    quantize: str = QuantizeOption,
-    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Serve a checkpoint over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models)
     with continuous batching, and a chat page at /. The model's name is the run's name.
@@ -58,7 +48,7 @@ def serve(
         raise typer.Exit(2) from None
 
     sock = run(bind, host, port)  # a busy port is one line now, not after the model loads
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = ckpt.load()
     name = loaded.path.parent.parent.name if loaded.path.parent.name == "checkpoints" else None
     run(
         run_server,

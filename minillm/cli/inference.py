@@ -10,15 +10,11 @@ import typer
 
 from minillm.cli.command import Command, print_error, run
 from minillm.cli.options import (
-    BestOption,
-    CkptOption,
-    ContextSetOption,
-    DeviceOption,
-    QuantizeOption,
+    CkptChoice,
     TemperatureOption,
     TopKOption,
     TopPOption,
-    load_ckpt,
+    ckpt_options,
 )
 from minillm.cli.root import app
 from minillm.errors import UserError
@@ -45,9 +41,9 @@ EVAL_HELP = (
     help=EVAL_HELP,
     short_help="Loss, perplexity and bits per byte of a checkpoint.",
 )
+@ckpt_options
 def eval_(
-    ckpt: Path = CkptOption,
-    best: bool = BestOption,
+    ckpt: CkptChoice,
     data: Path | None = typer.Option(
         None,
         "--data",
@@ -82,9 +78,6 @@ def eval_(
         help="Windows per forward pass; default: the run's train.batch_size (with --seq-len: "
         "as many windows as hold its tokens).",
     ),
-    overrides: list[str] | None = ContextSetOption,
-    device: str = DeviceOption,
-    quantize: str = QuantizeOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     task: list[Path] | None = typer.Option(
         None,
@@ -112,6 +105,13 @@ def eval_(
     seed: int = typer.Option(
         0, "--seed", metavar="S", help="Seed of the sampled replies (--temperature)."
     ),
+    max_new_tokens: int | None = typer.Option(
+        None,
+        "--max-new-tokens",
+        metavar="N",
+        help="Exact-match tasks: the longest reply in tokens; a model that rambles stops "
+        "sooner (default: the run's sample.max_new_tokens, 200 unless its config sets it).",
+    ),
     show: int = typer.Option(
         0,
         "--show",
@@ -133,6 +133,9 @@ def eval_(
     if (show or details is not None) and not task:
         print_error(f"{'--show' if show else '--details'}: only with --task FILE")
         raise typer.Exit(2)
+    if max_new_tokens is not None and not task:
+        print_error("--max-new-tokens: only with --task FILE (the replies of exact-match tasks)")
+        raise typer.Exit(2)
     if show < 0:
         print_error(f"--show: must be >= 0, got {show}")
         raise typer.Exit(2)
@@ -143,7 +146,7 @@ def eval_(
         print_error(f"--seq-len: must be >= 1, got {seq_len}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides, seq_len)
+    loaded = ckpt.load(seq_len)
     result = {}
     if data is not None or not tasks:
         result = run(
@@ -168,6 +171,7 @@ def eval_(
             temperature=temperature,
             samples=samples,
             seed=seed,
+            max_new_tokens=max_new_tokens,
         )
     records = [r for t in result.get("tasks", {}).values() for r in t.get("details", [])]
     if details is not None:
@@ -190,9 +194,9 @@ def _write_details(path: Path, text: str) -> None:
 
 
 @app.command(cls=Command, short_help="Generate text from a checkpoint, streamed as it comes.")
+@ckpt_options
 def sample(
-    ckpt: Path = CkptOption,
-    best: bool = BestOption,
+    ckpt: CkptChoice,
     prompt: list[str] | None = typer.Option(
         None,
         "--prompt",
@@ -226,9 +230,6 @@ def sample(
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."
     ),
-    device: str = DeviceOption,
-    quantize: str = QuantizeOption,
-    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
 
@@ -239,16 +240,16 @@ def sample(
 
     texts = run(read_prompts, prompt, prompt_file)
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = ckpt.load()
     run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
 
 
 @app.command(
     cls=Command, short_help="Talk to a chat model: one --message, a conversation or a pipe."
 )
+@ckpt_options
 def chat(
-    ckpt: Path = CkptOption,
-    best: bool = BestOption,
+    ckpt: CkptChoice,
     system: str | None = typer.Option(
         None, "--system", metavar="TEXT", help="A system message to start with."
     ),
@@ -268,9 +269,6 @@ def chat(
     top_k: int | None = TopKOption,
     top_p: float | None = TopPOption,
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
-    device: str = DeviceOption,
-    quantize: str = QuantizeOption,
-    overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
     (or <|endoftext|>; a published model's: its eos and end of turn), in the model's template.
@@ -282,5 +280,5 @@ def chat(
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = ckpt.load()
     run(chat_checkpoint, loaded, params, system, message)

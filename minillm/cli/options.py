@@ -3,13 +3,18 @@
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
 `load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption` and
 `ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in fp32 or int8, at its
-own context or another, read by `load_ckpt`; its config alone, by `load_ckpt_config`);
-`TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
+own context or another, read by `load_ckpt`; its config alone, by `load_ckpt_config`), given
+together to a command by `ckpt_options` as one `CkptChoice`; `TemperatureOption`, `TopKOption`
+and `TopPOption` (`sample` and `chat`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +75,54 @@ QuantizeOption = typer.Option(
     "kernel; the demo model's logits move by 0.4%; fp32 with a warning where the kernel is "
     "missing); none: fp32. The checkpoint is unchanged.",
 )
+
+
+@dataclass
+class CkptChoice:
+    """The checkpoint --ckpt (with --best) names, and how --device, --quantize and --set
+    (`context`) ask to load it (`load`)."""
+
+    path: Path
+    best: bool
+    device: str
+    quantize: str
+    context: list[str] | None
+
+    def load(self, seq_len: int | None = None) -> Any:
+        """The checkpoint, loaded as the options say (`load_ckpt`; eval's --seq-len too)."""
+        return load_ckpt(self.path, self.device, self.best, self.quantize, self.context, seq_len)
+
+
+def ckpt_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with the options of a command that loads a checkpoint to run it (eval, sample,
+    chat, serve), declared once here: --ckpt and --best before its own options, --device,
+    --quantize and --set after them; it takes them as one parameter `ckpt: CkptChoice`."""
+    own = inspect.signature(command, eval_str=True).parameters.values()
+
+    def option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+        return inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+        )
+
+    params = [
+        option("ckpt", Path, CkptOption),
+        option("best", bool, BestOption),
+        *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p.name != "ckpt"),
+        option("device", str, DeviceOption),
+        option("quantize", str, QuantizeOption),
+        option("overrides", list[str] | None, ContextSetOption),
+    ]
+
+    @functools.wraps(command)
+    def with_ckpt(
+        *, ckpt: Path, best: bool, device: str, quantize: str, overrides: list[str] | None, **rest
+    ) -> None:
+        command(ckpt=CkptChoice(ckpt, best, device, quantize, overrides), **rest)
+
+    # typer reads a command's options from its signature and type hints: these, not `command`'s
+    with_ckpt.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    with_ckpt.__annotations__ = {p.name: p.annotation for p in params}
+    return with_ckpt
 
 
 # Sampling options shared by `sample` and `chat` (defaults: the run's sample section).

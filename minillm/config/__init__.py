@@ -1,7 +1,8 @@
 """Typed configuration: one YAML file, four sections (model, data, train, sample).
 
 `from minillm.config import load_config, ModelConfig` is the stable entry (docs/design.md,
-"Python API"). Modules: `schema` (the typed sections and their checks; the train section in
+"Python API"). Modules: `schema` (the typed sections and their checks; the model's MoE keys
+in `moe`, its MLA keys in `mla`, `model.rope_scaling` in `rope_scaling`, the train section in
 `train_schema`, what they share in `section`), `loading` (YAML, `--set` overrides, type
 conversion, suggestions). A leaf of the layers: it imports only minillm.errors.
 """
@@ -17,14 +18,13 @@ from minillm.config.loading import (
     override_keys,
     read_raw_config,
 )
+from minillm.config.rope_scaling import ROPE_SCALING_TYPES, RopeScalingConfig
 from minillm.config.schema import (
     POSITION_KEYS,
-    ROPE_SCALING_TYPES,
     SECTIONS,
     Config,
     DataConfig,
     ModelConfig,
-    RopeScalingConfig,
     SampleConfig,
 )
 from minillm.config.section import DEVICE_PATTERN

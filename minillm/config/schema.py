@@ -1,8 +1,10 @@
 """The config schema: four typed sections (model, data, train, sample) and their checks.
 
-Offers `ModelConfig`, `DataConfig`, `SampleConfig`, `Config` and `SECTIONS`; the train section
-(`TrainConfig` and its nested `lora`, `dpo` and `grpo` keys) is `minillm.config.train_schema`,
-what every section shares `minillm.config.section`. Each field's `help` metadata is its
+Offers `ModelConfig`, `DataConfig`, `SampleConfig`, `Config` and `SECTIONS`. The model keys of a
+mixture of experts are `minillm.config.moe`, those of latent attention `minillm.config.mla`, the
+nested `model.rope_scaling` section `minillm.config.rope_scaling`; the train section (`TrainConfig`
+and its nested `lora`, `dpo` and `grpo` keys) is `minillm.config.train_schema`, what every section
+shares `minillm.config.section`. Each field's `help` metadata is its
 documentation (`scripts/gen_config_docs.py` turns it into docs/config.md); `__post_init__`
 checks name the key at fault.
 """
@@ -15,116 +17,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from minillm.config.mla import MLAKeys
+from minillm.config.moe import MoEKeys
+from minillm.config.rope_scaling import RopeScalingConfig
 from minillm.config.section import Section, setting
 from minillm.config.train_schema import TrainConfig
 from minillm.errors import ConfigError
 
-# model.rope_scaling.type: how RoPE is stretched past the length a model was trained at
-# (minillm.model.rope computes each as transformers' ROPE_INIT_FUNCTIONS does).
-ROPE_SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3", "longrope")
 # The model keys no weight depends on: how positions are read. Extending a trained model's context
 # changes them alone, so `train.init_from` takes a config's own values of these over the source's
 # and `minillm eval --set` may change them on a checkpoint (docs/design.md, "Config").
 POSITION_KEYS = ("max_seq_len", "rope_scaling")
 
 
+# ModelConfig's keys are its bases' fields. A dataclass puts a base's fields before its own, the
+# bases' in reverse order (the MRO reversed), so the bases below are listed last key first: this
+# keeps the keys' order (docs/config.md, a run's config.yaml) as the YAML reference has it.
 @dataclass
-class RopeScalingConfig(Section):
-    """RoPE scaling: frequencies stretched so that a model reads past its trained length."""
-
-    _section: typing.ClassVar[str] = "model.rope_scaling"
-
-    type: Literal["none", "linear", "dynamic", "yarn", "llama3", "longrope"] = setting(
-        "none",
-        help="none = plain RoPE; linear = position interpolation (every frequency / factor); "
-        "dynamic = NTK-aware base that grows with the sequence length past "
-        "original_max_position_embeddings; yarn = YaRN (NTK-by-parts and an attention factor); "
-        "llama3 = Llama 3.1's per-band frequency scaling; longrope = Phi-3's LongRoPE (each "
-        "frequency divided by its short_factor, or its long_factor for a sequence longer than "
-        "original_max_position_embeddings). As transformers' rope_type.",
-    )
-    factor: float = setting(1.0, help="Context extension factor (new length / original).")
-    original_max_position_embeddings: int | None = setting(
-        None,
-        help="The context the model was trained at: where yarn's and llama3's bands are "
-        "measured, past which dynamic starts to scale and longrope takes its long_factor. "
-        "Needed by dynamic, yarn, llama3 and longrope.",
-    )
-    attention_factor: float | None = setting(
-        None,
-        help="yarn and longrope: scale of cos and sin (so of the attention logits, squared). "
-        "null = 0.1 ln(factor) + 1 for yarn, as the YaRN paper and transformers; "
-        "sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) for longrope, as "
-        "LongRoPE and transformers (1 where factor is 1).",
-    )
-    beta_fast: float = setting(32.0, help="yarn: rotations where the frequencies stay unscaled.")
-    beta_slow: float = setting(1.0, help="yarn: rotations where they are fully interpolated.")
-    truncate: bool = setting(
-        True, help="yarn: round the correction range to whole dimensions (transformers' default)."
-    )
-    mscale: float | None = setting(
-        None,
-        help="yarn (DeepSeek): with mscale_all_dim and no attention_factor, the attention factor "
-        "is (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim ln(factor) + 1), as transformers.",
-    )
-    mscale_all_dim: float | None = setting(
-        None,
-        help="yarn (DeepSeek): see mscale; with model.attention mla the softmax scale is also "
-        "multiplied by (0.1 mscale_all_dim ln(factor) + 1)^2, as DeepSeek's attention.",
-    )
-    low_freq_factor: float = setting(1.0, help="llama3: wavelengths past original / this scale.")
-    high_freq_factor: float = setting(
-        4.0, help="llama3: wavelengths under original / this stay; between, a smooth blend."
-    )
-    short_factor: list[float] = setting(
-        [],
-        help="longrope: what each of the rotated dimensions' frequencies is divided by while "
-        "the sequence is at most original_max_position_embeddings long (one per frequency: "
-        "head_dim * partial_rotary / 2 of them).",
-    )
-    long_factor: list[float] = setting(
-        [], help="longrope: the same for a sequence longer than original_max_position_embeddings."
-    )
-
-    def __post_init__(self) -> None:
-        if self.type == "none":
-            return
-        if not self.factor >= 1.0:
-            self._fail("factor", f"must be >= 1 with type {self.type}, got {self.factor}")
-        self._positive("original_max_position_embeddings", "attention_factor")
-        self._positive("mscale", "mscale_all_dim")
-        for key in ("mscale", "mscale_all_dim"):
-            if getattr(self, key) is not None and self.type != "yarn":
-                self._fail(key, f"is yarn's: not used with type {self.type}")
-        self._positive("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor")
-        needs_original = self.type in ("dynamic", "yarn", "llama3", "longrope")
-        if needs_original and self.original_max_position_embeddings is None:
-            self._fail(
-                "original_max_position_embeddings",
-                f"type {self.type} needs the length the model was trained at",
-            )
-        if self.type == "longrope":
-            for key in ("short_factor", "long_factor"):
-                factors = getattr(self, key)
-                if not factors or not all(f > 0 for f in factors):
-                    self._fail(
-                        key, f"longrope needs positive factors, one a frequency: {factors!r}"
-                    )
-        for key in ("short_factor", "long_factor"):
-            if getattr(self, key) and self.type != "longrope":
-                self._fail(key, f"is read by type longrope only (type is {self.type})")
-        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            self._fail(
-                "high_freq_factor",
-                f"{self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}",
-            )
-
-
-@dataclass
-class ModelConfig(Section):
-    """The architecture: a LLaMA-style decoder-only Transformer."""
-
-    _section: typing.ClassVar[str] = "model"
+class _KeysBeforeMLA(Section):
+    """The sizes and the attention options (the model keys before model.attention)."""
 
     vocab_size: int = setting(
         help="Rows of the embedding table, at least the tokenizer's vocabulary. "
@@ -189,32 +100,12 @@ class ModelConfig(Section):
         help="Attention logits are scaled by 1/sqrt(this) (Gemma 3's query_pre_attn_scalar); "
         "null = head_dim.",
     )
-    attention: Literal["gqa", "mla"] = setting(
-        "gqa",
-        help="gqa = multi-head attention with n_kv_head key/value heads (grouped-query when "
-        "fewer than n_head); mla = DeepSeek's multi-head latent attention: keys and values "
-        "up-projected from one kv_lora_rank latent per token, the KV cache holding that latent "
-        "and a shared qk_rope_head_dim RoPE key (head_dim is then qk_rope_head_dim).",
-    )
-    q_lora_rank: int | None = setting(
-        None,
-        help="mla: queries through a q_lora_rank bottleneck (down-projection, RMSNorm, "
-        "up-projection), as DeepSeek-V3; null = one plain query projection (V2-Lite).",
-    )
-    kv_lora_rank: int | None = setting(
-        None, help="mla: width of the compressed key/value latent (DeepSeek-V3: 512). Needed."
-    )
-    qk_nope_head_dim: int | None = setting(
-        None, help="mla: per-head query/key width without RoPE (DeepSeek-V3: 128). Needed."
-    )
-    qk_rope_head_dim: int | None = setting(
-        None,
-        help="mla: width of the rotated part of each query head and of the one RoPE key all "
-        "heads share (DeepSeek-V3: 64); even. Needed.",
-    )
-    v_head_dim: int | None = setting(
-        None, help="mla: per-head value width. null = qk_nope_head_dim."
-    )
+
+
+@dataclass
+class _KeysAfterMLA(Section):
+    """RoPE, widths' rounding, norm, tying and dropout (the model keys after the MLA ones)."""
+
     partial_rotary: float = setting(
         1.0,
         help="Share of each head's dimensions RoPE rotates (Phi-4-mini: 0.75); the rest pass "
@@ -234,58 +125,14 @@ class ModelConfig(Section):
     dropout: float = setting(
         0.0, help="Dropout on the embedding output, attention weights and residual branches."
     )
-    n_experts: int = setting(
-        0,
-        help="Experts in each block's FFN (a mixture of experts, as Mixtral): a linear router "
-        "sends each token to n_experts_per_token of these SwiGLUs. 0 = the dense SwiGLU.",
-    )
-    n_experts_per_token: int = setting(
-        2,
-        help="Experts each token goes through (top-k of the router's softmax, their weights "
-        "renormalised to sum to 1); at most n_experts.",
-    )
-    moe_ffn_hidden: int | None = setting(
-        None, help="Each expert's SwiGLU hidden width. null = ffn_hidden (the dense width)."
-    )
-    moe_norm_topk: bool = setting(
-        True,
-        help="Renormalise each token's k router weights to sum to 1 (Mixtral, Qwen3-MoE); false "
-        "keeps their softmax probabilities over all experts (Qwen1.5-MoE, Qwen2-MoE).",
-    )
-    moe_shared_ffn_hidden: int = setting(
-        0,
-        help="Width of a shared expert every token goes through beside its k (Qwen2-MoE): a "
-        "SwiGLU whose output is scaled by sigmoid of a learned linear of the input. 0 = none.",
-    )
-    moe_dense_layers: list[int] = setting(
-        [],
-        help="Blocks (from 0) whose FFN is the dense SwiGLU of ffn_hidden instead of the "
-        "experts (Qwen-MoE's mlp_only_layers and decoder_sparse_step).",
-    )
-    moe_router: Literal["softmax", "sigmoid"] = setting(
-        "softmax",
-        help="How the router scores the experts: softmax over them (Mixtral, Qwen-MoE), or "
-        "sigmoid per expert (DeepSeek-V3): a routing bias, a buffer that train.moe_bias_update "
-        "moves, is added to the scores for the choice only, the k weights are the unbiased "
-        "scores (renormalised with moe_norm_topk, times moe_routed_scale) and the shared "
-        "expert of moe_shared_ffn_hidden has no gate.",
-    )
-    moe_n_group: int = setting(
-        1,
-        help="Sigmoid router: the experts in this many equal groups, each scored by the sum of "
-        "its two best biased scores; a token's k experts come from its moe_topk_group best "
-        "groups (DeepSeek-V3's n_group). 1 = no grouping.",
-    )
-    moe_topk_group: int = setting(
-        1,
-        help="Sigmoid router: the groups (of moe_n_group) a token's experts may come from "
-        "(DeepSeek-V3's topk_group).",
-    )
-    moe_routed_scale: float = setting(
-        1.0,
-        help="Sigmoid router: the k weights are multiplied by this (DeepSeek-V3's "
-        "routed_scaling_factor, 2.5 there).",
-    )
+
+
+@dataclass
+class ModelConfig(MoEKeys, _KeysAfterMLA, MLAKeys, _KeysBeforeMLA):
+    """The architecture: a LLaMA-style decoder-only Transformer."""
+
+    _section: typing.ClassVar[str] = "model"
+
     family: str | None = setting(
         None,
         help="The published family this architecture is (llama, qwen2, qwen3, mistral, mixtral, "
@@ -295,36 +142,7 @@ class ModelConfig(Section):
 
     def __post_init__(self) -> None:
         self._positive("vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "ffn_hidden")
-        self._positive("moe_ffn_hidden", "n_experts_per_token")
-        self._non_negative("n_experts")
-        if self.n_experts == 1:
-            self._fail(
-                "n_experts", "1 expert is the dense FFN behind a router: use 0 (dense) or >= 2"
-            )
-        if self.n_experts and self.n_experts_per_token > self.n_experts:
-            self._fail(
-                "n_experts_per_token",
-                f"{self.n_experts_per_token} is more than n_experts={self.n_experts}",
-            )
-        self._non_negative("moe_shared_ffn_hidden")
-        moe_options = {
-            "moe_norm_topk": not self.moe_norm_topk,
-            "moe_shared_ffn_hidden": self.moe_shared_ffn_hidden,
-            "moe_dense_layers": self.moe_dense_layers,
-        }
-        for key, used in moe_options.items():
-            if used and not self.n_experts:
-                self._fail(key, f"{getattr(self, key)!r} needs a mixture of experts (n_experts)")
-        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.n_layer]
-        if bad or len(set(self.moe_dense_layers)) != len(self.moe_dense_layers):
-            self._fail(
-                "moe_dense_layers",
-                f"{self.moe_dense_layers}: block numbers must be distinct, from 0 to "
-                f"n_layer - 1 = {self.n_layer - 1}",
-            )
-        if self.n_experts and len(self.moe_dense_layers) == self.n_layer:
-            self._fail("moe_dense_layers", "every block dense: that is n_experts 0")
-        self._check_router()
+        self._check_moe()
         self._check_mla()
         self._positive("multiple_of", "max_seq_len", "rope_theta", "norm_eps")
         self._positive("head_dim", "sliding_window", "rope_local_theta", "query_pre_attn_scalar")
@@ -395,81 +213,6 @@ class ModelConfig(Section):
                     f"{len(getattr(s, key))} factors: longrope needs one per rotated pair, "
                     f"head_dim * partial_rotary / 2 = {self.rotary_dim // 2}",
                 )
-
-    def _check_router(self) -> None:
-        """model.moe_router sigmoid and the keys only it reads (DeepSeek-V3's routing)."""
-        if self.moe_router == "sigmoid" and not self.n_experts:
-            self._fail("moe_router", "sigmoid needs a mixture of experts (n_experts)")
-        self._positive("moe_n_group", "moe_topk_group", "moe_routed_scale")
-        sigmoid_only = {
-            "moe_n_group": self.moe_n_group != 1,
-            "moe_topk_group": self.moe_topk_group != 1,
-            "moe_routed_scale": self.moe_routed_scale != 1.0,
-        }
-        for key, used in sigmoid_only.items():
-            if used and self.moe_router != "sigmoid":
-                self._fail(key, f"{getattr(self, key)!r} needs model.moe_router sigmoid")
-        G, E = self.moe_n_group, self.n_experts
-        if G == 1:
-            return
-        if E % G or E // G < 2:
-            self._fail(
-                "moe_n_group",
-                f"{G} groups of n_experts={E}: each group needs the same number of experts, "
-                "at least 2 (a group is scored by its two best)",
-            )
-        if self.moe_topk_group > G:
-            self._fail("moe_topk_group", f"{self.moe_topk_group} is more than moe_n_group={G}")
-        if self.moe_topk_group * (E // G) < self.n_experts_per_token:
-            self._fail(
-                "moe_topk_group",
-                f"{self.moe_topk_group} groups of {E // G} experts hold fewer than "
-                f"n_experts_per_token={self.n_experts_per_token}",
-            )
-
-    def _check_mla(self) -> None:
-        """model.attention mla and the keys only it reads; head_dim resolves to the RoPE width
-        and n_kv_head to n_head, as transformers' DeepseekV3Config."""
-        mla_keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")
-        self._positive(*mla_keys, "v_head_dim")
-        if self.attention != "mla":
-            for key in (*mla_keys, "v_head_dim"):
-                if getattr(self, key) is not None:
-                    self._fail(key, f"{getattr(self, key)!r} needs model.attention mla")
-            return
-        for key in mla_keys[1:]:
-            if getattr(self, key) is None:
-                self._fail(key, "needed by model.attention mla")
-        if self.qk_rope_head_dim % 2:
-            self._fail("qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even for RoPE")
-        if self.head_dim not in (None, self.qk_rope_head_dim):
-            self._fail("head_dim", f"{self.head_dim}: with mla it is qk_rope_head_dim; leave null")
-        if self.n_kv_head not in (None, self.n_head):
-            self._fail("n_kv_head", f"{self.n_kv_head}: mla has no key/value heads; leave null")
-        unused = {
-            "attention_bias": self.attention_bias,
-            "qk_norm": self.qk_norm,
-            "sliding_window": self.sliding_window is not None,
-            "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
-            "partial_rotary": self.partial_rotary != 1.0,  # qk_rope_head_dim is the rotated part
-        }
-        for key, used in unused.items():
-            if used:
-                self._fail(key, f"{getattr(self, key)!r} is not built with model.attention mla")
-        self.head_dim, self.n_kv_head = self.qk_rope_head_dim, self.n_head
-        if self.v_head_dim is None:
-            self.v_head_dim = self.qk_nope_head_dim
-
-    @property
-    def mla_softmax_scale(self) -> float:
-        """mla's logit scale: (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times yarn's
-        mscale(factor, mscale_all_dim)^2 (transformers' yarn_apply_mscale)."""
-        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
-        s = self.rope_scaling
-        if s.type != "none" and s.mscale_all_dim and s.factor > 1:
-            m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
-            scale *= m * m
-        return scale
 
     def local_layer(self, i: int) -> bool:
         """Whether layer i attends within sliding_window (all do unless sliding_window_pattern

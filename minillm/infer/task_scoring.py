@@ -340,14 +340,19 @@ def evaluate_tasks(
     temperature: float = 0.0,
     samples: int = 1,
     seed: int = 0,
+    max_new_tokens: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Score a LoadedCheckpoint on task files: {name: {accuracy, accuracy_norm, examples}} for
     multiple choice, {name: {exact_match, examples}} for exact match. batch_size: choices (or
     prompts) per forward pass, default the run's train.batch_size. details: each result also
     holds `details`, one record per example (`eval --show`, `--details`). temperature,
-    samples, seed: exact-match replies sampled (`--temperature`, `--samples`, `--seed`)."""
+    samples, seed: exact-match replies sampled (`--temperature`, `--samples`, `--seed`).
+    max_new_tokens: the longest exact-match reply (`--max-new-tokens`), default the run's
+    sample.max_new_tokens."""
     if batch_size is not None and batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not math.isfinite(temperature):
         raise UserError(f"--temperature: must be >= 0, got {temperature}")
     if samples < 1:
@@ -357,6 +362,9 @@ def evaluate_tasks(
                         "--temperature T > 0 too")  # fmt: skip
     model, tok, cfg = ckpt.model, ckpt.tokenizer, ckpt.config
     batch_size = batch_size or cfg.train.batch_size
+    limit, limit_name = cfg.sample.max_new_tokens, "sample.max_new_tokens"
+    if max_new_tokens is not None:
+        limit_name = "--max-new-tokens"
     device = next(model.parameters()).device
     if any(t.kind == "exact_match" for t in tasks):
         warn_if_text_model(ckpt)
@@ -371,9 +379,9 @@ def evaluate_tasks(
             )
         else:
             result = score_exact_match(
-                model, ckpt.conventions, task, batch_size, cfg.sample.max_new_tokens,
+                model, ckpt.conventions, task, batch_size, max_new_tokens or limit,
                 extract_number, progress, details=records, temperature=temperature,
-                samples=samples, seed=seed,
+                samples=samples, seed=seed, limit_name=limit_name,
             )  # fmt: skip
         if records is not None:
             result["details"] = [{"task": task.name, **r} for r in records]

@@ -31,16 +31,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import ModelConfig
+from minillm.model.attention import SelfAttention
 from minillm.model.inputs import AttentionMask
 from minillm.model.kv_cache import CacheWrite
 from minillm.model.norm import RMSNorm
 from minillm.model.rope import Rope
 
-# transformers builds q_a_layernorm and kv_a_layernorm without rms_norm_eps: its default, 1e-6.
-LATENT_NORM_EPS = 1e-6
 
-
-class MLA(nn.Module):
+class MLA(SelfAttention):
     """Causal multi-head latent attention through SDPA (the module docstring derives it)."""
 
     # train.lora.targets: the layers each target names in this module (minillm.model.lora):
@@ -56,24 +54,22 @@ class MLA(nn.Module):
         self.wq = nn.Linear(C, H * (N + P), bias=False) if cfg.q_lora_rank is None else None
         Q = cfg.q_lora_rank or 0
         self.wq_a = nn.Linear(C, Q, bias=False) if Q else None
-        self.q_norm = RMSNorm(Q, LATENT_NORM_EPS) if Q else None
+        # The latent norms at model.norm_eps, as llama.cpp, vLLM and SGLang apply rms_norm_eps
+        # to them (transformers builds them at its default 1e-6: every published DeepSeek's).
+        self.q_norm = RMSNorm(Q, cfg.norm_eps) if Q else None
         self.wq_b = nn.Linear(Q, H * (N + P), bias=False) if Q else None
         self.wkv_a = nn.Linear(C, R + P, bias=False)  # [latent, shared RoPE key]
-        self.kv_norm = RMSNorm(R, LATENT_NORM_EPS)
+        self.kv_norm = RMSNorm(R, cfg.norm_eps)
         self.wkv_b = nn.Linear(R, H * (N + V), bias=False)  # per head [W_uk; W_uv]
         self.wo = nn.Linear(H * V, C, bias=False)
         self.scale = cfg.mla_softmax_scale
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: Rope,
-        mask: AttentionMask,
-        cache: CacheWrite | None = None,
-        layer: int = 0,
+    def attend(
+        self, x: torch.Tensor, rope: Rope, mask: AttentionMask, cache: CacheWrite | None, layer: int
     ) -> torch.Tensor:
+        """Latent attention, decompressed or (with a cache) absorbed: (B, H, T, V)."""
         B, T, _ = x.shape
         H, N, P, V, R = self.dims
         if self.wq is not None:
@@ -86,14 +82,8 @@ class MLA(nn.Module):
         pe = rope(torch.cat((q_pe, k_pe[:, :, None]), dim=2))  # (B, T, H + 1, P): one pass
         q_pe, k_pe = pe.split((H, 1), dim=2)
         if cache is None:
-            y = self._decompressed(q_nope, q_pe, c, k_pe, mask)
-        else:
-            y = self._absorbed(q_nope, q_pe, c, k_pe, mask, cache, layer)
-        if mask.empty_rows is not None:
-            # A query that may see no key at all (a left pad) outputs zeros, not an average.
-            y = y.masked_fill(mask.empty_rows, 0.0)
-        y = y.transpose(1, 2).reshape(B, T, H * V)
-        return self.resid_drop(self.wo(y))
+            return self._decompressed(q_nope, q_pe, c, k_pe, mask)
+        return self._absorbed(q_nope, q_pe, c, k_pe, mask, cache, layer)
 
     def _decompressed(
         self,

@@ -1,7 +1,8 @@
 """The LLaMA-style decoder-only Transformer, as docs/architecture.md derives it.
 
-Offers `RMSNorm` and `rms_norm` (from `minillm.model.norm`), `attention`, `cross_entropy`,
-`Attention`, `SwiGLU`, `Block`, `Transformer` and `dropout_off`; RoPE (its tables, rotation and
+Offers `RMSNorm` and `rms_norm` (from `minillm.model.norm`), `attention` and `Attention` (from
+`minillm.model.attention`), `cross_entropy`, `SwiGLU`, `Block`, `Transformer` and `dropout_off`;
+RoPE (its tables, rotation and
 scaled frequencies) is `minillm.model.rope`. The model is the same function as Hugging Face's
 `LlamaForCausalLM` given the same weights (RoPE in its "rotate half" layout;
 `minillm.families` maps the parameter names), and its options are the other families'
@@ -37,6 +38,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from minillm.config import ModelConfig
+
+# defined there; attention re-exported for the decoder
+from minillm.model.attention import Attention, SelfAttention, attention  # noqa: F401
 from minillm.model.inputs import AttentionMask, forward_inputs
 from minillm.model.kv_cache import CacheWrite, KVCache
 from minillm.model.mla import MLA
@@ -54,87 +58,6 @@ from minillm.model.rope import (
     plain_frequencies,
     rotate_half_matrix,
 )
-
-# `enable_gqa` arrived in torch 2.5; on 2.4 key/value heads are repeated by hand.
-_SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-
-# ----------------------------------------------------------------------------- attention
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """SDPA of q (B, H, T, D) over k, v (B, K, S, D), K dividing H (grouped-query heads); the
-    logits scaled by `scale` (None: 1/sqrt(D))."""
-    extra = {}
-    if k.shape[1] != q.shape[1]:
-        if _SDPA_HAS_GQA:
-            extra["enable_gqa"] = True
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
-    )
-
-
-class Attention(nn.Module):
-    """Causal multi-head self-attention with grouped-query heads, through SDPA; optionally q/k/v
-    biases, per-head RMSNorm of q and k (qk_norm) and a sliding window (in the mask)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-        # q, k and v in one matmul: one large GEMM is faster than three small ones.
-        self.wqkv = nn.Linear(
-            cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.attention_bias
-        )
-        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
-        # model.qk_norm (Qwen3): each head's q and k normalised over D before RoPE.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.dropout = cfg.dropout
-        self.resid_drop = nn.Dropout(cfg.dropout)
-        # model.query_pre_attn_scalar (Gemma 3): logits / sqrt(it) instead of / sqrt(D)
-        scalar = cfg.query_pre_attn_scalar
-        self.scale = None if scalar is None else scalar**-0.5
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: Rope,
-        mask: AttentionMask,
-        cache: CacheWrite | None = None,
-        layer: int = 0,
-    ) -> torch.Tensor:
-        B, T, C = x.shape
-        H, K, D = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.wqkv(x).view(B, T, H + 2 * K, D)
-        # split, not slicing: the backward of a split is one cat, that of a slice a zero-filled copy
-        qk, v = qkv.split((H + K, K), dim=2)
-        if self.q_norm is not None:
-            q, k = qk.split((H, K), dim=2)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
-        q, k = rope(qk).split((H, K), dim=2)  # q and k rotated in one pass
-        # SDPA takes these strided views as they are; its output is laid out (B, T, H, D) in
-        # memory, so the transpose back below is free.
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, D)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, K, S, D): the cached keys and these
-        dropout = self.dropout if self.training else 0.0
-        y = attention(q, k, v, mask.bool_mask, mask.is_causal, dropout, self.scale)  # (B, H, T, D)
-        if mask.empty_rows is not None:
-            # A query that may see no key at all (a left pad) outputs zeros, not an average.
-            y = y.masked_fill(mask.empty_rows, 0.0)
-        y = y.transpose(1, 2).reshape(B, T, H * D)
-        return self.resid_drop(self.wo(y))
-
 
 # ----------------------------------------------------------------------------- SwiGLU
 
@@ -471,7 +394,7 @@ def dropout_off(model: nn.Module) -> Iterator[nn.Module]:
     with a reference that runs without dropout (DPO) or with the distribution it sampled from
     (GRPO) must not add dropout's noise to one side."""
     drops = [(m, m.p) for m in model.modules() if isinstance(m, nn.Dropout)]
-    attns = [(m, m.dropout) for m in model.modules() if isinstance(m, (Attention, MLA))]
+    attns = [(m, m.dropout) for m in model.modules() if isinstance(m, SelfAttention)]
     try:
         for m, _ in drops:
             m.p = 0.0

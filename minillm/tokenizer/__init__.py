@@ -5,7 +5,9 @@ Modules: `bpe` (minillm's own byte-level BPE: train, save, load, check, its spec
 and the bytes a token spells), `chat_template` (minillm's own chat template, by token id),
 `jinja_chat` (a published model's Jinja chat template, rendered as transformers renders it) and
 `conventions` (one interface, `Conventions`, with one implementation per kind: own, published
-byte-level, published sentencepiece; chosen once, by `Conventions.of`).
+byte-level, published sentencepiece; chosen once, by `Conventions.of`) and `companions` (the
+files beside a tokenizer.json that carry a published model's conventions, and the special ids an
+export writes).
 
 The data stage (minillm.data: corpus -> shards), checkpoints and the server all read text through
 this stage; checkpoints and the server never import minillm.data (pyproject.toml's import-linter

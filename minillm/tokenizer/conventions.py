@@ -1,11 +1,10 @@
 """How a model's tokenizer is used: one interface, one implementation per tokenizer kind.
 
 Offers `Conventions` (built once by `Conventions.of(tokenizer, folder)`, which picks the kind;
-a loaded checkpoint's `.conventions`), its kinds `OwnConventions`, `ByteLevelConventions` and
-`SentencePieceConventions`, `ModelTokens` (the special ids an export writes),
-`hf_tokenizer_config`, `TOKENIZER_COMPANIONS` (the files beside a tokenizer.json that carry a
-published model's conventions, copied with it into runs, checkpoints and exports) and
-`copy_companions`.
+a loaded checkpoint's `.conventions`) and its kinds `OwnConventions`, `ByteLevelConventions` and
+`SentencePieceConventions`. The files beside a tokenizer.json that carry a published model's
+conventions (`TOKENIZER_COMPANIONS`, `copy_companions`), `ModelTokens` (the special ids an
+export writes) and `hf_tokenizer_config` are minillm.tokenizer.companions'.
 
 Every command asks the conventions, never the tokenizer's special tokens or its kind, how to:
 - encode plain text (`prompt_ids`: a sample's or a completion's prompt, a scored text;
@@ -45,40 +44,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from minillm.errors import CheckpointError, UserError
-from minillm.runtime.files import copy_if_changed, read_json_object
+from minillm.runtime.files import read_json_object
 from minillm.tokenizer import jinja_chat
 from minillm.tokenizer.bpe import EOT, LEGACY_SPECIAL_TOKENS, SPECIAL_TOKENS, special_tokens
-from minillm.tokenizer.chat_template import (
-    END,
-    HF_CHAT_TEMPLATE,
-    chat_ids,
-    encode_conversation,
+from minillm.tokenizer.chat_template import HF_CHAT_TEMPLATE, chat_ids, encode_conversation
+from minillm.tokenizer.companions import (
+    GENERATION_CONFIG_FILE,
+    MODEL_CONFIG_FILE,
+    SPECIAL_NAMES,
+    SPECIAL_TOKENS_MAP_FILE,
+    TOKENIZER_FILE,
+    ModelTokens,
+    copy_companions,
+    hf_tokenizer_config,
+    minillms_companions,
+    published_model_tokens,
+    read_eos_ids,
+    read_generation_config,
+    token_string,
 )
 from minillm.tokenizer.pieces import byte_level_bytes, sentencepiece_bytes, tokenizer_kind
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-GENERATION_CONFIG_FILE = "generation_config.json"
-MODEL_CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
-SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
-TOKENIZER_COMPANIONS: tuple[str, ...] = (
-    jinja_chat.TOKENIZER_CONFIG_FILE,
-    SPECIAL_TOKENS_MAP_FILE,
-    jinja_chat.CHAT_TEMPLATE_FILE,
-    GENERATION_CONFIG_FILE,
-)
-# The names transformers gives a template's special tokens (its special_tokens_map).
-SPECIAL_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
 DOC_END_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>")
 # A conversation the template is asked to write once, to find its end-of-turn token and the
 # tokens it writes between turns.
@@ -88,73 +77,6 @@ _PROBE = (
     {"role": "user", "content": "Again"},
     {"role": "assistant", "content": "Bye"},
 )
-
-
-def copy_companions(src_folder: Path, dst_folder: Path) -> None:
-    """Copy the tokenizer's companion files that exist in `src_folder` (same names), each
-    atomically; a file already as it would be written is left alone (a finished run started
-    again touches none of its files)."""
-    for name in TOKENIZER_COMPANIONS:
-        if (src_folder / name).is_file():
-            copy_if_changed(src_folder / name, dst_folder / name)
-
-
-def _minillms_companions(folder: Path) -> bool:
-    """Whether the files beside a tokenizer are minillm's own: none (a run or a checkpoint of a
-    tokenizer minillm trained), or the tokenizer_config.json minillm's export writes (end-of-
-    text as bos, eos and pad, a fast tokenizer padding on the left). A published folder whose
-    only special token is <|endoftext|> (GPT-2's style) writes its own config and is a
-    published model's, used as transformers uses it."""
-    config = jinja_chat.read_tokenizer_config(folder)
-    if not config:
-        return not (folder / SPECIAL_TOKENS_MAP_FILE).is_file()
-    return (
-        config.get("tokenizer_class") == "PreTrainedTokenizerFast"
-        and config.get("padding_side") == "left"
-        and config.get("add_bos_token") is False
-        and all(
-            _token_string(config.get(k)) == EOT for k in ("bos_token", "eos_token", "pad_token")
-        )
-    )
-
-
-def _token_string(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
-
-
-def _eos_ids(folder: Path) -> list[int]:
-    """generation_config.json's eos_token_id (an int or a list), else config.json's."""
-    for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
-        path = folder / name
-        if not path.is_file():
-            continue
-        value = read_json_object(path).get("eos_token_id")
-        ids = value if isinstance(value, list) else [value]
-        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
-        if ids:
-            return ids
-    return []
-
-
-@dataclass
-class ModelTokens:
-    """A model's special token ids as its exports write them; None where the model has none."""
-
-    bos: int | None
-    eos: list[int]  # what generation stops at; the first is the eos token itself
-    eos_token: int | None  # the one eos token (tokenizer_config.json's eos_token)
-    pad: int | None
-    eot: int | None  # the end of a chat turn (the token the template writes after a reply)
-    config_eos: int | list[int] | None  # config.json's eos_token_id
-    # The folder's generation_config.json, as read ({} where there is none).
-    generation: dict[str, Any] = field(default_factory=dict)
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclass
@@ -195,7 +117,7 @@ class Conventions:
         if (
             specials in (list(SPECIAL_TOKENS), list(LEGACY_SPECIAL_TOKENS))
             and template in (None, HF_CHAT_TEMPLATE)
-            and _minillms_companions(folder)
+            and minillms_companions(folder)
         ):
             return OwnConventions.of_own(tok)
         kind = tokenizer_kind(tok, str(folder / TOKENIZER_FILE))
@@ -348,7 +270,7 @@ class OwnConventions(Conventions):
         [end-of-text, `<|end|>`]); config.json's eos is end-of-text."""
         eot, end = self.doc_end, self.turn_end
         eos = [eot] if end is None else [eot, end]
-        return ModelTokens(eot, eos, eot, eot, end, eot, _generation_config(folder))
+        return ModelTokens(eot, eos, eot, eot, end, eot, read_generation_config(folder))
 
     def write_hf_files(self, source: Path | None, out: Path, max_len: int) -> dict[str, Any]:
         """tokenizer.json, and the JSON files that give transformers minillm's conventions
@@ -376,10 +298,8 @@ class PublishedConventions(Conventions):
         config = jinja_chat.read_tokenizer_config(folder)
         # Older folders name their special tokens in special_tokens_map.json.
         legacy = read_json_object(folder / SPECIAL_TOKENS_MAP_FILE)
-        special = {
-            k: s for k in SPECIAL_NAMES if (s := _token_string(config.get(k, legacy.get(k))))
-        }
-        eos_ids = _eos_ids(folder)
+        special = {k: s for k in SPECIAL_NAMES if (s := token_string(config.get(k, legacy.get(k))))}
+        eos_ids = read_eos_ids(folder)
         if "eos_token" not in special and eos_ids:
             token = tok.id_to_token(eos_ids[0])
             if token is not None:
@@ -472,33 +392,10 @@ class PublishedConventions(Conventions):
         return enc.ids, jinja_chat.token_mask(enc.offsets, spans[len(spans) - answers :])
 
     def special_ids(self, folder: Path) -> ModelTokens:
-        """Its own, read where transformers reads them: generation_config.json (`bos_token_id`,
-        `eos_token_id`, which may be a list, `pad_token_id`), else tokenizer_config.json's token
-        strings, and the end-of-turn token its chat template writes."""
-        gen = _generation_config(folder)
-
-        def token(name: str) -> int | None:
-            text = self.special.get(name)
-            return None if text is None else self.tok.token_to_id(text)
-
-        bos = _int_or_none(gen.get("bos_token_id"))
-        if bos is None:
-            bos = token("bos_token")
-        if bos is None and self.text_prefix:  # a post-processor that adds a BOS names it
-            bos = self.text_prefix[0]
-        value = gen.get("eos_token_id")
-        values = value if isinstance(value, list) else [value]
-        eos = [i for i in values if _int_or_none(i) is not None]
-        eos_token = token("eos_token")
-        if not eos:  # no generation config: the eos token and the template's end of turn
-            eos = list(dict.fromkeys(i for i in (eos_token, self.turn_end) if i is not None))
-        if eos_token is None and eos:
-            eos_token = eos[0]
-        pad = _int_or_none(gen.get("pad_token_id"))
-        if pad is None:
-            pad = token("pad_token")
-        config_eos = eos[0] if len(eos) == 1 else (eos or None)
-        return ModelTokens(bos, eos, eos_token, pad, self.turn_end, config_eos, gen)
+        """Its own, read where transformers reads them (`published_model_tokens`)."""
+        ids = {name: self.tok.token_to_id(text) for name, text in self.special.items()}
+        added_bos = self.text_prefix[0] if self.text_prefix else None
+        return published_model_tokens(folder, ids, added_bos, self.turn_end)
 
     def write_hf_files(self, source: Path | None, out: Path, max_len: int) -> dict[str, Any]:
         """Its own tokenizer.json and companion files (the chat template, the special tokens,
@@ -536,50 +433,6 @@ class SentencePieceConventions(PublishedConventions):
 
     def _spell(self, piece: str) -> bytes:
         return sentencepiece_bytes(piece)
-
-
-def _generation_config(folder: Path) -> dict[str, Any]:
-    """generation_config.json of `folder` ({} where there is none); unreadable is one error."""
-    return read_json_object(folder / GENERATION_CONFIG_FILE)
-
-
-def hf_tokenizer_config(
-    eot: str, eot_id: int, max_len: int, specials: dict[str, int] | None = None
-) -> dict[str, Any]:
-    """tokenizer_config.json of minillm's own tokenizer for PreTrainedTokenizerFast: end-of-text
-    is bos, eos and pad (what `_minillms_companions` recognises).
-
-    specials: every special token -> id (default: end-of-text alone). With the chat tokens among
-    them the config carries the chat template, so `apply_chat_template` gives minillm's ids.
-    """
-    specials = specials or {eot: eot_id}
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": eot,
-        "eos_token": eot,
-        "pad_token": eot,
-        "unk_token": None,
-        # Our tokenizer adds no special tokens and decodes byte-exactly; keep HF from "cleaning".
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_len,
-        "padding_side": "left",
-        "added_tokens_decoder": {
-            str(i): {
-                "content": name,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for name, i in sorted(specials.items(), key=lambda kv: kv[1])
-        },
-    }
-    if END in specials:
-        config["chat_template"] = HF_CHAT_TEMPLATE
-    return config
 
 
 def _find(haystack: list[int], needle: list[int]) -> int:

@@ -250,7 +250,9 @@ class GRPO:
 
     def step_loss(self, totals: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         if self.reference is not None:
-            self.meter.add({"grpo/kl": float(totals[1] / norms[0])})
+            # Python floats, as lm and dpo divide: a float32 device sum over the float64 count
+            # is a float64 device tensor, which MPS does not have.
+            self.meter.add({"grpo/kl": float(totals[1]) / float(norms[0])})
         if self.clock:  # sampling, then learning: the share a step spends on each
             t0, t1 = self.clock
             t2 = time.perf_counter()
