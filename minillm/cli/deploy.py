@@ -13,6 +13,7 @@ from minillm.cli.options import (
     CkptOption,
     ContextSetOption,
     DeviceOption,
+    DtypeOption,
     QuantizeOption,
     load_ckpt,
 )
@@ -45,6 +46,7 @@ def serve(
     ),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
+    dtype: str = DtypeOption,
     overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Serve a checkpoint over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models)
@@ -58,7 +60,7 @@ def serve(
         raise typer.Exit(2) from None
 
     sock = run(bind, host, port)  # a busy port is one line now, not after the model loads
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides, dtype=dtype)
     name = loaded.path.parent.parent.name if loaded.path.parent.name == "checkpoints" else None
     run(
         run_server,

@@ -14,6 +14,7 @@ from minillm.cli.options import (
     CkptOption,
     ContextSetOption,
     DeviceOption,
+    DtypeOption,
     QuantizeOption,
     TemperatureOption,
     TopKOption,
@@ -85,6 +86,7 @@ def eval_(
     overrides: list[str] | None = ContextSetOption,
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
+    dtype: str = DtypeOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     task: list[Path] | None = typer.Option(
         None,
@@ -143,7 +145,7 @@ def eval_(
         print_error(f"--seq-len: must be >= 1, got {seq_len}")
         raise typer.Exit(2)
     tasks = run(read_tasks, task or [], extract_number=extract_number)  # before the slow load
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides, seq_len)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides, seq_len, dtype=dtype)
     result = {}
     if data is not None or not tasks:
         result = run(
@@ -228,6 +230,7 @@ def sample(
     ),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
+    dtype: str = DtypeOption,
     overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
@@ -239,7 +242,7 @@ def sample(
 
     texts = run(read_prompts, prompt, prompt_file)
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides, dtype=dtype)
     run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
 
 
@@ -270,6 +273,7 @@ def chat(
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
     device: str = DeviceOption,
     quantize: str = QuantizeOption,
+    dtype: str = DtypeOption,
     overrides: list[str] | None = ContextSetOption,
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
@@ -282,5 +286,5 @@ def chat(
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
-    loaded = load_ckpt(ckpt, device, best, quantize, overrides)
+    loaded = load_ckpt(ckpt, device, best, quantize, overrides, dtype=dtype)
     run(chat_checkpoint, loaded, params, system, message)

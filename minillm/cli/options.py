@@ -1,9 +1,10 @@
 """The options several `minillm` commands share, and the two loads they feed.
 
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
-`load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption` and
-`ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in fp32 or int8, at its
-own context or another, read by `load_ckpt`; its config alone, by `load_ckpt_config`);
+`load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption`, `DtypeOption` and
+`ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in its own dtype, another
+or int8, at its own context or another, read by `load_ckpt`; its config alone, by
+`load_ckpt_config`);
 `TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
 """
 
@@ -69,6 +70,15 @@ QuantizeOption = typer.Option(
     help="int8: the linear layers' weights in 8 bits, faster decoding on a CPU (fbgemm's "
     "kernel; the demo model's logits move by 0.4%; fp32 with a warning where the kernel is "
     "missing); none: fp32. The checkpoint is unchanged.",
+)
+
+DtypeOption = typer.Option(
+    "auto",
+    "--dtype",
+    metavar="DTYPE",
+    help="auto (the weights' own: a Hugging Face folder's config.json dtype, a run's float32), "
+    "float32, bfloat16 or float16: the weights and the KV cache in it. bfloat16 halves the "
+    "memory; on a CPU without bf16 instructions (no AMX/avx512_bf16) float32 decodes faster.",
 )
 
 
@@ -156,20 +166,29 @@ def load_ckpt(
     quantize: str = "none",
     context: list[str] | None = None,
     seq_len: int | None = None,
+    dtype: str = "auto",
 ) -> Any:
     """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
     Hugging Face folder, which the command it is given to is first checked to suit; read at
     another context where `context` (--set) or eval's `seq_len` (--seq-len) asks (`at_context`);
-    with --quantize int8, its linear layers then made int8 (or one warning and fp32)."""
+    with --quantize int8, its linear layers then made int8 (or one warning and fp32), from
+    float32 weights; otherwise in --dtype (`auto`: the weights' own)."""
     from minillm.checkpoint.layout import is_hf_folder
+    from minillm.checkpoint.lazy import resolve_dtype
     from minillm.checkpoint.store import at_context, load_checkpoint
     from minillm.model.quantize import check_quantize
     from minillm.runtime.device import resolve_device
 
     quantize = run(check_quantize, quantize)  # before the (slow) load
+    run(resolve_dtype, dtype, None)
+    if quantize == "int8":
+        if dtype not in ("auto", "float32"):
+            run(_refuse, f"--dtype {dtype}: --quantize int8 quantizes float32 weights")
+        dtype = "float32"
     if is_hf_folder(ckpt):
         run(_check_hf_folder_use, ckpt, _ckpt_command.get())
-    loaded = run(load_checkpoint, ckpt, run(resolve_device, device, "--device"), best=best)
+    where = run(resolve_device, device, "--device")
+    loaded = run(load_checkpoint, ckpt, where, best=best, dtype=dtype)
     if context or seq_len is not None:
         loaded = run(at_context, loaded, context or [], seq_len)
     if quantize == "int8":
@@ -180,6 +199,12 @@ def load_ckpt(
         if problem is not None:
             warn(f"--quantize int8: {problem}; running in fp32")
     return loaded
+
+
+def _refuse(message: str) -> None:
+    from minillm.errors import UserError
+
+    raise UserError(message)
 
 
 def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:
