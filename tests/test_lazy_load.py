@@ -20,8 +20,10 @@ from minillm.cli import app
 from minillm.errors import CheckpointError, UserError
 from minillm.infer.engine import Engine
 from minillm.model.decode import transposed_copies
-from tests.helpers import error_line
+from minillm.model.lora import is_adapter
+from tests.helpers import error_line, run_trainer, trained_run
 from tests.test_hf_ckpt import llama_folder
+from tests.test_lora import lora_config
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,3 +175,37 @@ def test_peak_memory_of_a_load_is_bounded_by_the_weights(tmp_path: Path, dtype: 
     grew, model_bytes = int(out[0]), int(out[1])
     assert model_bytes > 40e6
     assert grew <= 1.5 * model_bytes, (grew / model_bytes, dtype)
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_lora's base: a tokenized corpus and a 4-step run at base/run."""
+    return trained_run(tmp_path_factory.mktemp("lora-base"))
+
+
+def test_a_bf16_lora_run_freezes_its_base_in_bf16_with_fp32_adapters(
+    base_run: Path, tmp_path: Path
+) -> None:
+    """train.precision bf16: the frozen base is loaded in bf16 (half the memory), the adapters,
+    their gradients and optimizer state stay float32; the run loads back (its base identified
+    as the bf16-rounded weights) with the trained model's function."""
+    cfg = lora_config(base_run, tmp_path / "run", max_steps=2, ckpt_every=2, eval_every=2,
+                      precision="bf16")  # fmt: skip
+    trainer = run_trainer(cfg)
+    params = dict(trainer.model.named_parameters())
+    assert {p.dtype for n, p in params.items() if not is_adapter(n)} == {torch.bfloat16}
+    assert {p.dtype for n, p in params.items() if is_adapter(n)} == {torch.float32}
+    states = [s for opt in trainer.optimizer for s in opt.state.values()]
+    assert states and all(
+        t.dtype == torch.float32 for s in states for t in s.values() if t.is_floating_point()
+    )
+    assert all(params[n].grad is None or params[n].grad.dtype == torch.float32 for n in params)
+    record = json.loads((tmp_path / "run/checkpoints/step_000002/state.json").read_text())
+    assert record["lora_base"]["dtype"] == "bfloat16"
+    loaded = load_checkpoint(tmp_path / "run", dtype="float32")
+    x = torch.randint(0, 300, (2, 16))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = trainer.model.eval()(x)[0].double()
+    with torch.no_grad():
+        got = loaded.model(x)[0].double()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()

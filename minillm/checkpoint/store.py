@@ -413,11 +413,17 @@ def _lora_model(
             dtype = _own_dtype(loaded)
     except UserError as e:
         raise CheckpointError(f"{where}: the LoRA base {folder} does not load: {e}") from None
-    if weights_sha256(model.state_dict()) != base["sha256"]:
+    # A base frozen in bf16 (train.precision's compute dtype) is identified, and was trained
+    # on, as its weights rounded to that dtype.
+    frozen = getattr(torch, str(base.get("dtype", "float32")), torch.float32)
+    half = frozen if frozen != torch.float32 else None
+    if weights_sha256(model.state_dict(), half) != base["sha256"]:
         raise CheckpointError(
             f"{folder}: the LoRA base of {ckpt} has changed since the adapters were trained "
             f"(the sha256 of its weights is not the recorded {base['sha256'][:16]}...)"
         )
+    if half is not None:
+        model = model.to(half).float()
     if getattr(model, "cfg", None) != cfg.model:
         raise CheckpointError(f"{folder}: the LoRA base's model is not {where}'s model section")
     add_lora(model, cfg.train.lora)

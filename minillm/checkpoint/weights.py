@@ -52,12 +52,16 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], wh
         model.load_state_dict(state, strict=True)
 
 
-def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
+def weights_sha256(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
     """sha256 of a state_dict's names, shapes and float32 values, in name order: the same for
-    the same weights however they were stored (a checkpoint, an HF folder in bf16 or sharded)."""
+    the same weights however they were stored (a checkpoint, an HF folder in bf16 or sharded).
+    With `dtype`, of the values rounded to it first: a LoRA base frozen in bf16 is identified
+    by what it computed with, which a float32 load of the same files reproduces."""
     h = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].detach().to("cpu", torch.float32).contiguous()
+        t = state[name].detach().to("cpu")
+        t = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).float()
+        t = t.contiguous()
         h.update(f"{name} {tuple(t.shape)}\n".encode())
         h.update(t.numpy().data)
     return h.hexdigest()
