@@ -209,3 +209,15 @@ def test_a_bf16_lora_run_freezes_its_base_in_bf16_with_fp32_adapters(
     with torch.no_grad():
         got = loaded.model(x)[0].double()
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_precision_auto_on_a_cpu_follows_the_bf16_probe() -> None:
+    from minillm.runtime.device import cpu_bf16_faster, resolve_precision
+
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu, bf16_faster=lambda: True) == "bf16"
+    assert resolve_precision("auto", cpu, bf16_faster=lambda: False) == "fp32"
+    assert resolve_precision("fp32", cpu, bf16_faster=lambda: True) == "fp32"
+    assert isinstance(cpu_bf16_faster(), bool)
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        assert resolve_precision("auto", cpu) == "fp32"  # no bf16 instructions: the demo's fp32
