@@ -3,6 +3,7 @@ generate, each a whole process under /usr/bin/time -v (peak RSS, wall), one afte
 
     python scripts/bench_load.py build /tmp/tinyllama            # once: random bf16 shards
     python scripts/bench_load.py run /tmp/tinyllama [--tokens 8] [--dtype auto]
+    python scripts/bench_load.py decode /tmp/tinyllama   # ms/token: fp32 +- W^T copies, bf16
 
 `build` writes a random-weight LlamaForCausalLM at TinyLlama-1.1B's shape (or `--shape 3b`,
 Llama-3.2-3B's) in bf16 safetensors shards with a byte-level BPE tokenizer, through
@@ -73,6 +74,38 @@ def hf_job(folder: Path, tokens: int, dtype: str) -> None:
           f"{next(model.parameters()).dtype})")  # fmt: skip
 
 
+def decode_job(folder: Path, steps: int = 8) -> None:
+    """ms per decoded token (one row, after a 16-token prompt) of the folder in float32 with the
+    decoder's transposed copies, float32 without, and bfloat16 (which never has them): what the
+    rule of minillm.model.decode.transposed_copies rests on. One process, in turn."""
+    import torch
+
+    import minillm.model.decode as decode
+    from minillm.checkpoint.store import load_checkpoint
+    from minillm.model.kv_cache import KVCache
+
+    def per_token(model: torch.nn.Module) -> float:
+        cache = KVCache(model.cfg, 1, 64, dtype=next(model.parameters()).dtype)
+        decoder = decode.Decoder(model, cache)
+        with torch.inference_mode():
+            decoder.prefill(0, torch.arange(16))
+            decoder.step(torch.tensor([1]))  # warm-up (and the copies, if any)
+            t0 = time.perf_counter()
+            for i in range(steps):
+                decoder.step(torch.tensor([i + 2]))
+        return (time.perf_counter() - t0) / steps * 1e3
+
+    for dtype in ("float32", "bfloat16"):
+        model = load_checkpoint(folder, dtype=dtype).model
+        if dtype == "float32":
+            limit = decode.COPY_LIMIT_BYTES
+            decode.COPY_LIMIT_BYTES = 2**62  # copies forced on
+            print(f"float32 with W^T copies: {per_token(model):.0f} ms/token")
+            decode.COPY_LIMIT_BYTES = limit
+        print(f"{dtype} (no copies): {per_token(model):.0f} ms/token")
+        del model
+
+
 def jobs(folder: Path, tokens: int, dtype: str) -> dict[str, list[str]]:
     """The two commands compared, each run in its own process."""
     py = sys.executable
@@ -99,7 +132,7 @@ def measure(cmd: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["build", "run", "hf"])
+    p.add_argument("what", choices=["build", "run", "hf", "decode"])
     p.add_argument("folder", type=Path)
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
     p.add_argument("--tokens", type=int, default=8)
@@ -107,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.what == "build":
         build(args.folder, args.shape)
+        return
+    if args.what == "decode":
+        print(f"loadavg before: {os.getloadavg()}")
+        decode_job(args.folder)
+        print(f"loadavg after: {os.getloadavg()}")
         return
     if args.what == "hf":
         hf_job(args.folder, args.tokens, args.dtype)
