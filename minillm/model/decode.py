@@ -211,10 +211,11 @@ def _gemma_block(cfg: ModelConfig) -> bool:
 
 
 # The transposed copies pay for float32 weights only: x @ W^T in bfloat16 or float16 ran 10-17x
-# slower than F.linear(x, W) for one row on an AVX2 CPU (torch 2.13, 1.1B's and 135M's shapes),
+# slower than F.linear(x, W) for one row on an AVX2 CPU (torch 2.13, 1.1B's shapes and smaller),
 # and fit only below a size: they add ~0.8x the weights (q/k/v, gate/up, the head), which a
-# published model (1B and up) cannot spare and where each gains least (its products are bound by
-# memory bandwidth either way: 0.9-1.4x at TinyLlama-1.1B's shapes).
+# published model (1B and up) cannot spare and where they gain nothing (its products are bound by
+# memory bandwidth either way): a 1.1B model's token 2,334 ms with them, 2,233 without; a 24M
+# model's 687 vs 892 (scripts/bench_load.py decode, loadavg ~11).
 COPY_LIMIT_BYTES = 2**30
 
 
