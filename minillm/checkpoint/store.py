@@ -394,7 +394,8 @@ def _lora_model(
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A LoRA checkpoint's model: its recorded base (loaded as any --ckpt is, in float32 to
     check it against the recorded sha256) with the checkpoint's adapters merged in, then in
-    `dtype` (`auto`: the base's own) on `device`; and the adapters."""
+    `dtype` (`auto`: the dtype the base was frozen in, lora_base.dtype) on `device`; and the
+    adapters."""
     from minillm.model.lora import add_lora, is_adapter, merge_lora
 
     base = lora_base_of(state)
@@ -407,16 +408,12 @@ def _lora_model(
             f"{base.get('path')!r}); the adapters need the weights they were trained on"
         )
     try:
-        loaded = load_checkpoint(folder, device="cpu")
-        model = loaded.model
-        if dtype == "auto":
-            dtype = _own_dtype(loaded)
+        model = load_checkpoint(folder, device="cpu").model
     except UserError as e:
         raise CheckpointError(f"{where}: the LoRA base {folder} does not load: {e}") from None
-    # A base frozen in bf16 (train.precision's compute dtype) is identified, and was trained
-    # on, as its weights rounded to that dtype.
-    frozen = getattr(torch, str(base.get("dtype", "float32")), torch.float32)
-    half = frozen if frozen != torch.float32 else None
+    # A base frozen in bf16 (train.precision's) was trained on, and is known by, its rounding.
+    base_dtype = getattr(torch, str(base.get("dtype", "float32")), torch.float32)
+    half = base_dtype if base_dtype != torch.float32 else None
     if weights_sha256(model.state_dict(), half) != base["sha256"]:
         raise CheckpointError(
             f"{folder}: the LoRA base of {ckpt} has changed since the adapters were trained "
@@ -424,6 +421,8 @@ def _lora_model(
         )
     if half is not None:
         model = model.to(half).float()
+    if dtype == "auto":  # a LoRA run's own: the dtype its base was frozen in
+        dtype = base_dtype
     if getattr(model, "cfg", None) != cfg.model:
         raise CheckpointError(f"{folder}: the LoRA base's model is not {where}'s model section")
     add_lora(model, cfg.train.lora)
@@ -441,15 +440,6 @@ def _lazy_weights(ckpt: Path) -> LazySafetensors:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     return LazySafetensors([path])
-
-
-def _own_dtype(loaded: LoadedCheckpoint) -> torch.dtype:
-    """The dtype a loaded checkpoint's weights are stored in (what `auto` loads it in)."""
-    if loaded.hf_folder:
-        from minillm.checkpoint.hf_import import hf_dtype
-
-        return hf_dtype(loaded.path)
-    return _lazy_weights(loaded.path).float_dtype() or torch.float32
 
 
 def _check_vocab(tokenizer: Tokenizer, cfg: Config, tok_path: Path) -> None:
