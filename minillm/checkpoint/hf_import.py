@@ -2,12 +2,14 @@
 Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 3's text model, Phi-3 or DeepSeek-V3
 (minillm.families.FAMILIES).
 
-Offers `import_hf_folder(dir) -> (ModelConfig, state_dict, tokenizer.json path)` (what
-`train.init_from: DIR` uses), `hf_model_config` (the ModelConfig of config.json alone),
-`check_hf_tokenizer` and `read_hf_checkpoint(dir) -> (Config, state_dict, Tokenizer)` (what
-`--ckpt DIR` loads, through `minillm.checkpoint.store.load_checkpoint`). Writing a folder is
-minillm.checkpoint.hf_export; parameter names and the config mapping are the family's
-(minillm.families), which the config records (model.family).
+Offers `hf_tensors(dir, cfg)` (the folder's tensors as ours, one at a time), `load_hf_model(dir,
+cfg, dtype, device)` (them in a model built lazily: what `--ckpt DIR` and `train.init_from: DIR`
+load), `hf_dtype` (what `--dtype auto` means for it), `import_hf_folder(dir) -> (ModelConfig,
+float32 state_dict, tokenizer.json path)`, `hf_model_config` (the ModelConfig of config.json
+alone), `check_hf_tokenizer` and `read_hf_checkpoint(dir) -> (Config, Tokenizer)` (what
+`--ckpt DIR` reads before the weights, through `minillm.checkpoint.store.load_checkpoint`).
+Writing a folder is minillm.checkpoint.hf_export; parameter names and the config mapping are
+the family's (minillm.families), which the config records (model.family).
 
 A folder is read only where minillm computes what transformers would: one of those families
 with the options our model has (the family says which key is not: another rope_type, sliding
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +35,7 @@ from minillm.checkpoint.layout import (
     HF_WEIGHTS_INDEX,
     TOKENIZER_FILE,
 )
-from minillm.checkpoint.weights import load_weights_into
+from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model, stored_dtype
 from minillm.config import Config, DataConfig, ModelConfig, SampleConfig, TrainConfig
 from minillm.errors import CheckpointError, ConfigError, UserError
 from minillm.families import family_of, model_config_from_hf
@@ -90,20 +92,6 @@ def _stores_head(folder: Path) -> bool:
     return False
 
 
-def _load_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            tensors.update(load_file(str(path), device="cpu"))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"{path}: not a readable safetensors file ({reason})") from None
-    return tensors
-
-
 def hf_model_config(folder: str | Path) -> ModelConfig:
     """Our ModelConfig from an HF Llama folder's config.json alone (no weights read)."""
     folder = Path(folder)
@@ -138,36 +126,61 @@ def _tokenizer_file(folder: Path) -> Path:
     return path
 
 
-def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
-    """Our ModelConfig, our float32 state_dict and the tokenizer.json path of an HF Llama folder.
+def hf_tensors(folder: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's weights as (our name, our tensor), one at a time, in the stored dtype: the
+    one call that turns a folder's tensors into ours (KeyError for a missing tensor)."""
+    # The family's adapter reads each source tensor when it needs it (from the memory-mapped
+    # shards), so one layer's worth is held beyond the model at a time.
+    yield from family_of(cfg).from_hf(cfg, LazySafetensors(_weight_files(folder)))
 
-    CheckpointError (a UserError) names the file at fault: no config.json, another architecture,
-    missing, pickled or truncated weights, tensors missing or of the wrong shape.
-    """
-    from minillm.model import Transformer
 
-    folder = Path(folder)
-    cfg = hf_model_config(folder)
-    tokenizer = _tokenizer_file(folder)
-    files = _weight_files(folder)
-    tensors = _load_safetensors(files)
-    where = str(files[0]) if len(files) == 1 else str(folder / HF_WEIGHTS_INDEX)
+def _checked(folder: Path, cfg: ModelConfig, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """hf_tensors with a missing tensor, or q/k/v of widths that cannot be joined, as a
+    CheckpointError naming `where`."""
     try:
-        state = {k: v.float() for k, v in family_of(cfg).from_hf(cfg, tensors)}
+        yield from hf_tensors(folder, cfg)
     except KeyError as e:
         raise CheckpointError(
             f"{where}: weights do not fit {HF_CONFIG_FILE}: tensor {e.args[0]} is missing"
         ) from None
     except RuntimeError as e:  # q/k/v or gate/up of different widths cannot be joined
         raise CheckpointError(f"{where}: weights do not fit {HF_CONFIG_FILE} ({e})") from None
-    # Names and shapes checked against a model on the meta device: no memory for a second copy,
-    # the same messages as a checkpoint's. Loading into meta tensors is a no-op torch warns about.
-    with torch.device("meta"):
-        skeleton = Transformer(cfg)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*meta parameter.*")
-        load_weights_into(skeleton, state, where)
-    return cfg, state, tokenizer
+
+
+def hf_dtype(folder: str | Path) -> torch.dtype:
+    """The dtype `--dtype auto` loads the folder in: config.json's, else its weights'."""
+    folder = Path(folder)
+    return stored_dtype(_read_hf_config(folder), LazySafetensors(_weight_files(folder)))
+
+
+def load_hf_model(
+    folder: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """The Transformer of `cfg` (hf_model_config's) holding the folder's weights in `dtype` on
+    `device`, in eval mode, each tensor read and converted once (minillm.checkpoint.lazy).
+
+    CheckpointError (a UserError) names the file at fault: missing, pickled or truncated
+    weights, tensors missing or of the wrong shape."""
+    folder = Path(folder)
+    files = _weight_files(folder)
+    where = str(files[0]) if len(files) == 1 else str(folder / HF_WEIGHTS_INDEX)
+    return fill_model(empty_model(cfg), _checked(folder, cfg, where), where, dtype, device)
+
+
+def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """Our ModelConfig, our float32 state_dict and the tokenizer.json path of an HF Llama
+    folder (tests and tools that want the tensors; loading a model is `load_hf_model`).
+
+    CheckpointError (a UserError) names the file at fault: no config.json, another architecture,
+    missing, pickled or truncated weights, tensors missing or of the wrong shape.
+    """
+    folder = Path(folder)
+    cfg = hf_model_config(folder)
+    tokenizer = _tokenizer_file(folder)
+    return cfg, load_hf_model(folder, cfg).state_dict(), tokenizer
 
 
 # ----------------------------------------------------------------------------- --ckpt
@@ -216,11 +229,11 @@ def _sample_config(folder: Path, context: int) -> SampleConfig:
         raise
 
 
-def read_hf_checkpoint(folder: str | Path) -> tuple[Config, dict[str, torch.Tensor], Tokenizer]:
-    """What `--ckpt FOLDER` loads from a Hugging Face Llama folder: a config (its model; the
-    `sample` defaults of generation_config.json; train.seq_len its whole context, so `eval`
-    scores windows as long as the model reads; data.out_dir the folder, which holds no shards),
-    the float32 state_dict and the tokenizer, each checked before the weights are read."""
+def read_hf_checkpoint(folder: str | Path) -> tuple[Config, Tokenizer]:
+    """What `--ckpt FOLDER` reads from a Hugging Face Llama folder before its weights: a config
+    (its model; the `sample` defaults of generation_config.json; train.seq_len its whole
+    context, so `eval` scores windows as long as the model reads; data.out_dir the folder,
+    which holds no shards) and the tokenizer, each checked. The weights are `load_hf_model`'s."""
     from minillm.tokenizer.bpe import load_tokenizer
 
     folder = Path(folder)
@@ -242,5 +255,5 @@ def read_hf_checkpoint(folder: str | Path) -> tuple[Config, dict[str, torch.Tens
         )
     except ConfigError as e:  # a tokenizer too small for a byte-level BPE or larger than the model
         raise CheckpointError(f"{tok_path}: does not fit {HF_CONFIG_FILE} ({e})") from None
-    _, state, _ = import_hf_folder(folder)
-    return config, state, tokenizer
+    _weight_files(folder)  # no weights, or pickled ones: said before a slow load begins
+    return config, tokenizer

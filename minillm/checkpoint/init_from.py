@@ -1,7 +1,8 @@
 """`train.init_from`: a run's starting model, and the config loading that applies it, once.
 
 Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and `info` read),
-`InitSource` / `init_source(path)` (what `train.init_from` names), `init_weights(path)` and
+`InitSource` / `init_source(path)` (what `train.init_from` names), `init_weights(path, model,
+dtype)` (its model, loaded lazily) and
 `lora_base(path, weights)` (the base identity a LoRA run records).
 
 `train.init_from` names a Hugging Face Llama folder, or a minillm run directory (its newest intact
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,8 @@ import torch
 
 from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
-from minillm.checkpoint.hf_import import hf_model_config, import_hf_folder
+from minillm.checkpoint.hf_import import hf_model_config, load_hf_model
+from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model
 from minillm.checkpoint.weights import weights_sha256
 from minillm.config import (
     POSITION_KEYS,
@@ -40,7 +43,7 @@ from minillm.config import (
     override_keys,
     read_raw_config,
 )
-from minillm.errors import ConfigError, UserError, warn
+from minillm.errors import CheckpointError, ConfigError, UserError, warn
 from minillm.families import with_family
 from minillm.tokenizer.bpe import load_tokenizer, tokenizer_sha256
 
@@ -96,35 +99,51 @@ def _init_source(path: str) -> InitSource:
     return InitSource(path, cfg.model, tok, cfg.data.vocab_size, True)
 
 
-def init_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
-    """The float32 state_dict `train.init_from` names (a checkpoint's is integrity-checked first)
-    and where it came from, for the banner: `runs/x (step_000400)` for a run directory (its
-    newest intact checkpoint), else the checkpoint or Hugging Face folder as given. A LoRA run's
-    weights are its base with the adapters merged."""
+def init_weights(
+    path: str, model: ModelConfig, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, str]:
+    """The model `train.init_from` names: a Transformer of `model` (the run's: the source's,
+    with its own POSITION_KEYS) built on the meta device and filled from the source tensor by
+    tensor, in `dtype` on the CPU (a checkpoint's weights integrity-checked first); and where
+    it came from, for the banner: `runs/x (step_000400)` for a run directory (its newest intact
+    checkpoint), else the checkpoint or Hugging Face folder as given. A LoRA run's weights are
+    its base with the adapters merged."""
     if not _is_minillm(path):
-        return import_hf_folder(path)[1], path
+        return load_hf_model(path, model, dtype), path
     found = layout.resolve_checkpoint(path)
     given_one = (Path(path) / layout.STATE_FILE).is_file()
     label = path if given_one else f"{path} ({found.name})"
+    where = str(found / layout.MODEL_FILE)
     if ckpt.lora_base_of(layout.read_state(found)) is not None:
-        return ckpt.load_checkpoint(found, verify=False).model.state_dict(), label
-    return ckpt.load_model_state(found), label
+        merged = ckpt.load_checkpoint(found, verify=False, dtype=dtype).model
+        return fill_model(empty_model(model), merged.state_dict().items(), where, dtype), label
+    if not (found / layout.MODEL_FILE).is_file():
+        raise CheckpointError(f"{where}: missing")
+    tensors = LazySafetensors([found / layout.MODEL_FILE])
+    return fill_model(empty_model(model), tensors.items(), where, dtype), label
 
 
-def lora_base(path: str, weights: dict[str, torch.Tensor]) -> dict[str, str]:
+def lora_base(
+    path: str, weights: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> dict[str, str]:
     """The identity of a LoRA run's base, which its checkpoints record (`lora_base` in
     state.json): train.init_from as given, the folder the weights came from (a run directory's
     newest checkpoint, resolved now), that folder's absolute path, and the sha256 of the weights
-    (`weights_sha256`)."""
+    (`weights_sha256`), with the dtype the base is frozen in where it is not float32 (the sha256
+    is then of the weights rounded to it)."""
     source = Path(path)
     if _is_minillm(path):
         source = layout.resolve_checkpoint(path)  # the one init_weights read (intact)
-    return {
+    half = dtype != torch.float32
+    base = {
         "path": path,
         "source": str(source),
         "abspath": str(source.resolve()),
-        "sha256": weights_sha256(weights),
+        "sha256": weights_sha256(weights, dtype if half else None),
     }
+    if half:
+        base["dtype"] = str(dtype).removeprefix("torch.")
+    return base
 
 
 def _same(given: Any, value: Any) -> bool:

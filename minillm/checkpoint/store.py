@@ -44,6 +44,7 @@ from minillm.checkpoint.layout import (
     read_state,
     resolve_checkpoint,
 )
+from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model, resolve_dtype
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
 from minillm.errors import CheckpointError, UserError
 from minillm.families import add_end_of_turn, with_family
@@ -263,10 +264,16 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(
-    path: str | Path, device: str | torch.device = "cpu", verify: bool = True, best: bool = False
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    verify: bool = True,
+    best: bool = False,
+    dtype: str | torch.dtype | None = None,
 ) -> LoadedCheckpoint:
-    """Config, model (eval mode, fp32) and tokenizer from `--ckpt` (a run, a checkpoint or a
-    Hugging Face Llama folder).
+    """Config, model (eval mode) and tokenizer from `--ckpt` (a run, a checkpoint or a Hugging
+    Face Llama folder). The model is built on the meta device and each weight read (memory-
+    mapped) and materialised once, in `dtype` on `device` (minillm.checkpoint.lazy): `auto` the
+    weights' own (a folder's config.json dtype), a name of `lazy.DTYPES`, None float32.
 
     A run directory gives its newest intact checkpoint (a damaged newer one is skipped with a
     warning naming both, as `train` resumes), `best` the one BEST names; a checkpoint folder
@@ -280,14 +287,15 @@ def load_checkpoint(
     from minillm.tokenizer.conventions import Conventions
 
     if is_hf_folder(path):
-        from minillm.checkpoint.hf_import import read_hf_checkpoint
+        from minillm.checkpoint.hf_import import hf_dtype, load_hf_model, read_hf_checkpoint
 
         if best:
             raise CheckpointError(
                 f"{path}: --best takes a run directory, not a Hugging Face folder"
             )
-        cfg, weights, tokenizer = read_hf_checkpoint(path)
-        model = _model_from(cfg, weights, str(path), device)
+        cfg, tokenizer = read_hf_checkpoint(path)
+        want = resolve_dtype(dtype, hf_dtype(path) if dtype == "auto" else None)
+        model = load_hf_model(path, cfg.model, want, device)
         state = {"config": config_to_dict(cfg)}
         conventions = Conventions.of(tokenizer, Path(path))
         add_end_of_turn(conventions, cfg.model, Path(path))
@@ -312,9 +320,13 @@ def load_checkpoint(
         raise CheckpointError(f"{ckpt / STATE_FILE}: its config is invalid: {e}") from None
     adapters = None
     if lora_base_of(state) is not None:
-        model, adapters = _lora_model(cfg, state, ckpt, device)
+        model, adapters = _lora_model(cfg, state, ckpt, device, dtype)
     else:
-        model = _model_from(cfg, load_model_state(ckpt), str(ckpt / MODEL_FILE), device)
+        weights = _lazy_weights(ckpt)
+        want = resolve_dtype(dtype, weights.float_dtype() if dtype == "auto" else None)
+        model = fill_model(
+            empty_model(cfg.model), weights.items(), str(ckpt / MODEL_FILE), want, device
+        )
     tok_path = ckpt / TOKENIZER_FILE
     if not tok_path.is_file():
         tok_path = ckpt.parent.parent / TOKENIZER_FILE
@@ -362,8 +374,9 @@ def at_context(
     cfg = config_from_dict(raw, "--set")
     if cfg.model == ckpt.config.model:
         return ckpt
-    device = next(ckpt.model.parameters()).device
-    model = _model_from(cfg, ckpt.model.state_dict(), str(ckpt.path), device)
+    param = next(ckpt.model.parameters())
+    weights = ckpt.model.state_dict().items()  # the same tensors, shared: no copy
+    model = fill_model(empty_model(cfg.model), weights, str(ckpt.path), param.dtype, param.device)
     return dataclasses.replace(ckpt, config=cfg, model=model)
 
 
@@ -378,10 +391,16 @@ def lora_base_of(state: dict[str, Any]) -> dict[str, str] | None:
 
 
 def _lora_model(
-    cfg: Config, state: dict[str, Any], ckpt: Path, device: str | torch.device
+    cfg: Config,
+    state: dict[str, Any],
+    ckpt: Path,
+    device: str | torch.device,
+    dtype: str | torch.dtype | None,
 ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """A LoRA checkpoint's model: its recorded base (loaded as any --ckpt is, checked against
-    the recorded sha256) with the checkpoint's adapters merged in, and the adapters."""
+    """A LoRA checkpoint's model: its recorded base (loaded as any --ckpt is, in float32 to
+    check it against the recorded sha256) with the checkpoint's adapters merged in, then in
+    `dtype` (`auto`: the dtype the base was frozen in, lora_base.dtype) on `device`; and the
+    adapters."""
     from minillm.model.lora import add_lora, is_adapter, merge_lora
 
     base = lora_base_of(state)
@@ -397,29 +416,35 @@ def _lora_model(
         model = load_checkpoint(folder, device="cpu").model
     except UserError as e:
         raise CheckpointError(f"{where}: the LoRA base {folder} does not load: {e}") from None
-    if weights_sha256(model.state_dict()) != base["sha256"]:
+    # A base frozen in bf16 (train.precision's) was trained on, and is known by, its rounding.
+    base_dtype = getattr(torch, str(base.get("dtype", "float32")), torch.float32)
+    half = base_dtype if base_dtype != torch.float32 else None
+    if weights_sha256(model.state_dict(), half) != base["sha256"]:
         raise CheckpointError(
             f"{folder}: the LoRA base of {ckpt} has changed since the adapters were trained "
             f"(the sha256 of its weights is not the recorded {base['sha256'][:16]}...)"
         )
+    if half is not None:
+        model = model.to(half).float()
+    if dtype == "auto":  # a LoRA run's own: the dtype its base was frozen in
+        dtype = base_dtype
     if getattr(model, "cfg", None) != cfg.model:
         raise CheckpointError(f"{folder}: the LoRA base's model is not {where}'s model section")
     add_lora(model, cfg.train.lora)
     adapters = load_model_state(ckpt)
     frozen = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
     load_weights_into(model, {**frozen, **adapters}, str(ckpt / MODEL_FILE))
-    return merge_lora(model).to(device).eval(), adapters
+    merged = merge_lora(model).to(device=device, dtype=resolve_dtype(dtype, None))
+    return merged.eval(), adapters
 
 
-def _model_from(
-    cfg: Config, weights: dict[str, torch.Tensor], where: str, device: str | torch.device
-) -> torch.nn.Module:
-    """The Transformer of `cfg` holding `weights`, on `device`, in eval mode."""
-    from minillm.model import Transformer
-
-    model = Transformer(cfg.model)
-    load_weights_into(model, weights, where)
-    return model.to(device).eval()
+def _lazy_weights(ckpt: Path) -> LazySafetensors:
+    """A checkpoint's model.safetensors, read tensor by tensor (`load_model_state` reads it
+    whole)."""
+    path = ckpt / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    return LazySafetensors([path])
 
 
 def _check_vocab(tokenizer: Tokenizer, cfg: Config, tok_path: Path) -> None:

@@ -1,29 +1,33 @@
 """Weights into a model, with errors that name the tensors at fault.
 
 Offers `load_weights_into`, what a minillm checkpoint, a Hugging Face folder (`--ckpt`,
-`train.init_from`) and the trainer's `init_from` all load through, and `weights_sha256`, the
-identity of a LoRA run's base. It lives apart from `store` and
-`hf_import` so that each can use it without the two importing each other.
+`train.init_from`) and the trainer's `init_from` all load through, `fit_error` (its message,
+which lazy loading, minillm.checkpoint.lazy, shares) and `weights_sha256`, the identity of a
+LoRA run's base. It lives apart from `store` and `hf_import` so that each can use it without
+the two importing each other.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 
 from minillm.errors import CheckpointError
 
 
-def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """load_state_dict with errors that name the missing, unexpected and mis-shaped tensors."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
+def fit_error(
+    own: Mapping[str, tuple[int, ...]], given: Mapping[str, tuple[int, ...]], where: str
+) -> CheckpointError | None:
+    """The error naming the missing, unexpected and mis-shaped tensors of weights `given` (name
+    -> shape) for a model whose state_dict has `own` (name -> shape); None when they fit."""
+    missing = sorted(set(own) - set(given))
+    unexpected = sorted(set(given) - set(own))
     shapes = [
-        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+        f"{k} {tuple(given[k])} vs {tuple(own[k])}"
         for k in own
-        if k in state and state[k].shape != own[k].shape
+        if k in given and tuple(given[k]) != tuple(own[k])
     ]
     problems = []
     if missing:
@@ -33,18 +37,31 @@ def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], wh
         problems.append(f"unexpected {extra}")
     if shapes:
         problems.append(f"shape mismatch {', '.join(shapes[:3])}")
-    if problems:
-        raise CheckpointError(f"{where}: weights do not fit the model: {'; '.join(problems)}")
+    if not problems:
+        return None
+    return CheckpointError(f"{where}: weights do not fit the model: {'; '.join(problems)}")
+
+
+def load_weights_into(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """load_state_dict with errors that name the missing, unexpected and mis-shaped tensors."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    error = fit_error(own, {k: tuple(v.shape) for k, v in state.items()}, where)
+    if error is not None:
+        raise error
     with torch.no_grad():
         model.load_state_dict(state, strict=True)
 
 
-def weights_sha256(state: dict[str, torch.Tensor]) -> str:
+def weights_sha256(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
     """sha256 of a state_dict's names, shapes and float32 values, in name order: the same for
-    the same weights however they were stored (a checkpoint, an HF folder in bf16 or sharded)."""
+    the same weights however they were stored (a checkpoint, an HF folder in bf16 or sharded).
+    With `dtype`, of the values rounded to it first: a LoRA base frozen in bf16 is identified
+    by what it computed with, which a float32 load of the same files reproduces."""
     h = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].detach().to("cpu", torch.float32).contiguous()
+        t = state[name].detach().to("cpu")
+        t = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).float()
+        t = t.contiguous()
         h.update(f"{name} {tuple(t.shape)}\n".encode())
         h.update(t.numpy().data)
     return h.hexdigest()

@@ -1,9 +1,9 @@
 """The options several `minillm` commands share, and the two loads they feed.
 
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
-`load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption` and
-`ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in fp32 or int8, at its
-own context or another, read by `load_ckpt`; its config alone, by `load_ckpt_config`), given
+`load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption`, `DtypeOption` and
+`ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in its own dtype, another
+or int8, at its own context or another, read by `load_ckpt`; its config alone, by `load_ckpt_config`), given
 together to a command by `ckpt_options` as one `CkptChoice`; `TemperatureOption`, `TopKOption`
 and `TopPOption` (`sample` and `chat`).
 """
@@ -76,10 +76,19 @@ QuantizeOption = typer.Option(
     "missing); none: fp32. The checkpoint is unchanged.",
 )
 
+DtypeOption = typer.Option(
+    "auto",
+    "--dtype",
+    metavar="DTYPE",
+    help="auto (the weights' own: a Hugging Face folder's config.json dtype, a run's float32), "
+    "float32, bfloat16 or float16: the weights and the KV cache in it. bfloat16 halves the "
+    "memory; on a CPU without bf16 instructions (no AMX/avx512_bf16) float32 decodes faster.",
+)
+
 
 @dataclass
 class CkptChoice:
-    """The checkpoint --ckpt (with --best) names, and how --device, --quantize and --set
+    """The checkpoint --ckpt (with --best) names, and how --device, --quantize, --dtype and --set
     (`context`) ask to load it (`load`)."""
 
     path: Path
@@ -87,16 +96,19 @@ class CkptChoice:
     device: str
     quantize: str
     context: list[str] | None
+    dtype: str = "auto"
 
     def load(self, seq_len: int | None = None) -> Any:
         """The checkpoint, loaded as the options say (`load_ckpt`; eval's --seq-len too)."""
-        return load_ckpt(self.path, self.device, self.best, self.quantize, self.context, seq_len)
+        return load_ckpt(
+            self.path, self.device, self.best, self.quantize, self.context, seq_len, self.dtype
+        )
 
 
 def ckpt_options(command: Callable[..., None]) -> Callable[..., None]:
     """`command` with the options of a command that loads a checkpoint to run it (eval, sample,
     chat, serve), declared once here: --ckpt and --best before its own options, --device,
-    --quantize and --set after them; it takes them as one parameter `ckpt: CkptChoice`."""
+    --quantize, --dtype and --set after them; it takes them as one parameter `ckpt: CkptChoice`."""
     own = inspect.signature(command, eval_str=True).parameters.values()
 
     def option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
@@ -110,14 +122,22 @@ def ckpt_options(command: Callable[..., None]) -> Callable[..., None]:
         *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p.name != "ckpt"),
         option("device", str, DeviceOption),
         option("quantize", str, QuantizeOption),
+        option("dtype", str, DtypeOption),
         option("overrides", list[str] | None, ContextSetOption),
     ]
 
     @functools.wraps(command)
     def with_ckpt(
-        *, ckpt: Path, best: bool, device: str, quantize: str, overrides: list[str] | None, **rest
+        *,
+        ckpt: Path,
+        best: bool,
+        device: str,
+        quantize: str,
+        dtype: str,
+        overrides: list[str] | None,
+        **rest,
     ) -> None:
-        command(ckpt=CkptChoice(ckpt, best, device, quantize, overrides), **rest)
+        command(ckpt=CkptChoice(ckpt, best, device, quantize, overrides, dtype), **rest)
 
     # typer reads a command's options from its signature and type hints: these, not `command`'s
     with_ckpt.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
@@ -209,20 +229,29 @@ def load_ckpt(
     quantize: str = "none",
     context: list[str] | None = None,
     seq_len: int | None = None,
+    dtype: str = "auto",
 ) -> Any:
     """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
     Hugging Face folder, which the command it is given to is first checked to suit; read at
     another context where `context` (--set) or eval's `seq_len` (--seq-len) asks (`at_context`);
-    with --quantize int8, its linear layers then made int8 (or one warning and fp32)."""
+    with --quantize int8, its linear layers then made int8 (or one warning and fp32), from
+    float32 weights; otherwise in --dtype (`auto`: the weights' own)."""
     from minillm.checkpoint.layout import is_hf_folder
+    from minillm.checkpoint.lazy import resolve_dtype
     from minillm.checkpoint.store import at_context, load_checkpoint
     from minillm.model.quantize import check_quantize
     from minillm.runtime.device import resolve_device
 
     quantize = run(check_quantize, quantize)  # before the (slow) load
+    run(resolve_dtype, dtype, None)
+    if quantize == "int8":
+        if dtype not in ("auto", "float32"):
+            run(_refuse, f"--dtype {dtype}: --quantize int8 quantizes float32 weights")
+        dtype = "float32"
     if is_hf_folder(ckpt):
         run(_check_hf_folder_use, ckpt, _ckpt_command.get())
-    loaded = run(load_checkpoint, ckpt, run(resolve_device, device, "--device"), best=best)
+    where = run(resolve_device, device, "--device")
+    loaded = run(load_checkpoint, ckpt, where, best=best, dtype=dtype)
     if context or seq_len is not None:
         loaded = run(at_context, loaded, context or [], seq_len)
     if quantize == "int8":
@@ -233,6 +262,12 @@ def load_ckpt(
         if problem is not None:
             warn(f"--quantize int8: {problem}; running in fp32")
     return loaded
+
+
+def _refuse(message: str) -> None:
+    from minillm.errors import UserError
+
+    raise UserError(message)
 
 
 def _check_hf_folder_use(folder: Path, ctx: typer.Context | None) -> None:

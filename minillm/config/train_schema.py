@@ -174,7 +174,9 @@ class TrainConfig(Section):
     device: str = setting("auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = setting(
         "auto",
-        help="auto = bf16 on a CUDA GPU that supports it, else fp32. fp16 uses a GradScaler.",
+        help="auto = bf16 on a CUDA GPU that supports it and on a CPU where a matmul probe finds "
+        "bf16 faster (AMX, avx512_bf16), else fp32. fp16 uses a GradScaler. A LoRA run's "
+        "frozen base is held in bf16/fp16 (its adapters in fp32).",
     )
     compile: bool = setting(False, help="Wrap the model in torch.compile.")
     parallel: Literal["ddp", "fsdp"] = setting(

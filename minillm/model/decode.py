@@ -62,16 +62,17 @@ class Decoder:
         # residual add, (x, y) -> x + y W^T. An int8 model's layers are their own
         # (minillm.model.quantize). The FFN as (gate_up, down, None), or a mixture of experts as
         # (None, None, the MoE module).
+        t = transposed_copies(model)  # the rule: COPY_LIMIT_BYTES
         ffns = [
             (None, None, block.ffn)
             if isinstance(block.ffn, MoE)
-            else (_projection(block.ffn.w_gate_up), _residual(block.ffn.w_down), None)
+            else (_projection(block.ffn.w_gate_up, t), _residual(block.ffn.w_down), None)
             for block in model.blocks
         ]
         self.layers = [
             (
                 block.attn_norm.weight,
-                _projection(block.attn.wqkv),  # with model.attention_bias's bias
+                _projection(block.attn.wqkv, t),  # with model.attention_bias's bias
                 _residual(block.attn.wo),
                 block.ffn_norm.weight,
                 *ffn,
@@ -91,7 +92,7 @@ class Decoder:
         self.rowwise_attention = getattr(model, "quantized", None) == "int8"
         self.embedding = model.tok_emb.weight
         self.head = (
-            _projection(model.lm_head)
+            _projection(model.lm_head, t)
             if model.lm_head is not None
             else partial(F.linear, weight=model.tok_emb.weight)
         )
@@ -100,7 +101,7 @@ class Decoder:
         # streams W^T's rows; the other reads each of V rows for one dot product), 11% of a
         # step at every shape of scripts/bench_sample.py. It costs a second head in memory,
         # so only float heads on the CPU; several rows use F.linear, which is as fast there.
-        self.head_t = _transposed_head(model)
+        self.head_t = _transposed_head(model) if t else None
         self.norm, self.eps = model.norm.weight, cfg.norm_eps
         self.rope = (model.rope_cos, model.rope_sin, model.rope_rotate_half)
 
@@ -206,6 +207,23 @@ def fast_path_serves(cfg: ModelConfig) -> bool:
     )
 
 
+# The transposed copies pay for float32 weights only: x @ W^T in bfloat16 or float16 ran 10-17x
+# slower than F.linear(x, W) for one row on an AVX2 CPU (torch 2.13, 1.1B's shapes and smaller),
+# and fit only below a size: they add ~0.8x the weights (q/k/v, gate/up, the head), which a
+# published model (1B and up) cannot spare and where they gain nothing (its products are bound by
+# memory bandwidth either way): a 1.1B model's token 2,334 ms with them, 2,233 without; a 24M
+# model's 687 vs 892 (scripts/bench_load.py decode, loadavg ~11).
+COPY_LIMIT_BYTES = 2**30
+
+
+def transposed_copies(model: Transformer) -> bool:
+    """Whether the decoder multiplies copies of W^T: float32 weights of at most
+    COPY_LIMIT_BYTES in all (the reasons above)."""
+    if model.tok_emb.weight.dtype != torch.float32:  # (an int8 head has no float weight)
+        return False
+    return sum(p.numel() * p.element_size() for p in model.parameters()) <= COPY_LIMIT_BYTES
+
+
 # One transposed copy of each weight that `_projection` and the head read as W^T, made anew when
 # the weights change (an optimizer step between GRPO's rollouts bumps the tensor's version): an
 # Engine, and so a Decoder, is made for every `generate` call.
@@ -235,7 +253,7 @@ def _transposed_head(model: Transformer) -> torch.Tensor | None:
     return _transposed(model.head_weight)
 
 
-def _projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _projection(linear: nn.Module, transpose: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """x (n, in) -> linear(x): a layer with float weights (nn.Linear, LoRA's merged `weight`) as
     one op on them (a module call costs more on a CPU's decode step), an int8 one as its forward.
 
@@ -244,12 +262,14 @@ def _projection(linear: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     reads each of `out` rows for one dot product (the head's reason, Decoder.__init__): the
     decode step's largest products at every shape of scripts/bench_sample.py, for a second
     copy of them in memory. Narrower ones (attn.wo, w_down) are as fast or faster as they are.
+    Only with `transpose` (`transposed_copies`).
     """
     weight = getattr(linear, "weight", None)
     if not isinstance(weight, torch.Tensor):
         return linear.forward  # not the module call: a decode step makes 4 a layer
     bias = linear.bias
-    weight_t = _transposed(weight) if weight.shape[0] > weight.shape[1] else None
+    wide = transpose and weight.shape[0] > weight.shape[1]
+    weight_t = _transposed(weight) if wide else None
     if weight_t is None:
         return partial(F.linear, weight=weight, bias=bias)
     if bias is None:

@@ -48,15 +48,19 @@ class LoRALinear(nn.Module):
         self.base = base.requires_grad_(False)
         self.rank, self.scale = rank, alpha / rank
         w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(rank, w.shape[1], device=w.device, dtype=w.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device, dtype=w.dtype))
+        # The adapters in float32 over a base frozen in bf16/fp16 (train.precision's compute
+        # dtype): their updates, gradients and optimizer state keep float32's precision.
+        dtype = w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32
+        self.lora_A = nn.Parameter(torch.empty(rank, w.shape[1], device=w.device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device, dtype=dtype))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # peft's (and nn.Linear's) init
         # No dropout module at p = 0: even then it would copy x, an activation kept per layer.
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        low = F.linear(self.drop(x), self.lora_A)  # (..., r)
-        update = F.linear(low, self.lora_B)  # (..., out)
+        # (.to: a no-op but for float32 adapters on a half-precision base, outside autocast)
+        low = F.linear(self.drop(x), self.lora_A.to(x.dtype))  # (..., r)
+        update = F.linear(low, self.lora_B.to(low.dtype))  # (..., out)
         # In place on the base output (its backward needs neither): no third (..., out) tensor.
         return self.base(x).add_(update, alpha=self.scale)
 
@@ -69,7 +73,8 @@ class LoRALinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The merged W + scale B A: what a reader of the weights (the decoding fast path,
         `minillm.model.decode.Decoder`) must multiply by to compute this layer's function."""
-        return torch.addmm(self.base.weight, self.lora_B, self.lora_A, alpha=self.scale)
+        w = self.base.weight
+        return torch.addmm(w, self.lora_B.to(w.dtype), self.lora_A.to(w.dtype), alpha=self.scale)
 
 
 class TokenRows(nn.Module):

@@ -8,9 +8,11 @@ Offers `resolve_device`, `sum_dtype`, `one_row_threads`, `threads`, `resolve_pre
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,10 +90,39 @@ def _native_bf16() -> bool:
         return torch.cuda.is_bf16_supported()
 
 
-def resolve_precision(name: str, device: torch.device) -> str:
-    """`auto` is bf16 on a CUDA GPU that supports it, else fp32 (bf16 matmul on CPUs is slow)."""
+@functools.cache
+def cpu_bf16_faster() -> bool:
+    """Whether bf16 matmuls run clearly (1.3x) faster than fp32's on this CPU: a probe of
+    (1024, 1024) products, best of 5 timings of each (~0.1 s), once a process. A CPU without
+    AVX-512 (torch's capability AVX2 or less) has no bf16 instructions: no probe, False."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "AVX512" not in capability and "AMX" not in capability:
+        return False
+
+    def rate(dtype: torch.dtype) -> float:
+        gen = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(1024, 1024, generator=gen).to(dtype) for _ in range(2))
+        torch.mm(a, b)  # warm-up: kernel selection, thread pool
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        return 1.0 / best
+
+    return rate(torch.bfloat16) > 1.3 * rate(torch.float32)
+
+
+def resolve_precision(
+    name: str, device: torch.device, bf16_faster: Callable[[], bool] = cpu_bf16_faster
+) -> str:
+    """`auto` is bf16 on a CUDA GPU that supports it, and on a CPU where `bf16_faster()` (a
+    matmul probe: Intel's AMX and avx512_bf16 ran a 9.9M model's training 2.2x faster in bf16
+    autocast, AVX2 CPUs 10x slower), else fp32."""
     if name == "auto":
         if device.type == "cuda" and _native_bf16():
+            return "bf16"
+        if device.type == "cpu" and bf16_faster():
             return "bf16"
         return "fp32"
     if name == "bf16" and device.type == "cuda" and not _native_bf16():

@@ -30,6 +30,7 @@ from minillm.config import Config
 from minillm.errors import ConfigError
 from minillm.families import with_family
 from minillm.runtime.device import (
+    PRECISION_DTYPES,
     autocast_context,
     enable_tf32,
     resolve_device,
@@ -68,7 +69,9 @@ class Run:
     tokenizer_sha: str
     tokenizer: Tokenizer
     objective: Objective  # train.objective, its data read and checked
-    init_weights: dict[str, torch.Tensor] | None  # init_from's weights; None: from the seed
+    # init_from's model (built lazily: float32, or a LoRA run's frozen base in the compute
+    # dtype, `base_dtype`); None: from the seed
+    init_weights: torch.nn.Module | None
     init_label: str | None  # where they came from: `runs/x (step_000400)`, or the HF folder
     resume_from: Path | None  # the checkpoint to continue from; None: a fresh start
     probes: TrainingProbes | None
@@ -167,10 +170,11 @@ def prepare_run(
             # too, and must be the one the run started from.
             # An objective with a reference compares against init_from on a resume too.
             keep = cfg.train.lora.rank or objective.needs_start_weights
+            dtype = base_dtype(cfg, precision, resume_from)
             if tc.init_from and (resume_from is None or keep):
-                init_weights, init_label = load_init_weights(tc.init_from)
+                init_weights, init_label = load_init_weights(tc.init_from, cfg.model, dtype)
             if cfg.train.lora.rank:
-                base = _lora_base(cfg, init_weights, resume_from, dist)
+                base = _lora_base(cfg, init_weights.state_dict(), resume_from, dist, dtype)
             fsdp = dist.enabled and cfg.train.parallel == "fsdp"
             probes = TrainingProbes.create(
                 cfg, tokenizer_file, device, autocast_context(device, precision),
@@ -203,11 +207,24 @@ def prepare_run(
     )
 
 
+def base_dtype(cfg: Config, precision: str, resume_from: Path | None) -> torch.dtype:
+    """The dtype init_from's weights load in: a LoRA run's frozen base in the compute dtype of
+    train.precision (bf16, fp16: its adapters stay float32), as its checkpoints record it on a
+    resume; float32 otherwise (the trained weights are the optimizer's float32 masters)."""
+    if not cfg.train.lora.rank:
+        return torch.float32
+    if resume_from is not None:
+        recorded = ckpt.lora_base_of(layout.read_state(resume_from)) or {}
+        return getattr(torch, str(recorded.get("dtype", "float32")), torch.float32)
+    return PRECISION_DTYPES.get(precision, torch.float32)
+
+
 def _lora_base(
     cfg: Config,
     weights: dict[str, torch.Tensor],
     resume_from: Path | None,
     dist: DistInfo,
+    dtype: torch.dtype,
 ) -> dict[str, str]:
     """The identity of a LoRA run's base (what its checkpoints record); on a resume, a base
     whose weights are not those the run's checkpoint records is a ConfigError naming it."""
@@ -217,7 +234,7 @@ def _lora_base(
             "LoRA does not run under train.parallel: fsdp (a frozen base is no memory for "
             "sharding to save); use parallel: ddp",
         )
-    base = lora_base(cfg.train.init_from, weights)
+    base = lora_base(cfg.train.init_from, weights, dtype)
     recorded = ckpt.lora_base_of(layout.read_state(resume_from)) if resume_from else None
     if recorded is not None and recorded["sha256"] != base["sha256"]:
         raise ConfigError(

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from minillm.checkpoint.weights import load_weights_into
 from minillm.config import Config, dump_config
 from minillm.errors import UserError, warn
 from minillm.model import Transformer, use_cpu_kernels
@@ -79,11 +78,11 @@ class Trainer:
         self.probes, self.objective = run.probes, run.objective
         tc = self.cfg.train
         seed_everything(tc.seed)  # the same initial weights on every rank
-        self.model = use_cpu_kernels(Transformer(self.cfg.model))  # eager CPU training kernels
+        # init_from's model was built lazily, its weights read once (minillm.checkpoint.lazy)
+        model = run.init_weights if run.init_weights is not None else Transformer(self.cfg.model)
+        self.model = use_cpu_kernels(model.train())  # eager CPU training kernels
         self.model.activation_checkpointing = tc.activation_checkpointing
-        if run.init_weights is not None:
-            load_weights_into(self.model, run.init_weights, tc.init_from)
-        elif tc.zero_init_residual:  # a resume loads its own weights below
+        if run.init_weights is None and tc.zero_init_residual:  # a resume loads its own below
             with torch.no_grad():
                 for w in self.model.residual_projections():
                     w.zero_()

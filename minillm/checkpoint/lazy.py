@@ -1,0 +1,204 @@
+"""Lazy loading: a model built without memory for its weights, then filled tensor by tensor.
+
+Offers `LazySafetensors(files)` (a read-only Mapping over safetensors files that reads one
+tensor, memory-mapped, when it is looked up), `empty_model(cfg)` (a Transformer whose
+parameters are on the meta device: no memory, no init), `fill_model(model, tensors, where,
+dtype, device)` (each parameter materialised once, in `dtype`, on `device`, from an iterable of
+(our name, tensor)), `stored_dtype` / `resolve_dtype` (what `--dtype auto` means) and
+`DTYPES`, the names `--dtype` takes.
+
+Why this shape: a published model's weights are as large as the host's memory allows, so no
+step may hold them twice. A tensor read here is a view of the file's pages (the mapping lives as
+long as the tensor); converting it to the run's dtype or moving it to the GPU copies it once and
+lets the view go, and a tensor already in the run's dtype on the CPU becomes the parameter as it
+is (a private, copy-on-write mapping: the file is never written). The errors for weights that do
+not fit are `minillm.checkpoint.weights.fit_error`'s, as an eager load's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from minillm.checkpoint.weights import fit_error
+from minillm.errors import CheckpointError, UserError
+
+# --dtype's names; "auto" is the weights' own (`stored_dtype`).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors' dtype names of the float types a model computes in.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _unreadable(path: Path, e: Exception) -> CheckpointError:
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return CheckpointError(f"{path}: not a readable safetensors file ({reason})")
+
+
+class LazySafetensors(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors `files` by name, each read (memory-mapped) on lookup.
+
+    Only the files' headers are read here. Each lookup opens its file anew, so no mapping
+    outlives the tensors taken from it: the pages read count as this process's memory only
+    while a tensor holds them. A file that cannot be read is a CheckpointError naming it.
+    """
+
+    def __init__(self, files: Sequence[str | Path]) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self._file_of: dict[str, Path] = {}
+        self._dtype_of: dict[str, str] = {}
+        for path in map(Path, files):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for key in f.keys():
+                        self._file_of.setdefault(key, path)
+                        self._dtype_of.setdefault(key, f.get_slice(key).get_dtype())
+            except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+                raise _unreadable(path, e) from None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        path = self._file_of[key]  # a KeyError, as a dict's, for a name no file has
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise _unreadable(path, e) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._file_of
+
+    def float_dtype(self) -> torch.dtype | None:
+        """The dtype most of the float tensors are stored in (by count), from the headers; None
+        where none is a float32, bfloat16 or float16."""
+        counts: dict[torch.dtype, int] = {}
+        for name in self._dtype_of.values():
+            if name in _SAFETENSORS_DTYPES:
+                counts[_SAFETENSORS_DTYPES[name]] = counts.get(_SAFETENSORS_DTYPES[name], 0) + 1
+        return max(counts, key=counts.__getitem__) if counts else None
+
+
+def resolve_dtype(name: str | torch.dtype | None, stored: torch.dtype | None) -> torch.dtype:
+    """--dtype as a torch dtype: `auto` the weights' own (`stored`; float32 where unknown),
+    None float32 (what a caller that names none has always had). A UserError names a value
+    that is none of auto, float32, bfloat16, float16."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None:
+        return torch.float32
+    if name == "auto":
+        return stored or torch.float32
+    if name not in DTYPES:
+        raise UserError(f"--dtype: {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def stored_dtype(hf_config: Mapping[str, object], tensors: LazySafetensors) -> torch.dtype:
+    """What `--dtype auto` loads a Hugging Face folder in, as transformers does: config.json's
+    `dtype` (`torch_dtype` before transformers 5) where it names a float type, else the dtype
+    the weights are stored in, else float32."""
+    for key in ("dtype", "torch_dtype"):
+        value = hf_config.get(key)
+        if isinstance(value, str) and value.removeprefix("torch.") in DTYPES:
+            return DTYPES[value.removeprefix("torch.")]
+    return tensors.float_dtype() or torch.float32
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device (no memory, its init a no-op);
+    buffers (RoPE tables, which no checkpoint stores) are computed as usual. The allocation
+    each layer makes before its weight is moved is never written, so it costs no memory. The
+    initialisers are skipped: the first random fill of a meta tensor imports torch's meta
+    kernels, ~170 MB of host memory for nothing."""
+    register = nn.Module.register_parameter
+    inits = {name: getattr(nn.init, name) for name in _INITS}
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    def skip(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return tensor
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    for name in _INITS:
+        setattr(nn.init, name, skip)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        for name, init in inits.items():
+            setattr(nn.init, name, init)
+
+
+# What nn.Linear, nn.Embedding and Transformer.reset_parameters initialise with.
+_INITS = ("normal_", "uniform_", "kaiming_uniform_", "ones_", "zeros_", "trunc_normal_")
+
+
+def empty_model(cfg: object) -> nn.Module:
+    """The Transformer of ModelConfig `cfg` with its parameters on the meta device, for
+    `fill_model` (its buffers real, on the CPU)."""
+    from minillm.model import Transformer
+
+    with _parameters_on_meta():
+        return Transformer(cfg)  # type: ignore[arg-type]
+
+
+def fill_model(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    where: str,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Materialise `model`'s parameters from (our name, tensor) pairs, one at a time: each in
+    `dtype` on `device` (persistent buffers, a router's bias, keep their own dtype), then its
+    other buffers moved to `device`; the model in eval mode. Names missing, unexpected or
+    mis-shaped are one CheckpointError naming `where` (the message of an eager load)."""
+    device = torch.device(device)
+    slots: dict[str, tuple[nn.Module, str, bool]] = {}
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for leaf, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(prefix + leaf, (module, leaf, True))
+        for leaf, b in module._buffers.items():
+            if b is not None and leaf not in module._non_persistent_buffers_set:
+                slots.setdefault(prefix + leaf, (module, leaf, False))
+    own = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    given: dict[str, tuple[int, ...]] = {}
+    for name, tensor in tensors:
+        given[name] = tuple(tensor.shape)
+        if name not in slots or given[name] != own[name]:
+            continue  # reported below, with every other problem
+        module, leaf, is_param = slots[name]
+        old = module._parameters[leaf] if is_param else module._buffers[leaf]
+        assert old is not None
+        want = dtype if is_param and tensor.is_floating_point() else old.dtype
+        value = tensor.to(device=device, dtype=want).contiguous()
+        if is_param:
+            module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+        else:
+            module._buffers[leaf] = value
+        del tensor, value  # the file's pages go with the last view of them
+    error = fit_error(own, given, where)
+    if error is not None:
+        raise error
+    for module in model.modules():
+        for leaf, b in module._buffers.items():
+            if b is not None and b.device != device:
+                module._buffers[leaf] = b.to(device)
+    return model.eval()
