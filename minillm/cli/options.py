@@ -1,10 +1,10 @@
 """The options several `minillm` commands share, and the two loads they feed.
 
 `ConfigArgument` and `SetOption` (a YAML config and its `--set` overrides, read by
-`load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption`, `DtypeOption` and
-`ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in its own dtype, another
-or int8, at its own context or another, read by `load_ckpt`; its config alone, by `load_ckpt_config`), given
-together to a command by `ckpt_options` as one `CkptChoice`; `TemperatureOption`, `TopKOption`
+`load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption`, `DtypeOption`
+and `ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in its own dtype,
+another or int8, at its own context or another, read by `load_ckpt`; its config alone, by
+`load_ckpt_config`), given together to a command by `ckpt_options` as one `CkptChoice`; `TemperatureOption`, `TopKOption`
 and `TopPOption` (`sample` and `chat`).
 """
 
