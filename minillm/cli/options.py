@@ -4,8 +4,8 @@
 `load_config`); `CkptOption`, `BestOption`, `DeviceOption`, `QuantizeOption`, `DtypeOption`
 and `ContextSetOption` (a checkpoint or a Hugging Face folder on a device, in its own dtype,
 another or int8, at its own context or another, read by `load_ckpt`; its config alone, by
-`load_ckpt_config`), given together to a command by `ckpt_options` as one `CkptChoice`; `TemperatureOption`, `TopKOption`
-and `TopPOption` (`sample` and `chat`).
+`load_ckpt_config`), given together to a command by `ckpt_options` as one `CkptChoice`;
+`TemperatureOption`, `TopKOption` and `TopPOption` (`sample` and `chat`).
 """
 
 from __future__ import annotations
