@@ -4,8 +4,9 @@ Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and 
 `InitSource` / `init_source(path)` (what `train.init_from` names), `init_weights(path)` and
 `lora_base(path, weights)` (the base identity a LoRA run records).
 
-`train.init_from` names a Hugging Face Llama folder, or a minillm run directory (its newest intact
-checkpoint) or one checkpoint. `load_run_config` is the one place it is applied to a config: the
+`train.init_from` names a Hugging Face Llama folder (or its Hub name `org/name`, fetched into the
+hub's cache: minillm.checkpoint.hub), or a minillm run directory (its newest intact checkpoint)
+or one checkpoint. `load_run_config` is the one place it is applied to a config: the
 model is then that source's (a model section of the config is not used, and a warning names its
 keys that differ) but for the keys no weight depends on, `model.max_seq_len` and
 `model.rope_scaling` (POSITION_KEYS: a context extension's), which the config may set; an empty
@@ -31,6 +32,7 @@ import torch
 from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.hf_import import hf_model_config, import_hf_folder
+from minillm.checkpoint.hub import resolve_model_path
 from minillm.checkpoint.weights import weights_sha256
 from minillm.config import (
     POSITION_KEYS,
@@ -74,7 +76,8 @@ def init_source(path: str, file: str | None = None) -> InitSource:
         raise ConfigError("train.init_from", str(e), file) from None
 
 
-def _init_source(path: str) -> InitSource:
+def _init_source(name: str) -> InitSource:
+    path = str(resolve_model_path(name))  # a hub name: its snapshot in the hub's cache
     if not _is_minillm(path):
         model = hf_model_config(path)
         tok = Path(path) / layout.TOKENIZER_FILE
@@ -83,7 +86,7 @@ def _init_source(path: str) -> InitSource:
                 f"{path}: no {layout.TOKENIZER_FILE} (minillm needs the fast tokenizer file of "
                 "the model)"
             )
-        return InitSource(path, model, tok, load_tokenizer(tok).get_vocab_size(), False)
+        return InitSource(name, model, tok, load_tokenizer(tok).get_vocab_size(), False)
     found = layout.resolve_checkpoint(path, verify=False)  # the config only; init_weights verifies
     cfg = config_from_dict(layout.read_state(found)["config"], file=str(found / layout.STATE_FILE))
     # A run directory's own copy (stable while its checkpoints get pruned), else the checkpoint's.
@@ -99,9 +102,9 @@ def init_weights(path: str) -> tuple[dict[str, torch.Tensor], str]:
     """The float32 state_dict `train.init_from` names (a checkpoint's is integrity-checked first)
     and where it came from, for the banner: `runs/x (step_000400)` for a run directory (its
     newest intact checkpoint), else the checkpoint or Hugging Face folder as given. A LoRA run's
-    weights are its base with the adapters merged."""
+    weights are its base with the adapters merged. A hub name reads its cached snapshot."""
     if not _is_minillm(path):
-        return import_hf_folder(path)[1], path
+        return import_hf_folder(resolve_model_path(path))[1], path
     found = layout.resolve_checkpoint(path)
     given_one = (Path(path) / layout.STATE_FILE).is_file()
     label = path if given_one else f"{path} ({found.name})"
@@ -115,7 +118,7 @@ def lora_base(path: str, weights: dict[str, torch.Tensor]) -> dict[str, str]:
     state.json): train.init_from as given, the folder the weights came from (a run directory's
     newest checkpoint, resolved now), that folder's absolute path, and the sha256 of the weights
     (`weights_sha256`)."""
-    source = Path(path)
+    source = resolve_model_path(path)  # a hub name: the snapshot its weights came from
     if _is_minillm(path):
         source = layout.resolve_checkpoint(path)  # the one init_weights read (intact)
     return {
