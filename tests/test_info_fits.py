@@ -43,8 +43,9 @@ def test_the_four_jobs_against_hand_computed_bytes() -> None:
         "activations": 32 * (4 * 64 + 2 * 96) * 2 + 320 * 4,
         "total": 2 * PARAMS + 8192 + 29952,
     }
+    lora_total = 2 * PARAMS + 16 * ADAPTERS + ACTS
     assert fits["lora"] == {"weights": 2 * PARAMS, "adapters": 16 * ADAPTERS,
-                            "activations": ACTS, "total": 2 * PARAMS + 16 * ADAPTERS + ACTS}  # fmt: skip
+                            "activations": ACTS, "total": lora_total}  # fmt: skip
     qweights = 2 * (PARAMS - 2 * LINEAR) + round(2 * LINEAR * NF4)
     assert qweights == 82560 + 31695
     assert fits["qlora"] == {
