@@ -19,6 +19,7 @@ continues bit for bit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import time
@@ -84,6 +85,8 @@ class Trainer:
         self.model.activation_checkpointing = tc.activation_checkpointing
         if run.init_weights is not None:
             load_weights_into(self.model, run.init_weights, tc.init_from)
+            # Copied into the model: let go of them, or the run holds a second copy of the base.
+            self.run = dataclasses.replace(run, init_weights=None)
         elif tc.zero_init_residual:  # a resume loads its own weights below
             with torch.no_grad():
                 for w in self.model.residual_projections():
