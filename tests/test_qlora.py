@@ -142,7 +142,8 @@ def test_step_zero_loss_equals_peft_on_bitsandbytes(folder: Path, tmp_path: Path
 def test_training_exports_merged_and_peft_adapters_that_peft_loads(
     folder: Path, tmp_path: Path
 ) -> None:
-    """Two QLoRA steps through the CLI; `export` merges the adapters into the dequantized base
+    """Two QLoRA steps through the CLI and one more resumed; `export` merges the adapters into
+    the dequantized base
     (the function eval scores), and `--format peft`'s adapters on transformers' 4-bit base give
     that merged model's logits."""
     path = qlora_config(tmp_path, folder)
@@ -150,6 +151,9 @@ def test_training_exports_merged_and_peft_adapters_that_peft_loads(
         result = runner.invoke(app, command)
         assert result.exit_code == 0, result.output
     run = tmp_path / "run"
+    resumed = runner.invoke(app, ["train", str(path), "--set", "train.max_steps=3"])
+    assert resumed.exit_code == 0, resumed.output  # the base quantized again, the adapters loaded
+    assert (run / "checkpoints" / "step_000003").is_dir()
     for fmt in ("hf", "peft"):
         result = runner.invoke(app, ["export", "--ckpt", str(run), "--out", str(tmp_path / fmt),
                                      "--format", fmt])  # fmt: skip
