@@ -77,7 +77,8 @@ def init_source(path: str, file: str | None = None) -> InitSource:
 
 
 def _init_source(name: str) -> InitSource:
-    path = str(resolve_model_path(name))  # a hub name: its snapshot in the hub's cache
+    # A hub name: its config and tokenizer (`tokenize` and `info` read no weights).
+    path = str(resolve_model_path(name, weights=False))
     if not _is_minillm(path):
         model = hf_model_config(path)
         tok = Path(path) / layout.TOKENIZER_FILE
