@@ -114,6 +114,7 @@ def test_sample_eval_and_info_read_a_hub_name_from_the_cache(published, offline:
     by_path = runner.invoke(app, ["eval", "--ckpt", str(folder), "--data", str(data), "--json"])
     assert by_name.exit_code == 0, by_name.output
     assert json.loads(by_name.stdout) == json.loads(by_path.stdout)
+    assert "org/tiny" in runner.invoke(app, ["info", "--ckpt", "org/tiny"]).stdout  # its title
     info = runner.invoke(app, ["info", "--ckpt", "org/tiny", "--json"])
     assert info.exit_code == 0, info.output
     assert (

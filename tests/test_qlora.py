@@ -96,6 +96,17 @@ def test_a_fused_projection_is_quantized_per_module() -> None:
     assert not torch.equal(NF4Linear(torch.cat([q, k, v])).dequantized(), alone)
 
 
+def test_a_quantized_model_counts_the_same_flops() -> None:
+    """MFU's FLOPs per token do not drop when the base's weights become NF4 buffers."""
+    from minillm.model import Transformer
+    from minillm.model.nf4 import quantize_nf4
+    from tests.helpers import tiny_model_config
+
+    model = Transformer(tiny_model_config(vocab_size=320)).eval()
+    before = model.flops_per_token(32)
+    assert quantize_nf4(model).flops_per_token(32) == before
+
+
 def test_a_step_is_backward_through_4_bits_and_trains_the_adapters_only() -> None:
     """The gradient of x through NF4Linear is the dequantized weight's, in float64 terms."""
     torch.manual_seed(2)

@@ -113,8 +113,10 @@ def info(
         print_error("--best: only with --ckpt (a run directory)")
         raise typer.Exit(2)
     if ckpt is not None:
-        # A hub name: its config and tokenizer alone (info reads no weights).
-        cfg, title = load_ckpt_config(hub_ckpt(ckpt, weights=False), best, set_)
+        # A hub name: its config and tokenizer alone (info reads no weights), titled by name.
+        local = hub_ckpt(ckpt, weights=False)
+        cfg, title = load_ckpt_config(local, best, set_)
+        title = title if local == ckpt else str(ckpt)
     else:
         cfg, title = load_config(config, set_), str(config)
     result = run(model_info, cfg)

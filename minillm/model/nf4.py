@@ -123,6 +123,12 @@ class NF4Linear(nn.Module):
         """x + this(y): the decoder's residual add (minillm.model.decode)."""
         return x + self(y)
 
+    @property
+    def buffer_weight_numel(self) -> int:
+        """The weight's numel, for the model's FLOPs (Transformer.flops_per_token counts the
+        parameters, and this weight is held in buffers)."""
+        return self.out_features * self.in_features
+
     def nbytes(self) -> int:
         """Bytes held: the packed codes and their (double-quantized) scales."""
         total = 0
