@@ -215,3 +215,28 @@ def test_bad_quantize_settings_are_one_error_line(
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert what in error_line(result)
+
+
+def test_a_bf16_step_moves_the_adapters_and_keeps_the_codes(folder: Path, tmp_path: Path) -> None:
+    """Under bf16 autocast a QLoRA step is finite, trains only the adapters (fp32) and leaves
+    the 4-bit codes as they were."""
+    from minillm.checkpoint.init_from import load_run_config
+
+    path = qlora_config(tmp_path, folder)
+    assert runner.invoke(app, ["tokenize", str(path)]).exit_code == 0
+    cfg = load_run_config(path, ["train.precision=bf16"])
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        layers = [m for m in trainer.model.modules() if isinstance(m, NF4Linear)]
+        assert len(layers) == 4 * cfg.model.n_layer
+        codes = [m.packed0.clone() for m in layers]
+        trained = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+                   if p.requires_grad}  # fmt: skip
+        assert trained and all(v.dtype == torch.float32 for v in trained.values())
+        out = trainer.train_step()
+        assert out.finite
+        after = dict(trainer.model.named_parameters())
+        assert any(not torch.equal(after[n], v) for n, v in trained.items())
+        assert all(torch.equal(m.packed0, c) for m, c in zip(layers, codes, strict=True))
+    finally:
+        trainer.close()
