@@ -240,3 +240,32 @@ def test_a_bf16_step_moves_the_adapters_and_keeps_the_codes(folder: Path, tmp_pa
         assert all(torch.equal(m.packed0, c) for m, c in zip(layers, codes, strict=True))
     finally:
         trainer.close()
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_layer_moves_and_is_linear4bits(folder: Path, tmp_path: Path) -> None:
+    """Quantized on the CPU and moved (as the Trainer does), the layer computes bitsandbytes'
+    CUDA Linear4bit; a QLoRA step on the GPU holds its base in 4 bits (peak memory printed for
+    scripts/gpu_check.sh's log)."""
+    from minillm.checkpoint.init_from import load_run_config
+
+    torch.manual_seed(0)
+    w, x = torch.randn(256, 128) * 0.05, torch.randn(5, 128, device="cuda")
+    ours = NF4Linear(w).to("cuda")
+    ref = bnb.nn.Linear4bit(128, 256, bias=False, compute_dtype=torch.float32, quant_type="nf4",
+                            compress_statistics=True)  # fmt: skip
+    ref.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="nf4",
+                                   compress_statistics=True)  # fmt: skip
+    ref = ref.to("cuda")
+    assert rel_close(ours(x), ref(x), 1e-4)
+    path = qlora_config(tmp_path, folder)
+    assert runner.invoke(app, ["tokenize", str(path)]).exit_code == 0
+    cfg = load_run_config(path, ["train.device=cuda", "train.precision=bf16"])
+    torch.cuda.reset_peak_memory_stats()
+    trainer = make_trainer(cfg, verbose=False)
+    try:
+        assert trainer.train_step().finite
+        assert all(m.packed0.is_cuda for m in trainer.model.modules() if isinstance(m, NF4Linear))
+        print(f"QLoRA step peak GPU memory: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
+    finally:
+        trainer.close()
