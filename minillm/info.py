@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from minillm.config import Config
+from minillm.fits import fits_rows, memory_fits
 from minillm.model import Transformer
 from minillm.model.lora import add_lora, trainable_frozen
 from minillm.model.param_groups import split_summary
@@ -137,6 +138,8 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         "memory_bytes": memory,
         # Per micro-batch of the config (one sequence under auto), without and with checkpointing.
         "activation_bytes": {"full": micro * per_seq[False], "checkpointed": micro * per_seq[True]},
+        # What it takes to run it, LoRA, QLoRA and fully fine-tune it (minillm.fits).
+        "fits": memory_fits(cfg, half, per_seq[t.activation_checkpointing]),
     }
 
 
@@ -239,6 +242,8 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
     table.add_row(
         "activations: full / ckpt", f"{act['full'] / GiB:.2f} / {act['checkpointed'] / GiB:.2f} GiB"
     )
+    for row in fits_rows(info["fits"]):
+        table.add_row(*row)
     console = Console(markup=False)  # the title is the config's path: text, not markup
     console.print(title)  # a line of its own: a long path is not wrapped to the table's width
     console.print(table)

@@ -5,6 +5,7 @@ branch outside the registry, no objective reaching into the Trainer)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -194,6 +195,50 @@ def test_lm_keeps_its_dropout(bases: Path, tmp_path: Path) -> None:
         torch.manual_seed(2)
         b = trainer.objective.loss(trainer.model, batch[0], torch.tensor([1.0]))
         assert not torch.equal(a.loss, b.loss)
+    finally:
+        trainer.close()
+
+
+# ----------------------------------------------------------------------------- batch 1
+
+
+def chat_lm_trainer(tmp_path: Path, **train: Any) -> Any:
+    """An lm Trainer on tokenized chat data (loss on the assistant turns, documents packed)."""
+    from minillm.data.tokenize_pass import write_shards
+    from tests.helpers import tiny_config
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {a + 3}?"},
+                          {"role": "assistant", "content": f"{a} + {a + 3} = {2 * a + 3}"}]}
+            for a in range(60)]  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = dict(source=str(tmp_path / "chat.jsonl"), text_field="messages", loss_on="assistant")
+    cfg = tiny_config(tmp_path, data=data, train=dict(max_steps=4, **train))
+    write_shards(cfg)
+    return make_trainer(cfg, verbose=False)
+
+
+@pytest.mark.parametrize("objective", ["lm", "dpo", "grpo"])
+def test_batch_size_one_trains_under_every_objective(
+    bases: Path, tmp_path: Path, objective: str
+) -> None:
+    """train.batch_size: 1 takes finite steps that move the weights; with chat data (issue 60)
+    the targets' -100 once leaked into the inputs and the embedding raised IndexError."""
+    if objective == "lm":
+        trainer = chat_lm_trainer(tmp_path, batch_size=1)
+        assert trainer.objective.chat and trainer.objective.packing.doc_mask
+    else:
+        trainer = trainer_of(bases, tmp_path, objective, batch_size=1)
+    try:
+        before = weights(trainer)
+        for _ in range(2):
+            batch = trainer.batches(trainer.state.step)
+            rows = [m.tokens.shape[0] if objective == "lm" else len(m) for m in batch]
+            assert rows == [1] * len(batch)  # one row (pair, prompt) per micro-batch
+            out = trainer.train_step(batch)
+            trainer.count_step(out)
+            assert out.finite and math.isfinite(float(out.loss))
+        after = weights(trainer)
+        assert any(not torch.equal(before[k], v) for k, v in after.items())
     finally:
         trainer.close()
 

@@ -303,4 +303,4 @@ def test_the_kernel_check_names_a_missing_op(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("command", ["sample", "chat", "eval", "serve"])
 def test_a_bad_quantize_value_is_one_error_line(runs: dict[str, Path], command: str) -> None:
     result = runner.invoke(app, [command, "--ckpt", str(runs["untied"]), "--quantize", "int4"])
-    assert error_line(result) == "error: --quantize: 'int4' is not one of none, int8"
+    assert error_line(result) == "error: --quantize: 'int4' is not one of none, int8, nf4"

@@ -5,8 +5,9 @@ Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and 
 dtype)` (its model, loaded lazily) and
 `lora_base(path, weights)` (the base identity a LoRA run records).
 
-`train.init_from` names a Hugging Face Llama folder, or a minillm run directory (its newest intact
-checkpoint) or one checkpoint. `load_run_config` is the one place it is applied to a config: the
+`train.init_from` names a Hugging Face Llama folder (or its Hub name `org/name`, fetched into the
+hub's cache: minillm.checkpoint.hub), or a minillm run directory (its newest intact checkpoint)
+or one checkpoint. `load_run_config` is the one place it is applied to a config: the
 model is then that source's (a model section of the config is not used, and a warning names its
 keys that differ) but for the keys no weight depends on, `model.max_seq_len` and
 `model.rope_scaling` (POSITION_KEYS: a context extension's), which the config may set; an empty
@@ -33,6 +34,7 @@ import torch
 from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.hf_import import hf_model_config, load_hf_model
+from minillm.checkpoint.hub import resolve_model_path
 from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model
 from minillm.checkpoint.weights import weights_sha256
 from minillm.config import (
@@ -78,7 +80,9 @@ def init_source(path: str, file: str | None = None) -> InitSource:
         raise ConfigError("train.init_from", str(e), file) from None
 
 
-def _init_source(path: str) -> InitSource:
+def _init_source(name: str) -> InitSource:
+    # A hub name: its config and tokenizer (`tokenize` and `info` read no weights).
+    path = str(resolve_model_path(name, weights=False))
     if not _is_minillm(path):
         model = hf_model_config(path)
         tok = Path(path) / layout.TOKENIZER_FILE
@@ -87,7 +91,7 @@ def _init_source(path: str) -> InitSource:
                 f"{path}: no {layout.TOKENIZER_FILE} (minillm needs the fast tokenizer file of "
                 "the model)"
             )
-        return InitSource(path, model, tok, load_tokenizer(tok).get_vocab_size(), False)
+        return InitSource(name, model, tok, load_tokenizer(tok).get_vocab_size(), False)
     found = layout.resolve_checkpoint(path, verify=False)  # the config only; init_weights verifies
     cfg = config_from_dict(layout.read_state(found)["config"], file=str(found / layout.STATE_FILE))
     # A run directory's own copy (stable while its checkpoints get pruned), else the checkpoint's.
@@ -107,9 +111,9 @@ def init_weights(
     tensor, in `dtype` on the CPU (a checkpoint's weights integrity-checked first); and where
     it came from, for the banner: `runs/x (step_000400)` for a run directory (its newest intact
     checkpoint), else the checkpoint or Hugging Face folder as given. A LoRA run's weights are
-    its base with the adapters merged."""
+    its base with the adapters merged. A hub name reads its cached snapshot."""
     if not _is_minillm(path):
-        return load_hf_model(path, model, dtype), path
+        return load_hf_model(resolve_model_path(path), model, dtype), path
     found = layout.resolve_checkpoint(path)
     given_one = (Path(path) / layout.STATE_FILE).is_file()
     label = path if given_one else f"{path} ({found.name})"
@@ -131,7 +135,7 @@ def lora_base(
     newest checkpoint, resolved now), that folder's absolute path, and the sha256 of the weights
     (`weights_sha256`), with the dtype the base is frozen in where it is not float32 (the sha256
     is then of the weights rounded to it)."""
-    source = Path(path)
+    source = resolve_model_path(path)  # a hub name: the snapshot its weights came from
     if _is_minillm(path):
         source = layout.resolve_checkpoint(path)  # the one init_weights read (intact)
     half = dtype != torch.float32

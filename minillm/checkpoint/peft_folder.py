@@ -105,11 +105,15 @@ def _base_name(lora_base: dict[str, str]) -> str:
     """adapter_config.json's base_model_name_or_path: train.init_from as given, or, when that is
     a Hugging Face folder (a published model's), its absolute path, which transformers loads from
     any folder (AutoPeftModelForCausalLM.from_pretrained(DIR) reads it). A minillm run or
-    checkpoint is named as given: transformers loads its `minillm export`, not the run."""
+    checkpoint is named as given: transformers loads its `minillm export`, not the run. A Hub
+    name (no such folder here) is written as it is: peft fetches it as minillm did."""
     from minillm.checkpoint.layout import is_hf_folder
+    from minillm.config.hub_id import is_hub_id
 
-    abspath = lora_base.get("abspath", "")
-    return abspath if abspath and is_hf_folder(abspath) else lora_base["path"]
+    abspath, given = lora_base.get("abspath", ""), lora_base["path"]
+    if is_hub_id(given) and not Path(given).exists():
+        return given
+    return abspath if abspath and is_hf_folder(abspath) else given
 
 
 def export_peft(ckpt: Any, out: str | Path, force: bool = False) -> Path:

@@ -13,6 +13,7 @@ from minillm.cli.options import (
     BestOption,
     ConfigArgument,
     SetOption,
+    hub_ckpt,
     load_ckpt_config,
     load_config,
 )
@@ -93,7 +94,8 @@ def info(
         "--ckpt",
         metavar="PATH",
         help="Instead of CONFIG: a run (its newest checkpoint's config), a checkpoint or a "
-        "Hugging Face folder (its config.json; the rest as a run with train.init_from PATH).",
+        "Hugging Face folder (its config.json; the rest as a run with train.init_from PATH), "
+        "or its Hub name org/name (config and tokenizer fetched into the Hugging Face cache).",
     ),
     best: bool = BestOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -111,7 +113,10 @@ def info(
         print_error("--best: only with --ckpt (a run directory)")
         raise typer.Exit(2)
     if ckpt is not None:
-        cfg, title = load_ckpt_config(ckpt, best, set_)
+        # A hub name: its config and tokenizer alone (info reads no weights), titled by name.
+        local = hub_ckpt(ckpt, weights=False)
+        cfg, title = load_ckpt_config(local, best, set_)
+        title = title if local == ckpt else str(ckpt)
     else:
         cfg, title = load_config(config, set_), str(config)
     result = run(model_info, cfg)

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
+from minillm.config.hub_id import is_hub_id
 from minillm.config.schema import SECTIONS, Config, DataConfig
 from minillm.errors import ConfigError
 
@@ -395,6 +396,8 @@ def _check_paths(raw: dict[str, Any], file: Path, overridden: typing.Collection[
                     "path",
                     str(file),
                 )
+            if dotted == "train.init_from" and is_hub_id(value):
+                continue  # a published model's hub name (minillm.checkpoint.hub)
             if must_exist:
                 raise ConfigError(dotted, message, str(file))
 

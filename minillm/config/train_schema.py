@@ -49,11 +49,24 @@ class LoRAConfig(Section):
         "them): the chat tokens of a base that never saw them, which the adapters alone cannot "
         "learn to emit. peft's trainable_token_indices.",
     )
+    quantize: Literal["none", "nf4"] = setting(
+        "none",
+        help="nf4: QLoRA, the frozen base's linear layers held in 4-bit NF4 (bitsandbytes' "
+        "codes, blocks of 64, double-quantized scales, as peft's QLoRA), about a quarter of "
+        "their bf16 memory; the adapters train in full precision on top. Needs bitsandbytes "
+        "(pip install 'minillm[qlora]'). Export merges the adapters into the dequantized base.",
+    )
 
     def __post_init__(self) -> None:
         if self.rank < 0:
             self._fail("rank", f"must be >= 0 (0 = full fine-tuning), got {self.rank}")
         if not self.rank:
+            if self.quantize != "none":
+                self._fail(
+                    "quantize",
+                    f"{self.quantize} quantizes the frozen base of a LoRA run; set "
+                    "train.lora.rank (e.g. 16)",
+                )
             return
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             self._fail("alpha", f"must be > 0, got {self.alpha}")
@@ -370,6 +383,12 @@ class TrainConfig(Section):
                 "rank",
                 f"{self.lora.rank} needs train.init_from (the model the adapters are trained "
                 "on); rank 0 trains every weight",
+            )
+        if self.lora.quantize != "none" and self.parallel == "fsdp":
+            self._fail(
+                "parallel",
+                f"fsdp cannot shard train.lora.quantize: {self.lora.quantize}'s 4-bit base; use "
+                "parallel: ddp",
             )
         if self.objective == "grpo" and self.parallel == "fsdp":
             # GRPO's rollouts run the decoding core on the model's own parameters, which FSDP2

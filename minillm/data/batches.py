@@ -93,7 +93,10 @@ def train_batch(
             rows.append(row)
             targets.append(keep)
         window = torch.from_numpy(np.stack(rows))  # (B, T+1)
-        x, y = window[:, :-1].contiguous(), window[:, 1:].contiguous()
+        # clone, not contiguous(): at B = 1 both slices are already contiguous views of one
+        # buffer, and masking y to -100 below would then write into x (an IndexError in the
+        # embedding, issue 60).
+        x, y = window[:, :-1].clone(), window[:, 1:].clone()
         y[~torch.from_numpy(np.stack(targets)[:, 1:])] = -100
         batches.append(MicroBatch(x, y, None if eot_id is None else doc_ids(x, eot_id)))
     return batches

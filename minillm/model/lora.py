@@ -72,9 +72,12 @@ class LoRALinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The merged W + scale B A: what a reader of the weights (the decoding fast path,
-        `minillm.model.decode.Decoder`) must multiply by to compute this layer's function."""
-        w = self.base.weight
-        return torch.addmm(w, self.lora_B.to(w.dtype), self.lora_A.to(w.dtype), alpha=self.scale)
+        `minillm.model.decode.Decoder`) must multiply by to compute this layer's function (a
+        QLoRA base, minillm.model.nf4.NF4Linear, dequantized)."""
+        base = self.base.weight if isinstance(self.base, nn.Linear) else self.base.dequantized()
+        return torch.addmm(
+            base, self.lora_B.to(base.dtype), self.lora_A.to(base.dtype), alpha=self.scale
+        )
 
 
 class TokenRows(nn.Module):

@@ -50,14 +50,21 @@ from minillm.model.mla import MLA
 from minillm.model.moe import MoE
 from minillm.model.transformer import SwiGLU, Transformer
 
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = ("none", "int8", "nf4")  # nf4: minillm.model.nf4 (bitsandbytes)
 
 
 def check_quantize(value: str | None) -> str:
-    """--quantize's value, `none` for None; another value is a UserError naming the choices."""
+    """--quantize's value, `none` for None; another value, or nf4 without bitsandbytes, is a
+    UserError naming the choices (the install)."""
     value = "none" if value is None else value
     if value not in QUANTIZE_CHOICES:
         raise UserError(f"--quantize: {value!r} is not one of {', '.join(QUANTIZE_CHOICES)}")
+    if value == "nf4":
+        from minillm.model.nf4 import nf4_problem
+
+        problem = nf4_problem()
+        if problem is not None:
+            raise UserError(f"--quantize: nf4: {problem}")
     return value
 
 

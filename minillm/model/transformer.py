@@ -377,6 +377,8 @@ class Transformer(nn.Module):
             p.numel() for n, p in self.named_parameters() if p.dim() >= 2 and n != "tok_emb.weight"
         )
         matmul -= self._inactive_expert_params()
+        # Weights held as buffers, not parameters (a QLoRA base: minillm.model.nf4.NF4Linear).
+        matmul += sum(getattr(m, "buffer_weight_numel", 0) for m in self.modules())
         if self.lm_head is None:
             matmul += self.tok_emb.weight.numel()
         window = cfg.sliding_window or seq_len

@@ -9,6 +9,7 @@ whatever the wrapping, so single-device, DDP and FSDP runs read each other's che
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from minillm.config import Config
-from minillm.runtime.device import PRECISION_DTYPES
+from minillm.runtime.device import PRECISION_DTYPES, resolve_precision
 from minillm.train.distributed import DistInfo
 
 
@@ -80,6 +81,17 @@ def shard_model(model: torch.nn.Module, precision: str) -> None:
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+
+
+def reference_sharder(
+    cfg: Config, device: torch.device, dist: DistInfo
+) -> Callable[[torch.nn.Module], None] | None:
+    """How a frozen reference model (DPO's) is sharded like the policy: FSDP2's `shard_model`
+    at the run's precision under parallel: fsdp, else None (it stays whole)."""
+    if not (dist.enabled and cfg.train.parallel == "fsdp"):
+        return None
+    precision = resolve_precision(cfg.train.precision, device)
+    return lambda model: shard_model(model, precision)
 
 
 def release_groups(model: torch.nn.Module) -> None:

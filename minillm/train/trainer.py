@@ -33,6 +33,7 @@ from minillm.errors import UserError, warn
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
 from minillm.model.moe import router_bias_scalars, router_stats, update_router_bias
+from minillm.model.nf4 import quantize_nf4
 from minillm.model.transformer import dropout_off
 from minillm.runtime.device import StopSignal, autocast_context, make_grad_scaler, seed_everything
 from minillm.runtime.files import atomic_write_text, copy_if_changed
@@ -90,6 +91,8 @@ class Trainer:
             add_lora(self.model, tc.lora, token_ids_of(tc.lora, run.tokenizer, run.tokenizer_file))
             chat = self.objective.chat and run.verbose
             warn_unseen_chat_tokens(self.model, tc.lora, run.tokenizer, chat)
+            if tc.lora.quantize == "nf4":  # QLoRA: the frozen base in 4 bits
+                quantize_nf4(self.model, key="train.lora.quantize")
         self.model.to(self.device)
         # The objective's reference, if it has one, copies init_from's weights now, before a
         # resume loads the run's.

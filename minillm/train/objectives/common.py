@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -156,14 +156,19 @@ class Reference:
 
     With LoRA it is the policy's own base with the adapters switched off (model.lora.adapters_off),
     so no second copy of the weights is held; else a frozen copy of the starting weights, taken
-    before a resume loads the run's own.
+    before a resume loads the run's own, and sharded by `shard` as the policy is (FSDP: each
+    rank then keeps its shard of the reference, not the whole model).
     """
 
-    def __init__(self, model: Transformer, lora: bool) -> None:
+    def __init__(
+        self, model: Transformer, lora: bool, shard: Callable[[Transformer], None] | None = None
+    ) -> None:
         self.policy = model
         self.copy: Transformer | None = None
         if not lora:
             self.copy = copy.deepcopy(model).requires_grad_(False).eval()
+            if shard is not None:
+                shard(self.copy)
 
     @contextlib.contextmanager
     def model(self) -> Iterator[Transformer]:

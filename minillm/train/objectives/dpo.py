@@ -46,6 +46,7 @@ from minillm.train.objectives.common import (
     step_rows,
     token_logps,
 )
+from minillm.train.parallel import reference_sharder
 
 if TYPE_CHECKING:
     from minillm.tokenizer.conventions import Conventions
@@ -208,7 +209,9 @@ class DPO:
         self.meter = MeanMeter()
 
     def attach(self, model: Transformer) -> None:
-        self.reference = Reference(model, lora=bool(self.cfg.train.lora.rank))
+        # Under FSDP the reference copy is sharded as the policy is (train.parallel).
+        shard = reference_sharder(self.cfg, self.device, self.dist)
+        self.reference = Reference(model, lora=bool(self.cfg.train.lora.rank), shard=shard)
 
     def batches(self, step: int) -> list[list[EncodedPair]]:
         """This rank's micro-batches of pairs for optimizer step `step` (seed and step only)."""

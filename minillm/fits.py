@@ -1,0 +1,111 @@
+"""What fits: the memory to run a model and to LoRA-, QLoRA- and fully fine-tune it, like the
+"can I run it" tables (`minillm info`'s last rows and its `fits` key).
+
+Offers `memory_fits(cfg) -> dict` (nothing allocated: the model is built on the meta device) and
+`fits_rows(fits)` (the table's rows). Bytes, per job, at the weights' dtype (bf16 where the run
+computes in half precision, else fp32) and at train.seq_len tokens of context, batch 1:
+
+- run: the weights (a tied head once) + the KV cache of one row at the context (2 x layers x
+  kv heads x head dim per token; latent attention its kv_lora_rank + qk_rope_head_dim) + a
+  prefill's working set (one layer's activations over the context and the last logits).
+- lora: the frozen weights + the adapters (rank train.lora.rank, 16 if 0, on its targets) in
+  fp32 with their gradients and AdamW's two moments (16 bytes each) + the activations of a
+  training step (`minillm.info.activation_bytes`, with train.activation_checkpointing).
+- qlora: as lora, but the blocks' linear layers (what `minillm.model.nf4` quantizes) at NF4's
+  4 + 8/64 + 32/(64 x 256) bits a weight (codes, 8-bit block scales, their fp32 scales), and one
+  such layer dequantized at a time.
+- full: minillm's mixed-precision training, fp32 weights, gradients and AdamW's moments (16
+  bytes a parameter) + the activations.
+
+Framework overhead (the CUDA context, allocator slack, ~0.5-1 GiB on a GPU) is not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minillm.config import Config, LoRAConfig
+from minillm.model import Transformer
+from minillm.model.lora import add_lora, trainable_frozen
+from minillm.model.nf4 import BLOCK, linear_slots
+
+# NF4 bytes per weight: 4-bit codes, a uint8 absmax per BLOCK weights, an fp32 scale per 256
+# of those (bitsandbytes' double quantization).
+NF4_BYTES = (4 + 8 / BLOCK + 32 / (BLOCK * 256)) / 8
+ADAPTER_BYTES = 16  # fp32 weight, gradient and AdamW's two moments
+GiB = 1024**3
+
+
+def kv_bytes_per_token(cfg: Config, weight_bytes: int) -> int:
+    """One token's keys and values over every layer, in the weights' dtype."""
+    m = cfg.model
+    mla = m.attention == "mla"
+    width = m.kv_lora_rank + m.qk_rope_head_dim if mla else 2 * m.n_kv_head * m.head_dim
+    return m.n_layer * width * weight_bytes
+
+
+def memory_fits(cfg: Config, half: bool, acts: int) -> dict[str, Any]:
+    """Bytes to run, LoRA, QLoRA and fully fine-tune cfg's model (module docstring); `half`:
+    the run computes in bf16 (minillm.info.runs_half), so the weights are held in 2 bytes;
+    `acts`: a training step's activations of one sequence (minillm.info.activation_bytes)."""
+    m, t = cfg.model, cfg.train
+    wb = 2 if half else 4
+    # Without train.lora: rank 16 where LoRA is built (an MoE's experts are not: attention only).
+    default = ["wqkv", "wo"] if m.n_experts else t.lora.targets
+    lora = t.lora if t.lora.rank else LoRAConfig(rank=16, targets=default)
+    with torch.device("meta"):
+        model = Transformer(m)
+        params = model.param_count()
+        quantized = sum(layer.weight.numel() for _, _, layer, _ in linear_slots(model))
+        add_lora(model, lora)
+        adapters, _ = trainable_frozen(model)
+    T = t.seq_len
+    widest = max((layer.in_features * layer.out_features for _, _, layer, _ in
+                  linear_slots(model)), default=0)  # fmt: skip
+    weights = params * wb
+    run = {
+        "weights": weights,
+        "kv_cache": T * kv_bytes_per_token(cfg, wb),
+        "activations": T * (4 * m.d_model + 2 * max(m.ffn_hidden, m.moe_ffn_hidden or 0)) * wb
+        + m.vocab_size * 4,
+    }
+    tuned = {"adapters": adapters * ADAPTER_BYTES, "activations": acts}
+    qweights = round((params - quantized) * wb + quantized * NF4_BYTES)
+    jobs = {
+        "run": run,
+        "lora": {"weights": weights, **tuned},
+        "qlora": {"weights": qweights, **tuned, "dequantized": widest * wb},
+        "full": {"weights": params * ADAPTER_BYTES, "activations": acts},
+    }
+    for job in jobs.values():
+        job["total"] = sum(job.values())
+    return {
+        "dtype": "bf16" if half else "fp32",
+        "context": T,
+        "lora_rank": lora.rank,
+        "params": params,
+        "params_nf4": quantized,
+        "params_adapters": adapters,
+        **jobs,
+    }
+
+
+def fits_rows(fits: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table rows of `memory_fits`: one per job, its total and what it is made of."""
+    what = {
+        "run": f"run ({fits['dtype']}, {fits['context']:,} tokens)",
+        "lora": f"LoRA rank {fits['lora_rank']} ({fits['dtype']} base)",
+        "qlora": f"QLoRA rank {fits['lora_rank']} (NF4 base)",
+        "full": "full fine-tune (AdamW, fp32 master)",
+    }
+    rows = []
+    for job, label in what.items():
+        parts = ", ".join(
+            f"{name.replace('_', ' ')} {value / GiB:.2f}"
+            for name, value in fits[job].items()
+            if name != "total"
+        )
+        rows.append((f"fits: {label}", f"{fits[job]['total'] / GiB:.2f} GiB ({parts})"))
+    return rows

@@ -1,0 +1,198 @@
+"""4-bit NF4 weights: QLoRA's frozen base (`train.lora.quantize: nf4`) and `--quantize nf4`.
+
+Offers `NF4Linear`, `quantize_nf4(model)` (every linear layer of the blocks, in place),
+`nf4_round_trip(model)` (the same layers' weights replaced by what NF4 holds: the function a
+QLoRA run trained, for its merged checkpoint) and `nf4_problem()` (why it cannot run here).
+
+The codes are bitsandbytes' (`bitsandbytes.functional.quantize_4bit`, quant_type nf4, blocks of
+64 weights, their absmax scales themselves quantized to 8 bits: QLoRA's double quantization),
+what `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True)` gives transformers and peft. Chosen over torchao's NF4Tensor
+by measurement on this project's 2-core CPU (docs/benchmarks.md): bitsandbytes dequantizes a
+5632 x 2048 weight ~5x faster there (its CPU kernel; torchao's is torch ops), its layer's fp32
+forward + backward was ~1.4x faster, it runs on CUDA with its own kernels, and it is what
+peft's QLoRA uses, so a run compares with peft + bitsandbytes code for code.
+
+A fused projection (wqkv, w_gate_up) is quantized per Hugging Face module (q, k, v; gate, up),
+as bitsandbytes quantizes peft's q_proj, k_proj, v_proj one by one: the double quantization's
+scale blocks and offset are per tensor, so fusing first would give other codes. A forward
+dequantizes the weight to the input's dtype and multiplies (bitsandbytes' own path for more than
+one row); the backward dequantizes it again instead of keeping it, so a step holds one layer's
+full weight at a time, not the model's. The embedding, the head, the norms and an MoE's experts
+and router stay in the model's dtype (bitsandbytes skips the head, and transformers' experts are
+not linear layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minillm.errors import ConfigError
+from minillm.model.hf_phi3 import is_phi3
+from minillm.model.transformer import Transformer
+
+BLOCK = 64  # weights per absmax scale (bitsandbytes' and QLoRA's default)
+
+
+@cache
+def nf4_problem() -> str | None:
+    """Why NF4 cannot run in this environment (bitsandbytes missing or too old), or None."""
+    try:
+        import bitsandbytes
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit  # noqa: F401
+    except ImportError as e:
+        return f"NF4 needs bitsandbytes >= 0.45 ({e.msg}); install it: pip install 'minillm[qlora]'"
+    major, minor = (int(p) for p in bitsandbytes.__version__.split(".")[:2])
+    if (major, minor) < (0, 45):
+        return (
+            f"NF4 needs bitsandbytes >= 0.45 (its CPU kernels), this is {bitsandbytes.__version__}"
+        )
+    return None
+
+
+class _DequantLinear(torch.autograd.Function):
+    """x W^T with W dequantized for the product and again for the gradient of x: nothing of the
+    size of W is kept between forward and backward. W is frozen (no gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: NF4Linear) -> torch.Tensor:
+        ctx.layer = layer
+        return F.linear(x, layer.dequantized(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        return grad @ ctx.layer.dequantized(grad.dtype), None  # (..., out) @ (out, in)
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight (out, in) is held in NF4, in row blocks `parts` (the
+    Hugging Face modules fused in it) quantized each on its own; the bias as it was."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: Sequence[int] = ()
+    ) -> None:
+        super().__init__()
+        from bitsandbytes.functional import quantize_4bit
+
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        parts = tuple(parts) or (self.out_features,)
+        if sum(parts) != self.out_features:
+            raise ValueError(f"parts {parts} do not add up to the {self.out_features} rows")
+        self.states = []
+        w = weight.detach()
+        for i, rows in enumerate(w.split(parts, dim=0)):
+            packed, state = quantize_4bit(
+                rows.contiguous(), blocksize=BLOCK, quant_type="nf4", compress_statistics=True
+            )
+            self.register_buffer(f"packed{i}", packed, persistent=False)
+            self.states.append(state)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> NF4Linear:
+        super()._apply(fn, recurse)
+        device = self.packed0.device  # the packed codes moved (.to, .cuda): their scales too
+        for state in self.states:
+            state.to(device)
+        return self
+
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight (out, in) as NF4 holds it, in `dtype` (default: the original's)."""
+        from bitsandbytes.functional import dequantize_4bit
+
+        parts = [
+            dequantize_4bit(getattr(self, f"packed{i}"), state)
+            for i, state in enumerate(self.states)
+        ]
+        w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return w.to(dtype or self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _DequantLinear.apply(x, self)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x + this(y): the decoder's residual add (minillm.model.decode)."""
+        return x + self(y)
+
+    @property
+    def buffer_weight_numel(self) -> int:
+        """The weight's numel, for the model's FLOPs (Transformer.flops_per_token counts the
+        parameters, and this weight is held in buffers)."""
+        return self.out_features * self.in_features
+
+    def nbytes(self) -> int:
+        """Bytes held: the packed codes and their (double-quantized) scales."""
+        total = 0
+        for i, state in enumerate(self.states):
+            total += getattr(self, f"packed{i}").nbytes + state.absmax.nbytes
+            if state.state2 is not None:
+                total += state.state2.absmax.nbytes + state.state2.code.nbytes
+        return total
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
+
+
+def hf_parts(model: Transformer) -> dict[str, tuple[int, ...]]:
+    """The row blocks of the fused projections, one per Hugging Face module (q, k, v of wqkv;
+    gate, up of w_gate_up) as minillm.model.lora.to_peft_state_dict splits them; Phi-3's own
+    fused qkv_proj and gate_up_proj are one module each."""
+    cfg = model.cfg
+    if is_phi3(cfg):
+        return {}
+    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    return {"wqkv": (H * D, K * D, K * D), "w_gate_up": (cfg.ffn_hidden, cfg.ffn_hidden)}
+
+
+def linear_slots(model: Transformer) -> list[tuple[nn.Module, str, nn.Linear, str]]:
+    """(holder, attribute, the frozen nn.Linear, its layer's name) of every linear layer of the
+    blocks: attention's projections and a dense FFN's, a LoRALinear's base where there is one;
+    an MoE's router and experts are not nn.Linear children and stay as they are."""
+    slots = []
+    for block in model.blocks:
+        for owner in (block.attn, block.ffn):
+            for name, child in owner.named_children():
+                base = getattr(child, "base", None)
+                if isinstance(base, nn.Linear):  # a LoRALinear: quantize its frozen base
+                    slots.append((child, "base", base, name))
+                elif isinstance(child, nn.Linear) and name != "router":
+                    slots.append((owner, name, child, name))
+    return slots
+
+
+@torch.no_grad()
+def quantize_nf4(model: Transformer, key: str = "--quantize") -> Transformer:
+    """Replace every linear layer of the blocks (a LoRALinear's base) by an NF4Linear of its
+    weight, in place; the layers must be frozen (QLoRA trains adapters only). Without
+    bitsandbytes: a ConfigError naming `key` and the install."""
+    problem = nf4_problem()
+    if problem is not None:
+        raise ConfigError(key, f"nf4: {problem}")
+    parts = hf_parts(model)
+    for holder, attr, layer, name in linear_slots(model):
+        nf4 = NF4Linear(layer.weight, layer.bias, parts.get(name, ()))
+        setattr(holder, attr, nf4.to(layer.weight.device))
+    model.quantized = "nf4"
+    return model
+
+
+@torch.no_grad()
+def nf4_round_trip(model: Transformer) -> Transformer:
+    """Each linear layer of the blocks keeps its float weight but as NF4 holds it (quantized and
+    dequantized, in its dtype): what a QLoRA run's base computed, to merge its adapters into."""
+    parts = hf_parts(model)
+    for _, _, layer, name in linear_slots(model):
+        layer.weight.copy_(NF4Linear(layer.weight, None, parts.get(name, ())).dequantized())
+    return model
+
+
+__all__ = ["NF4Linear", "hf_parts", "linear_slots", "nf4_problem", "nf4_round_trip", "quantize_nf4"]
