@@ -431,9 +431,10 @@ def _lora_model(
     if getattr(model, "cfg", None) != cfg.model:
         raise CheckpointError(f"{folder}: the LoRA base's model is not {where}'s model section")
     if cfg.train.lora.quantize == "nf4":  # QLoRA trained on the base as NF4 holds it
+        from minillm.families import fused_rows
         from minillm.model.nf4 import nf4_round_trip
 
-        nf4_round_trip(model)
+        nf4_round_trip(model, fused_rows(cfg.model))
     add_lora(model, cfg.train.lora)
     adapters = load_model_state(ckpt)
     frozen = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}

@@ -275,9 +275,10 @@ def load_ckpt(
         if problem is not None:
             warn(f"--quantize int8: {problem}; running in fp32")
     elif quantize == "nf4":  # any device: bitsandbytes' CPU and CUDA kernels
+        from minillm.families import fused_rows
         from minillm.model.nf4 import quantize_nf4
 
-        quantize_nf4(loaded.model)
+        quantize_nf4(loaded.model, fused_rows(loaded.config.model))
     return loaded
 
 

@@ -10,7 +10,7 @@ is the shared math and knows no family.
 
 Offers `Family`, `FAMILIES`, `family_named`, `family_of`, `family_of_hf`, `resolve_family`,
 `with_family`, and the whole-dict forms `model_config_from_hf`, `hf_config_dict`,
-`to_hf_state_dict` and `from_hf_state_dict`.
+`to_hf_state_dict` and `from_hf_state_dict`; `fused_rows` (QLoRA's per-module NF4 blocks).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ __all__ = [
     "add_end_of_turn",
     "Family",
     "family_named",
+    "fused_rows",
     "family_of",
     "family_of_hf",
     "from_hf_state_dict",
@@ -88,3 +89,12 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     """An HF state_dict -> ours, joining q/k/v and gate/up (and stacking experts). Raises
     KeyError on a missing name."""
     return dict(family_of(cfg).from_hf(cfg, sd))
+
+
+def fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The family's `fused_rows` (the Hugging Face modules in our fused layers); a model no
+    family computes takes the Llama layout, which is how peft would name its modules."""
+    try:
+        return family_of(cfg).fused_rows(cfg)
+    except ConfigError:
+        return Family().fused_rows(cfg)

@@ -108,6 +108,13 @@ class Family:
     def check_peft(self, cfg: ModelConfig) -> None:
         """A ConfigError where the family's adapters have no peft layout minillm writes."""
 
+    def fused_rows(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The rows of each of our fused layers that are one Hugging Face module each (q, k, v
+        of wqkv; gate, up of w_gate_up): what bitsandbytes quantizes as one weight under
+        transformers, so QLoRA's NF4 base (minillm.model.nf4) quantizes them so too."""
+        H, K, D, F = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn_hidden
+        return {"wqkv": (H * D, K * D, K * D), "w_gate_up": (F, F)}
+
     def peft_rows(self, cfg: ModelConfig, target: str, b: Tensor) -> tuple[Tensor, ...]:
         """A LoRA B of our fused `target` split by rows into its peft modules' B's."""
         H, K, D, F = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn_hidden

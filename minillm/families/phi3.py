@@ -179,6 +179,9 @@ class Phi3(Llama):
         yield theirs + "mlp.gate_up_proj.weight", sd[ours + "w_gate_up.weight"]
         yield theirs + "mlp.down_proj.weight", sd[ours + "w_down.weight"]
 
+    def fused_rows(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return {}  # qkv_proj and gate_up_proj are one module each, fused as ours
+
     def peft_rows(self, cfg: ModelConfig, target: str, b: Tensor) -> tuple[Tensor, ...]:
         return (rotary_rows_to_hf(b, cfg),) if target == "wqkv" else (b,)
 

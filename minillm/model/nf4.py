@@ -34,7 +34,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.errors import ConfigError
-from minillm.model.hf_phi3 import is_phi3
 from minillm.model.transformer import Transformer
 
 BLOCK = 64  # weights per absmax scale (bitsandbytes' and QLoRA's default)
@@ -142,17 +141,6 @@ class NF4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
 
 
-def hf_parts(model: Transformer) -> dict[str, tuple[int, ...]]:
-    """The row blocks of the fused projections, one per Hugging Face module (q, k, v of wqkv;
-    gate, up of w_gate_up) as minillm.model.lora.to_peft_state_dict splits them; Phi-3's own
-    fused qkv_proj and gate_up_proj are one module each."""
-    cfg = model.cfg
-    if is_phi3(cfg):
-        return {}
-    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    return {"wqkv": (H * D, K * D, K * D), "w_gate_up": (cfg.ffn_hidden, cfg.ffn_hidden)}
-
-
 def linear_slots(model: Transformer) -> list[tuple[nn.Module, str, nn.Linear, str]]:
     """(holder, attribute, the frozen nn.Linear, its layer's name) of every linear layer of the
     blocks: attention's projections and a dense FFN's, a LoRALinear's base where there is one;
@@ -170,14 +158,17 @@ def linear_slots(model: Transformer) -> list[tuple[nn.Module, str, nn.Linear, st
 
 
 @torch.no_grad()
-def quantize_nf4(model: Transformer, key: str = "--quantize") -> Transformer:
+def quantize_nf4(
+    model: Transformer, parts: dict[str, tuple[int, ...]] | None = None, key: str = "--quantize"
+) -> Transformer:
     """Replace every linear layer of the blocks (a LoRALinear's base) by an NF4Linear of its
-    weight, in place; the layers must be frozen (QLoRA trains adapters only). Without
-    bitsandbytes: a ConfigError naming `key` and the install."""
+    weight, in place; the layers must be frozen (QLoRA trains adapters only). `parts`: the row
+    blocks of a fused layer quantized each on its own, one per Hugging Face module (the family's
+    `fused_rows`; none: each layer whole). Without bitsandbytes: a ConfigError naming `key`."""
     problem = nf4_problem()
     if problem is not None:
         raise ConfigError(key, f"nf4: {problem}")
-    parts = hf_parts(model)
+    parts = parts or {}
     for holder, attr, layer, name in linear_slots(model):
         nf4 = NF4Linear(layer.weight, layer.bias, parts.get(name, ()))
         setattr(holder, attr, nf4.to(layer.weight.device))
@@ -186,13 +177,16 @@ def quantize_nf4(model: Transformer, key: str = "--quantize") -> Transformer:
 
 
 @torch.no_grad()
-def nf4_round_trip(model: Transformer) -> Transformer:
+def nf4_round_trip(
+    model: Transformer, parts: dict[str, tuple[int, ...]] | None = None
+) -> Transformer:
     """Each linear layer of the blocks keeps its float weight but as NF4 holds it (quantized and
-    dequantized, in its dtype): what a QLoRA run's base computed, to merge its adapters into."""
-    parts = hf_parts(model)
+    dequantized, in its dtype, `parts` as quantize_nf4's): what a QLoRA run's base computed, to
+    merge its adapters into."""
+    parts = parts or {}
     for _, _, layer, name in linear_slots(model):
         layer.weight.copy_(NF4Linear(layer.weight, None, parts.get(name, ())).dequantized())
     return model
 
 
-__all__ = ["NF4Linear", "hf_parts", "linear_slots", "nf4_problem", "nf4_round_trip", "quantize_nf4"]
+__all__ = ["NF4Linear", "linear_slots", "nf4_problem", "nf4_round_trip", "quantize_nf4"]

@@ -30,6 +30,7 @@ import torch
 
 from minillm.config import Config, dump_config
 from minillm.errors import UserError, warn
+from minillm.families import fused_rows
 from minillm.model import Transformer, use_cpu_kernels
 from minillm.model.lora import add_lora, token_ids_of, warn_unseen_chat_tokens
 from minillm.model.moe import router_bias_scalars, router_stats, update_router_bias
@@ -92,7 +93,7 @@ class Trainer:
             chat = self.objective.chat and run.verbose
             warn_unseen_chat_tokens(self.model, tc.lora, run.tokenizer, chat)
             if tc.lora.quantize == "nf4":  # QLoRA: the frozen base in 4 bits
-                quantize_nf4(self.model, key="train.lora.quantize")
+                quantize_nf4(self.model, fused_rows(self.cfg.model), "train.lora.quantize")
         self.model.to(self.device)
         # The objective's reference, if it has one, copies init_from's weights now, before a
         # resume loads the run's.
