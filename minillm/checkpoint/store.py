@@ -45,6 +45,7 @@ from minillm.checkpoint.layout import (
     resolve_checkpoint,
 )
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
+from minillm.config.hub_id import is_hub_id
 from minillm.errors import CheckpointError, UserError
 from minillm.runtime.disk_space import full_disk_error, is_disk_full
 from minillm.runtime.files import (
@@ -383,6 +384,10 @@ def _lora_model(
     where = ckpt / STATE_FILE
     tried = dict.fromkeys([base["source"], base.get("abspath", ""), base.get("path", "")])
     folder = next((Path(p) for p in tried if p and Path(p).exists()), None)
+    if folder is None and is_hub_id(base.get("path", "")):  # a hub name: its cache, wherever
+        from minillm.checkpoint.hub import resolve_model_path
+
+        folder = resolve_model_path(base["path"])
     if folder is None:
         raise CheckpointError(
             f"{where}: the LoRA base {base['source']} is missing (train.init_from "
