@@ -142,9 +142,14 @@ def test_a_name_the_cache_lacks_offline_is_one_error_line(published, offline: Pa
     assert "Traceback" not in result.output
 
 
-def test_init_from_a_hub_name_fine_tunes_the_cached_model(published, offline: Path) -> None:
+def test_init_from_a_hub_name_fine_tunes_the_cached_model(
+    published, offline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """train.init_from: org/tiny takes the snapshot's model, tokenizer and weights; the run's
-    config keeps the name; a LoRA run's peft export names it as its base."""
+    config keeps the name; a LoRA run's peft export names it as its base; with the cache moved,
+    the run's base is found by its name in the new one."""
+    shutil.copytree(published[1], offline / "cacheA", symlinks=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(offline / "cacheA"))
     (offline / "corpus.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000])
     raw = {
         "data": {"source": "corpus.txt", "out_dir": "tok"},
@@ -166,6 +171,14 @@ def test_init_from_a_hub_name_fine_tunes_the_cached_model(published, offline: Pa
     assert result.exit_code == 0, result.output
     adapter = json.loads((offline / "peft" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "org/tiny"
+    (offline / "cacheA").rename(offline / "cacheB")
+    monkeypatch.setenv("HF_HUB_CACHE", str(offline / "cacheB"))
+    hub._snapshot.cache_clear()
+    assert greedy("run") == greedy("run")  # loads: the base by name, from cacheB
+    shutil.rmtree(offline / "cacheB")
+    hub._snapshot.cache_clear()
+    result = runner.invoke(app, ["sample", "--ckpt", "run", "--prompt", "x"])
+    assert result.exit_code == 2 and "org/tiny" in error_line(result)
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ from minillm.checkpoint.layout import (
 )
 from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model, resolve_dtype
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
+from minillm.config.hub_id import is_hub_id
 from minillm.errors import CheckpointError, UserError
 from minillm.families import add_end_of_turn, with_family
 from minillm.runtime.disk_space import full_disk_error, is_disk_full
@@ -407,6 +408,10 @@ def _lora_model(
     where = ckpt / STATE_FILE
     tried = dict.fromkeys([base["source"], base.get("abspath", ""), base.get("path", "")])
     folder = next((Path(p) for p in tried if p and Path(p).exists()), None)
+    if folder is None and is_hub_id(base.get("path", "")):  # a hub name: its cache, wherever
+        from minillm.checkpoint.hub import resolve_model_path
+
+        folder = resolve_model_path(base["path"])
     if folder is None:
         raise CheckpointError(
             f"{where}: the LoRA base {base['source']} is missing (train.init_from "
