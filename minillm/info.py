@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from minillm.config import Config
-from minillm.fits import fits_rows, memory_fits
+from minillm.fits import fits_lines, fits_rows, memory_fits
 from minillm.model import Transformer
 from minillm.model.lora import add_lora, trainable_frozen
 from minillm.model.param_groups import split_summary
@@ -249,3 +249,5 @@ def print_info(info: dict[str, Any], title: str = "model") -> None:
     console.print(table)
     for o in info["optimizers"]:
         console.print(f"{o['optimizer']} trains {o['what']}")
+    for line in fits_lines(info["fits"]):
+        console.print(f"fits: {line}")
