@@ -29,6 +29,7 @@ from tests.helpers import (
     QUICK_TRAIN,
     ROOT,
     SHAKESPEARE,
+    assert_same_function,
     assert_same_weights,
     error_line,
     load_script,
@@ -124,7 +125,7 @@ def test_the_fused_adapter_is_pefts_per_projection_adapters() -> None:
                 dim=-1,
             )
             with torch.no_grad():
-                torch.testing.assert_close(layer(xx), peft_out, atol=1e-6, rtol=0)
+                assert_same_function(layer(xx), peft_out)
 
 
 def test_merged_weights_give_the_unmerged_function_and_decoding() -> None:
@@ -136,7 +137,7 @@ def test_merged_weights_give_the_unmerged_function_and_decoding() -> None:
     assert not any(isinstance(m, LoRALinear) for m in merged.modules())
     idx = torch.randint(0, 97, (2, 20))
     with torch.no_grad():
-        torch.testing.assert_close(merged(idx)[0], net(idx)[0], atol=2e-5, rtol=0)
+        assert_same_function(merged(idx)[0], net(idx)[0])
     prompt = [5, 17, 42, 8]
     with torch.inference_mode():
         ids = torch.tensor([prompt])
@@ -226,9 +227,7 @@ def test_a_lora_run_loads_as_base_plus_adapters_and_refuses_a_changed_base(
     loaded = load_checkpoint(tmp_path / "run")
     x = torch.randint(0, 300, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(
-            loaded.model(x)[0], trainer.model.eval()(x)[0], atol=1e-5, rtol=0
-        )
+        assert_same_function(loaded.model(x)[0], trainer.model.eval()(x)[0])
     assert loaded.adapters is not None and all(is_adapter(k) for k in loaded.adapters)
 
     # the base changes: every command that loads the run refuses it, naming it
@@ -296,7 +295,7 @@ def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
     loaded = load_checkpoint(tmp_path / "run")  # base + adapters + rows, merged
     with torch.no_grad():
         ours = model(x)[0]
-        torch.testing.assert_close(loaded.model(x)[0], ours, atol=1e-5, rtol=0)
+        assert_same_function(loaded.model(x)[0], ours)
 
     # peft: the adapters and trainable_token_indices onto the HF export of the (tied) base
     hf_base = tmp_path / "hf"
@@ -311,7 +310,7 @@ def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(hf, out).eval()(x).logits
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    assert_same_function(theirs, ours)
 
     # a token the tokenizer lacks: one error line naming it, nothing written
     path = tmp_path / "bad.yaml"
@@ -446,7 +445,7 @@ def test_hf_and_gguf_exports_of_a_lora_run_are_merged(hf_lora, tmp_path: Path) -
     idx = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
         ours = unmerged(idx)[0]
-        torch.testing.assert_close(hf.eval()(idx).logits, ours, atol=1e-5, rtol=0)
+        assert_same_function(hf.eval()(idx).logits, ours)
         assert (base.eval()(idx).logits - ours).abs().max() > 1e-2  # the adapters matter
     out = tmp_path / "m.gguf"
     result = runner.invoke(
@@ -489,7 +488,7 @@ def test_the_peft_export_loads_in_peft_onto_the_hf_base(hf_lora, tmp_path: Path)
     model = peft.PeftModel.from_pretrained(base, out).eval()
     idx = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx).logits, unmerged(idx)[0], atol=1e-5, rtol=0)
+        assert_same_function(model(idx).logits, unmerged(idx)[0])
 
     # a run that is not LoRA has no adapters: one error line, nothing written
     result = runner.invoke(
