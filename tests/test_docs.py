@@ -345,3 +345,21 @@ def test_the_readme_is_a_how_to_with_its_numbers_in_benchmarks_md() -> None:
     pointed = set(re.findall(r"\]\(docs/benchmarks\.md#([^)]+)\)", readme))
     unlinked = set(_h2_slugs(ROOT / "docs" / "benchmarks.md")) - pointed
     assert not unlinked, f"docs/benchmarks.md sections README does not link: {unlinked}"
+
+
+def test_the_ollama_formats_the_docs_list_are_the_ones_written() -> None:
+    """README and design.md name the chat formats whose TEMPLATE the Modelfile gets."""
+    from minillm.checkpoint.ollama import FORMATS
+
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    listed = re.search(r"the formats Ollama ships \(([^)]*)\)", design)
+    assert listed, "design.md no longer lists the Modelfile's formats"
+    words = " ".join(listed.group(1).split())
+    names = {f.name.replace(" [INST]", "") for f in FORMATS}
+    assert {n for n in names if n not in ("Mistral", "Llama 2")} <= set(
+        re.split(r", | and ", words)
+    )
+    assert "Mistral's and Llama 2's `[INST]`" in words
+    for name in names:
+        assert name in " ".join(readme.split()), f"README does not name {name}"

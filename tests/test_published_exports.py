@@ -276,7 +276,14 @@ def test_gguf_holds_the_models_special_ids_template_and_add_bos(family) -> None:
     assert all(types[i] == TokenType.CONTROL for i in ids.values())
     assert len(types) == tok.get_vocab_size()
     text = modelfile_path(path).read_text()
-    assert "TEMPLATE" not in text  # Ollama takes the file's Jinja template
+    from tests.test_ollama import EXPECTED
+
+    if EXPECTED[name] is None:  # said in the file; Ollama matches the Jinja one to its own
+        assert "# No TEMPLATE: the model's chat template is none of the formats" in text
+        assert not [line for line in text.splitlines() if line.startswith("TEMPLATE")]
+    else:  # the Jinja template's format, in Ollama's Go form
+        assert f"# TEMPLATE: the model's chat template ({EXPECTED[name]}) in Go form" in text
+        assert [line for line in text.splitlines() if line.startswith('TEMPLATE """')]
     stops = {line.split('"')[1] for line in text.splitlines() if line.startswith("PARAMETER stop")}
     assert stops == set(FAMILIES[name]["eos"])
 
