@@ -363,3 +363,18 @@ def test_the_ollama_formats_the_docs_list_are_the_ones_written() -> None:
     assert "Mistral's and Llama 2's `[INST]`" in words
     for name in names:
         assert name in " ".join(readme.split()), f"README does not name {name}"
+
+
+def test_the_lora_size_rule_and_its_example_add_up() -> None:
+    """README's LoRA checkpoint size: rank x (in + out) per target, 12 bytes per parameter;
+    its SmolLM2-135M figures follow from the rule (tests/test_lora.py measures the bytes)."""
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "the checkpoint keeps 12 bytes per adapter parameter" in text
+    d, q, kv, ffn, blocks, rank = 576, 576, 192, 1536, 30, 16
+    per_block = rank * ((d + q + 2 * kv) + (q + d) + (d + 2 * ffn) + (ffn + d))
+    total = blocks * per_block
+    said = f"{per_block:,} per block, {total / 1e6:.2f}M in all, {12 * total / 1e6:.1f} MB"
+    assert said in text, said
+    # make test's time: one range in both places that give it
+    assert "7-14 min on 2 quiet CPU cores, ~25 busy" in text
+    assert "(7-14 minutes on 2 quiet cores; up to ~25 minutes on a busy machine" in text

@@ -186,6 +186,16 @@ def test_only_the_adapters_train_and_the_base_stays_bitwise(base: Path, tmp_path
     assert saved and all(is_adapter(k) for k in saved)
     record = json.loads((ckpt / "state.json").read_text())["lora_base"]
     assert record["path"] == str(base / "run") and record["source"].endswith("step_000004")
+    # README's size rule: rank x (in + out) parameters per target layer (a fused one's A shared),
+    # 4 bytes each in model.safetensors and AdamW's two moments (8) in trainer_state.pt.
+    m, r = cfg.model, cfg.train.lora.rank
+    q, kv, ffn = m.n_head * m.head_dim, m.n_kv_head * m.head_dim, m.ffn_hidden
+    per_block = {"wqkv": m.d_model + q + 2 * kv, "wo": q + m.d_model,
+                 "w_gate_up": m.d_model + 2 * ffn, "w_down": ffn + m.d_model}  # fmt: skip
+    n = sum(t.numel() for t in saved.values())
+    assert n == m.n_layer * r * sum(per_block[t] for t in cfg.train.lora.targets)
+    assert 0 <= (ckpt / "model.safetensors").stat().st_size - 4 * n < 8_000  # + its header
+    assert 0 <= (ckpt / "trainer_state.pt").stat().st_size - 8 * n < 64_000  # + RNG states
 
 
 def test_muon_trains_the_adapters_only(base: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
