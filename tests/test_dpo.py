@@ -211,6 +211,7 @@ def test_sft_weight_adds_the_chosen_replies_cross_entropy(base: Path, tmp_path: 
     assert losses[2.0] == pytest.approx(LN2_F32 + 2.0 * nll, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_the_console_labels_the_loss_parts_and_the_val_loss(base: Path, tmp_path: Path) -> None:
     """The train line's loss is DPO's plus sft_weight's term, each labelled; the val line says
     its loss is DPO's alone (issue 62: `loss 0.3036` beside `val loss 0.0002` read as one)."""

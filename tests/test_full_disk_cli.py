@@ -27,6 +27,7 @@ from minillm.runtime import files
 from tests.helpers import error_line, trained_run
 
 runner = CliRunner()
+pytestmark = pytest.mark.slow  # training and tokenizing through the CLI: seconds each
 NEEDS = r"no space left on the device writing .*\(needs about [\d.]+ [KMG]?B, [\d.]+ \w+ free\)"
 
 
