@@ -374,3 +374,26 @@ def write_shards(cfg: Config, documents: list[str]) -> dict[str, Any]:
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
     tokenize(cfg)
     return load_meta(cfg.data.out_dir)
+
+
+# fp32 results of one function computed two ways (another kernel's blocking, thread count or
+# CPU: AMD EPYC vs Intel AMX) differ by rounding that grows with the values' size, not by an
+# absolute amount. Measured on the families of tests/test_hf_families.py (logits of size 5-10):
+# fp32 vs float64 1e-6 to 4e-6 of the largest logit, and F.linear's sum over K split in four
+# and added in reverse order (another kernel's blocking) 8e-7 to 3.2e-6 of it; issue 62 saw
+# 1.7e-5 of it between peft's unmerged logits and the merged export on an Intel AMX CPU (the
+# merged weights are rounded to fp32 once more). 1e-4 leaves a margin of 6x over the worst of
+# these, while a real difference (a wrong weight, position or mask) moves the values by a
+# good part of their size.
+FP32_REL = 1e-4
+
+
+def assert_same_function(
+    got: Any, want: Any, rel: float = FP32_REL, msg: str | None = None, scale: float | None = None
+) -> None:
+    """got and want, two computations of one function, agree within `rel` of `scale` (default:
+    the larger of their largest magnitudes), compared in float64 so the check adds no rounding."""
+    got64, want64 = torch.as_tensor(got).double(), torch.as_tensor(want).double()
+    if scale is None:
+        scale = max(got64.abs().max().item(), want64.abs().max().item()) if got64.numel() else 0.0
+    torch.testing.assert_close(got64, want64, rtol=0, atol=rel * scale, msg=msg)

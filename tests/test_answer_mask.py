@@ -9,6 +9,7 @@ whose text occurs in the user turns and replies with leading whitespace."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,52 @@ def test_the_vowel_replies_are_the_targets_not_the_questions(tmp_path: Path) -> 
     assert conv.tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False) == (
         "A</s>E</s>"
     )
+
+
+# Llama 2's template writes ' ' before each reply (Mistral v0.1's did too): after `[/INST]`, a
+# reply that starts with a digit or a newline gets that space as its own `▁` token. The
+# generation mask starts at the reply's content, as transformers' does with the markers after
+# the space: the separator is the template's, not the reply's.
+LLAMA2_REPLY = "{{ ' '  + content.strip() + ' ' + eos_token }}"
+LLAMA2_MARKED = (
+    "{{ ' ' }}{% generation %}{{ content.strip() + ' ' + eos_token }}{% endgeneration %}"
+)
+DIGITS = [
+    {"role": "user", "content": "What is six times seven?"},
+    {"role": "assistant", "content": "42, it is."},
+    {"role": "user", "content": "And again?"},
+    {"role": "assistant", "content": "42"},
+]
+
+
+def test_the_space_before_a_llama2_reply_is_not_a_target(tmp_path: Path) -> None:
+    from tests.published import FAMILIES
+
+    base = FAMILIES["llama2"]["template"]
+    assert LLAMA2_REPLY in base
+    tok = family_tokenizer("llama2")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "</s>", "unk_token": "<unk>"}  # fmt: skip
+    folders = []
+    for name, template in (("plain", base), ("marked", base.replace(LLAMA2_REPLY, LLAMA2_MARKED))):
+        out = tmp_path / name
+        out.mkdir()
+        tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": template})
+        )
+        folders.append(out)
+    conv = Conventions.of(load_tokenizer(folders[0] / "tokenizer.json"), folders[0])
+    ids, mask = conv.chat_targets(DIGITS)
+    want = hf_tokenizer(folders[1]).apply_chat_template(
+        DIGITS, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert ids == list(want["input_ids"])
+    text = hf_tokenizer(folders[0]).apply_chat_template(DIGITS, tokenize=False)
+    enc = tok.encode(text, add_special_tokens=False)
+    assert enc.ids == ids
+    spaces = [m.end() - 1 for m in re.finditer(r"\[/INST\] ", text)]
+    lone = [i for i, (a, b) in enumerate(enc.offsets) if a in spaces and enc.tokens[i] == "▁"]
+    assert len(lone) == 2  # the case at issue: the separator is a token of its own
+    assert not any(mask[i] for i in lone) and all(mask[i + 1] for i in lone)
+    assert mask == [bool(m) for m in want["assistant_masks"]]

@@ -17,7 +17,13 @@ from minillm.config import ModelConfig
 from minillm.model import KVCache, Transformer
 from minillm.model.decode import Decoder
 from minillm.model.moe import MoE, route_sigmoid, router_stats, update_router_bias
-from tests.helpers import assert_set_refused, make_trainer, prepared_config, run_trainer
+from tests.helpers import (
+    assert_same_function,
+    assert_set_refused,
+    make_trainer,
+    prepared_config,
+    run_trainer,
+)
 
 C, E, F = 64, 8, 32  # model width, routed experts, expert width
 
@@ -72,11 +78,11 @@ def test_the_module_equals_transformers_deepseek_v3_moe(case: str) -> None:
     x = torch.randn(3, 20, C)
     xs = [x.clone().requires_grad_(True) for _ in range(2)]
     got, want = ours(xs[0]), hf(xs[1])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert_same_function(got, want)
     probe = torch.randn_like(got)
     (got * probe).sum().backward()
     (want * probe).sum().backward()
-    torch.testing.assert_close(xs[0].grad, xs[1].grad, atol=1e-5, rtol=0)
+    assert_same_function(xs[0].grad, xs[1].grad)
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     sh = "shared_experts."
     pairs = {
@@ -89,7 +95,7 @@ def test_the_module_equals_transformers_deepseek_v3_moe(case: str) -> None:
         "shared.w_down.weight": hf_grads[sh + "down_proj.weight"],
     }
     for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, pairs[name], atol=1e-5, rtol=0, msg=name)
+        assert_same_function(p.grad, pairs[name], msg=name)
     assert ours.router_bias.grad is None and "router_bias" not in dict(ours.named_parameters())
 
 
@@ -137,7 +143,7 @@ def test_decoder_step_equals_forward_with_the_cache_and_int8_decodes() -> None:
             model(idx[r : r + 1], kv_cache=cache.rows(r, r + 1))
         decoder = Decoder(model, cache)
         for t in range(6):
-            torch.testing.assert_close(decoder.step(nxt[:, t]), full[:, 7 + t], atol=1e-5, rtol=0)
+            assert_same_function(decoder.step(nxt[:, t]), full[:, 7 + t])
         if int8_kernel_problem() is not None:
             pytest.skip(int8_kernel_problem())
         assert quantize_int8(model) is None
@@ -277,7 +283,7 @@ def test_training_moves_the_bias_by_the_steps_load_and_logs_it(
         want = delta - delta.mean(dim=1, keepdim=True)
         losses = [float(trainer.train_step().loss)]
         got = torch.stack([b.ffn.router_bias for b in trainer.model.blocks])
-        torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
+        assert_same_function(got, want)
         trainer.state.step = 1
         for step in range(1, 6):
             losses.append(float(trainer.train_step().loss))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minillm.checkpoint.store import load_model_state
-from tests.helpers import SHAKESPEARE
+from tests.helpers import SHAKESPEARE, assert_same_function
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def test_two_ranks_follow_the_single_process_loss_curve(workdir: Path, parallel:
     final = load_model_state(workdir / out / "checkpoints" / "step_000006")
     ref_final = load_model_state(workdir / "single" / "checkpoints" / "step_000006")
     for name, tensor in ref_final.items():
-        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6)
+        assert_same_function(final[name], tensor)
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -135,7 +135,7 @@ def test_the_routing_bias_update_sums_the_load_over_ranks(workdir: Path) -> None
     for layer in range(2):
         bias = f"blocks.{layer}.ffn.router_bias"
         assert want[bias].abs().max() > 0
-        torch.testing.assert_close(got[bias], want[bias], rtol=0, atol=1e-6)
+        assert_same_function(got[bias], want[bias])
 
 
 def test_muon_under_ddp_follows_the_single_process_and_fsdp_refuses_it(workdir: Path) -> None:
@@ -169,12 +169,12 @@ def test_weight_average_under_torchrun_is_the_single_process_one(
     got = workdir / out / "checkpoints" / "step_000006"
     ref = workdir / "ema_single" / "checkpoints" / "step_000006"
     for name, tensor in load_model_state(ref).items():  # the average, every rank's shards in it
-        torch.testing.assert_close(load_model_state(got)[name], tensor, rtol=1e-4, atol=1e-6)
+        assert_same_function(load_model_state(got)[name], tensor)
     raw = load_trainer_state(got)["ema"]["weights"]
     for name, tensor in load_model_state(
         workdir / "single" / "checkpoints" / "step_000006"
     ).items():
-        torch.testing.assert_close(raw[name], tensor, rtol=1e-4, atol=1e-6)
+        assert_same_function(raw[name], tensor)
 
 
 LEFT_THREADS = """\

@@ -360,3 +360,36 @@ def test_the_readme_family_table_is_the_registry() -> None:
     ]
     want = [(f.name, f.hf_class, f.llama_cpp_arch) for f in FAMILIES.values()]
     assert rows == want
+
+
+def test_the_ollama_formats_the_docs_list_are_the_ones_written() -> None:
+    """README and design.md name the chat formats whose TEMPLATE the Modelfile gets."""
+    from minillm.checkpoint.ollama import FORMATS
+
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    listed = re.search(r"the formats Ollama ships \(([^)]*)\)", design)
+    assert listed, "design.md no longer lists the Modelfile's formats"
+    words = " ".join(listed.group(1).split())
+    names = {f.name.replace(" [INST]", "") for f in FORMATS}
+    assert {n for n in names if n not in ("Mistral", "Llama 2")} <= set(
+        re.split(r", | and ", words)
+    )
+    assert "Mistral's and Llama 2's `[INST]`" in words
+    for name in names:
+        assert name in " ".join(readme.split()), f"README does not name {name}"
+
+
+def test_the_lora_size_rule_and_its_example_add_up() -> None:
+    """README's LoRA checkpoint size: rank x (in + out) per target, 12 bytes per parameter;
+    its SmolLM2-135M figures follow from the rule (tests/test_lora.py measures the bytes)."""
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "the checkpoint keeps 12 bytes per adapter parameter" in text
+    d, q, kv, ffn, blocks, rank = 576, 576, 192, 1536, 30, 16
+    per_block = rank * ((d + q + 2 * kv) + (q + d) + (d + 2 * ffn) + (ffn + d))
+    total = blocks * per_block
+    said = f"{per_block:,} per block, {total / 1e6:.2f}M in all, {12 * total / 1e6:.1f} MB"
+    assert said in text, said
+    # make test's time: one range in both places that give it
+    assert "7-14 min on 2 quiet CPU cores, ~25 busy" in text
+    assert "(7-14 minutes on 2 quiet cores; up to ~25 minutes on a busy machine" in text

@@ -209,3 +209,20 @@ def test_sft_weight_adds_the_chosen_replies_cross_entropy(base: Path, tmp_path: 
             trainer.close()
     assert losses[0.0] == LN2_F32
     assert losses[2.0] == pytest.approx(LN2_F32 + 2.0 * nll, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_console_labels_the_loss_parts_and_the_val_loss(base: Path, tmp_path: Path) -> None:
+    """The train line's loss is DPO's plus sft_weight's term, each labelled; the val line says
+    its loss is DPO's alone (issue 62: `loss 0.3036` beside `val loss 0.0002` read as one)."""
+    import re
+
+    sets = ["--set", "train.dpo.sft_weight=0.5", "--set", "train.max_steps=3"]
+    result = runner.invoke(app, ["train", str(dpo_yaml(base, tmp_path / "run")), *sets])
+    assert result.exit_code == 0, result.output
+    parts = re.findall(r"loss (\d\.\d{4}) \(dpo (\d\.\d{4}) \+ sft (\d\.\d{4})\)", result.stdout)
+    assert len(parts) == 3, result.stdout  # log_every 1
+    for total, dpo, sft in parts:
+        assert float(total) == pytest.approx(float(dpo) + float(sft), abs=2e-4)
+        assert float(sft) > 0
+    assert re.search(r"step 3: val dpo loss \d\.\d{4}, reward accuracy", result.stdout)

@@ -20,7 +20,7 @@ from minillm.families import hf_config_dict
 from minillm.infer.engine import SamplingParams, generate
 from minillm.model import Transformer
 from minillm.tokenizer.bpe import EOT, eot_id
-from tests.helpers import make_run, tiny_tokenizer
+from tests.helpers import assert_same_function, make_run, tiny_tokenizer
 
 TEXT = "First Citizen:\nBefore we proceed — Grüße, 日本語 🙂 <|endoftext|> the end."
 
@@ -71,7 +71,7 @@ def test_transformers_loads_our_logits_and_token_ids(exported) -> None:
     with torch.no_grad():
         ours, _ = loaded.model(idx)
         ref = hf(idx).logits
-    torch.testing.assert_close(ref, ours, atol=1e-5, rtol=0)
+    assert_same_function(ref, ours)
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = TEXT.replace("<|endoftext|>", "")  # HF always treats the literal as the special token
@@ -122,7 +122,7 @@ def test_exported_end_of_text_row_still_learns_in_transformers(exported) -> None
     hf(input_ids=idx, labels=idx, shift_labels=idx).loss.backward()
     ref = hf.model.embed_tokens.weight.grad[eot]
     assert ref.abs().sum() > 0
-    torch.testing.assert_close(ref, ours.tok_emb.weight.grad[eot], atol=1e-5, rtol=1e-4)
+    assert_same_function(ref, ours.tok_emb.weight.grad[eot])
 
 
 def test_chat_template_and_replies_match_hf(exported) -> None:
@@ -255,7 +255,7 @@ def test_import_gives_hf_logits(tmp_path: Path, tie: bool) -> None:
     model.load_state_dict(state)
     idx = torch.randint(0, 320, (2, 30))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=0)
+        assert_same_function(model(idx)[0], hf(idx).logits)
 
 
 def test_import_reads_sharded_safetensors(tmp_path: Path) -> None:
@@ -267,7 +267,7 @@ def test_import_reads_sharded_safetensors(tmp_path: Path) -> None:
     model.load_state_dict(state)
     idx = torch.randint(0, 320, (1, 20))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], hf(idx).logits, atol=1e-5, rtol=0)
+        assert_same_function(model(idx)[0], hf(idx).logits)
 
 
 def test_round_trip_export_then_import_is_exact(tmp_path: Path) -> None:

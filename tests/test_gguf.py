@@ -34,7 +34,7 @@ from minillm.infer.engine import SamplingParams, generate
 from minillm.tokenizer.bpe import EOT, eot_id, train_tokenizer
 from minillm.tokenizer.chat_template import END
 from minillm.tokenizer.conventions import Conventions
-from tests.helpers import SHAKESPEARE, make_run, tiny_tokenizer
+from tests.helpers import SHAKESPEARE, assert_same_function, make_run, tiny_tokenizer
 
 needs_llama_cpp = pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None,
@@ -205,7 +205,7 @@ def test_rope_permutation_turns_rotate_half_into_adjacent_pairs() -> None:
     c, s = angle.cos()[:, None], angle.sin()[:, None]
     pairs = torch.stack([y[..., 0] * c - y[..., 1] * s, y[..., 0] * s + y[..., 1] * c], -1)
     theirs = pairs.transpose(-1, -2).reshape(T, H, D)  # (x0, x2, ..., x1, x3, ...) = halves
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    assert_same_function(theirs, ours)
 
 
 # ----------------------------------------------------------------------------- llama.cpp: ids

@@ -30,6 +30,7 @@ from tests.helpers import (
     QUICK_TRAIN,
     ROOT,
     SHAKESPEARE,
+    assert_same_function,
     assert_same_weights,
     error_line,
     load_script,
@@ -125,7 +126,7 @@ def test_the_fused_adapter_is_pefts_per_projection_adapters() -> None:
                 dim=-1,
             )
             with torch.no_grad():
-                torch.testing.assert_close(layer(xx), peft_out, atol=1e-6, rtol=0)
+                assert_same_function(layer(xx), peft_out)
 
 
 def test_merged_weights_give_the_unmerged_function_and_decoding() -> None:
@@ -137,7 +138,7 @@ def test_merged_weights_give_the_unmerged_function_and_decoding() -> None:
     assert not any(isinstance(m, LoRALinear) for m in merged.modules())
     idx = torch.randint(0, 97, (2, 20))
     with torch.no_grad():
-        torch.testing.assert_close(merged(idx)[0], net(idx)[0], atol=2e-5, rtol=0)
+        assert_same_function(merged(idx)[0], net(idx)[0])
     prompt = [5, 17, 42, 8]
     with torch.inference_mode():
         ids = torch.tensor([prompt])
@@ -186,6 +187,16 @@ def test_only_the_adapters_train_and_the_base_stays_bitwise(base: Path, tmp_path
     assert saved and all(is_adapter(k) for k in saved)
     record = json.loads((ckpt / "state.json").read_text())["lora_base"]
     assert record["path"] == str(base / "run") and record["source"].endswith("step_000004")
+    # README's size rule: rank x (in + out) parameters per target layer (a fused one's A shared),
+    # 4 bytes each in model.safetensors and AdamW's two moments (8) in trainer_state.pt.
+    m, r = cfg.model, cfg.train.lora.rank
+    q, kv, ffn = m.n_head * m.head_dim, m.n_kv_head * m.head_dim, m.ffn_hidden
+    per_block = {"wqkv": m.d_model + q + 2 * kv, "wo": q + m.d_model,
+                 "w_gate_up": m.d_model + 2 * ffn, "w_down": ffn + m.d_model}  # fmt: skip
+    n = sum(t.numel() for t in saved.values())
+    assert n == m.n_layer * r * sum(per_block[t] for t in cfg.train.lora.targets)
+    assert 0 <= (ckpt / "model.safetensors").stat().st_size - 4 * n < 8_000  # + its header
+    assert 0 <= (ckpt / "trainer_state.pt").stat().st_size - 8 * n < 64_000  # + RNG states
 
 
 def test_muon_trains_the_adapters_only(base: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -227,9 +238,7 @@ def test_a_lora_run_loads_as_base_plus_adapters_and_refuses_a_changed_base(
     loaded = load_checkpoint(tmp_path / "run")
     x = torch.randint(0, 300, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(
-            loaded.model(x)[0], trainer.model.eval()(x)[0], atol=1e-5, rtol=0
-        )
+        assert_same_function(loaded.model(x)[0], trainer.model.eval()(x)[0])
     assert loaded.adapters is not None and all(is_adapter(k) for k in loaded.adapters)
 
     # the base changes: every command that loads the run refuses it, naming it
@@ -297,7 +306,7 @@ def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
     loaded = load_checkpoint(tmp_path / "run")  # base + adapters + rows, merged
     with torch.no_grad():
         ours = model(x)[0]
-        torch.testing.assert_close(loaded.model(x)[0], ours, atol=1e-5, rtol=0)
+        assert_same_function(loaded.model(x)[0], ours)
 
     # peft: the adapters and trainable_token_indices onto the HF export of the (tied) base
     hf_base = tmp_path / "hf"
@@ -312,7 +321,7 @@ def test_train_tokens_train_those_embedding_rows_and_round_trip_through_peft(
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_base, dtype=torch.float32)
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(hf, out).eval()(x).logits
-    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+    assert_same_function(theirs, ours)
 
     # a token the tokenizer lacks: one error line naming it, nothing written
     path = tmp_path / "bad.yaml"
@@ -447,7 +456,7 @@ def test_hf_and_gguf_exports_of_a_lora_run_are_merged(hf_lora, tmp_path: Path) -
     idx = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
         ours = unmerged(idx)[0]
-        torch.testing.assert_close(hf.eval()(idx).logits, ours, atol=1e-5, rtol=0)
+        assert_same_function(hf.eval()(idx).logits, ours)
         assert (base.eval()(idx).logits - ours).abs().max() > 1e-2  # the adapters matter
     out = tmp_path / "m.gguf"
     result = runner.invoke(
@@ -490,7 +499,7 @@ def test_the_peft_export_loads_in_peft_onto_the_hf_base(hf_lora, tmp_path: Path)
     model = peft.PeftModel.from_pretrained(base, out).eval()
     idx = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx).logits, unmerged(idx)[0], atol=1e-5, rtol=0)
+        assert_same_function(model(idx).logits, unmerged(idx)[0])
 
     # a run that is not LoRA has no adapters: one error line, nothing written
     result = runner.invoke(

@@ -27,7 +27,7 @@ from minillm.model import KVCache, Transformer
 from minillm.model.decode import Decoder
 from minillm.model.lora import add_lora, merge_lora
 from minillm.model.mla import MLA as MLA_MODULE
-from tests.helpers import make_trainer
+from tests.helpers import assert_same_function, make_trainer
 
 V = 96  # vocabulary
 
@@ -81,7 +81,7 @@ def test_logits_and_gradients_equal_transformers(q_lora_rank: int | None) -> Non
     idx = torch.randint(0, V, (2, 20))  # past original_max_position_embeddings: yarn matters
     theirs = hf(idx).logits
     mine, _ = ours(idx)
-    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert_same_function(mine, theirs)
     probe = torch.randn_like(theirs)
     (theirs * probe).sum().backward()
     (mine * probe).sum().backward()
@@ -125,7 +125,7 @@ def test_export_back_gives_the_same_logits(q_lora_rank: int | None, tmp_path: Pa
     save_file(tensors, tmp_path / "model.safetensors")
     back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     idx = torch.randint(0, V, (1, 24))
-    torch.testing.assert_close(back(idx).logits, hf(idx).logits, atol=1e-5, rtol=0)
+    assert_same_function(back(idx).logits, hf(idx).logits)
     # transformers' own save, plus an MTP layer's tensors: read as ours again
     hf.save_pretrained(tmp_path / "saved")
     saved = load_file(tmp_path / "saved" / "model.safetensors")
@@ -135,7 +135,7 @@ def test_export_back_gives_the_same_logits(q_lora_rank: int | None, tmp_path: Pa
     cfg = model_config_from_hf(hf_cfg)
     again = Transformer(cfg).eval()
     again.load_state_dict(from_hf_state_dict(saved, cfg))
-    torch.testing.assert_close(again(idx)[0], hf(idx).logits, atol=1e-5, rtol=0)
+    assert_same_function(again(idx)[0], hf(idx).logits)
 
 
 def test_yarn_mscale_attention_factor_is_transformers() -> None:
@@ -235,7 +235,7 @@ def test_cached_decode_equals_the_full_forward_and_rows_alone() -> None:
     with torch.no_grad():
         parts = [model(idx[:, :6], kv_cache=cache)[0]]
         parts += [model(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(6, 14)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+    assert_same_function(torch.cat(parts, 1), full)
     # rows at different lengths in one cache decode as each would alone
     prompts = [torch.randint(0, V, (n,)) for n in (3, 9, 5)]
     batched = decode_all(model, prompts, 6)
@@ -281,9 +281,9 @@ def test_lora_targets_the_latent_projections() -> None:
         adapted = model(idx)[0]
         cache = KVCache(model.cfg, 2)
         cached = model(idx, kv_cache=cache)[0]  # the absorbed path reads the adapted wkv_b
-        torch.testing.assert_close(cached, adapted, atol=1e-5, rtol=0)
+        assert_same_function(cached, adapted)
         merge_lora(model)
-        torch.testing.assert_close(model(idx)[0], adapted, atol=1e-5, rtol=0)
+        assert_same_function(model(idx)[0], adapted)
 
 
 def test_cache_bytes_per_token_are_the_latent() -> None:
@@ -374,9 +374,9 @@ def test_left_padding_and_packed_documents_are_each_row_alone() -> None:
     mask = torch.tensor([[1] * 7, [0, 0, 0, 1, 1, 1, 1]])
     with torch.no_grad():
         both = model(torch.cat((a, padded)), attention_mask=mask)[0]
-        torch.testing.assert_close(both[1, 3:], model(b)[0][0], atol=1e-5, rtol=0)
+        assert_same_function(both[1, 3:], model(b)[0][0])
         packed = model(torch.cat((a, b), dim=1), doc_ids=torch.tensor([[0] * 7 + [1] * 4]))[0]
-        torch.testing.assert_close(packed[0, 7:], model(b)[0][0], atol=1e-5, rtol=0)
+        assert_same_function(packed[0, 7:], model(b)[0][0])
 
 
 def test_latent_norms_use_the_configs_norm_eps() -> None:

@@ -12,6 +12,7 @@ from minillm.infer.engine import SamplingParams, generate
 from minillm.model import KVCache, Transformer
 from minillm.model.decode import Decoder
 from minillm.model.rope import apply_rope, rope_rotation, rope_tables, rotate_half_matrix
+from tests.helpers import assert_same_function
 
 
 def make_pair(**kw) -> tuple[Transformer, transformers.LlamaForCausalLM, ModelConfig]:
@@ -48,7 +49,7 @@ def test_logits_match_hf_llama(case: str) -> None:
     with torch.no_grad():
         ref = hf(idx).logits
         got, _ = ours(idx)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert_same_function(got, ref)
 
 
 def test_state_dict_round_trip_is_exact() -> None:
@@ -84,7 +85,7 @@ def test_kv_cache_decoding_equals_full_forward(n_kv_head: int) -> None:
         cache = KVCache(cfg, batch_size=2, max_len=24)
         prefill, _ = ours(idx[:, :7], kv_cache=cache)  # a prompt, then one token at a time
         steps = [ours(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(7, 24)]
-    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=0)
+    assert_same_function(torch.cat([prefill, *steps], dim=1), full)
 
 
 def test_chunked_prefill_equals_full_forward() -> None:
@@ -94,7 +95,7 @@ def test_chunked_prefill_equals_full_forward() -> None:
         full, _ = ours(idx)
         cache = KVCache(cfg, batch_size=2, max_len=30)
         parts = [ours(idx[:, a:b], kv_cache=cache)[0] for a, b in ((0, 10), (10, 25), (25, 30))]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+    assert_same_function(torch.cat(parts, dim=1), full)
 
 
 def test_causality_future_tokens_do_not_change_the_past() -> None:
@@ -124,10 +125,10 @@ def test_left_padding_matches_unpadded_rows_and_hf() -> None:
         ref = hf(idx, attention_mask=mask).logits
         for i, s in enumerate(seqs):
             alone, _ = ours(s[None])
-            torch.testing.assert_close(batched[i, T - len(s) :], alone[0], atol=1e-5, rtol=0)
+            assert_same_function(batched[i, T - len(s) :], alone[0])
     assert torch.isfinite(batched).all()
     real = mask.bool()
-    torch.testing.assert_close(batched[real], ref[real], atol=1e-5, rtol=0)
+    assert_same_function(batched[real], ref[real])
 
 
 def test_all_masked_query_rows_give_zero_attention_output_not_nan() -> None:
@@ -160,8 +161,8 @@ def test_packed_documents_attend_only_within_their_document() -> None:
         got, _ = ours(packed, doc_ids=doc_ids)
         alone_a, _ = ours(a[None])
         alone_b, _ = ours(b[None])
-    torch.testing.assert_close(got[0, :9], alone_a[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(got[0, 9:], alone_b[0], atol=1e-5, rtol=0)
+    assert_same_function(got[0, :9], alone_a[0])
+    assert_same_function(got[0, 9:], alone_b[0])
 
 
 @pytest.mark.parametrize("window", [None, 3, 6])
@@ -182,9 +183,9 @@ def test_kv_cache_rows_at_different_lengths_match_rows_decoded_alone(window: int
         for i, s in enumerate(seqs):
             alone, _ = ours(torch.cat([s, nxt[i], nxt[i, :2]])[None])
             n = len(s)
-            torch.testing.assert_close(steps[i], alone[0, n : n + 5], atol=1e-5, rtol=0)
+            assert_same_function(steps[i], alone[0, n : n + 5])
             if i < 2:
-                torch.testing.assert_close(two[i], alone[0, n + 5 :], atol=1e-5, rtol=0)
+                assert_same_function(two[i], alone[0, n + 5 :])
     with pytest.raises(ValueError, match="attention_mask cannot be combined with a KV cache"):
         ours(nxt, attention_mask=torch.ones_like(nxt), kv_cache=KVCache(cfg, 3))
 
@@ -226,10 +227,10 @@ def test_decoder_step_equals_forward_with_the_cache(case: str) -> None:
             for t in range(12):
                 ref = ours(nxt[:, t : t + 1], kv_cache=ref_cache, last_only=True)[0][:, 0]
                 got = decoder.step(nxt[:, t])
-                torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+                assert_same_function(got, ref)
             assert cache.lengths == ref_cache.lengths == [n + 12 for n in lengths]
-            torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-6, rtol=0)
-            torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-6, rtol=0)
+            assert_same_function(cache.k, ref_cache.k)
+            assert_same_function(cache.v, ref_cache.v)
             if lengths[0] == 9:
                 with pytest.raises(ValueError, match="full"):
                     decoder.step(nxt[:, 0])
@@ -251,7 +252,7 @@ def test_a_new_decoder_reads_weights_changed_in_place(tied: bool) -> None:
             ours(idx, kv_cache=cache)
             ref = ours(idx[:, :1], kv_cache=ref_cache, last_only=True)[0][:, 0]
             got = Decoder(ours, cache).step(idx[:, 0])
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+            assert_same_function(got, ref)
         with torch.no_grad():
             for p in ours.parameters():
                 p.add_(0.05 * torch.randn_like(p))
@@ -309,7 +310,7 @@ def test_rope_rotation_matrix_equals_apply_rope() -> None:
     rot = rope_rotation(cos[pos], sin[pos], rotate_half_matrix(16))
     want = apply_rope(x, cos[pos][:, None, None], sin[pos][:, None, None])
     with torch.no_grad():
-        torch.testing.assert_close(x[:, 0] @ rot, want[:, 0], atol=1e-6, rtol=0)
+        assert_same_function(x[:, 0] @ rot, want[:, 0])
 
 
 def test_init_scales_residual_projections() -> None:
@@ -402,4 +403,4 @@ def test_continuous_batching_rows_equal_each_prompt_decoded_alone(case: str) -> 
         for req, (tokens, ref) in enumerate(want):
             assert got[req] == tokens, req
             for a, b in zip(logits[req], ref, strict=True):
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+                assert_same_function(a, b)

@@ -26,7 +26,7 @@ from minillm.infer.task_scoring import (
 )
 from minillm.tokenizer.bpe import eot_id
 from minillm.tokenizer.conventions import Conventions
-from tests.helpers import make_run, run_trainer, tiny_tokenizer
+from tests.helpers import FP32_REL, make_run, run_trainer, tiny_tokenizer
 
 runner = CliRunner()
 CONTEXT = "First Citizen:\nBefore we proceed any further, hear me"
@@ -122,7 +122,8 @@ def test_batched_scores_equal_one_at_a_time(run) -> None:
         choices.append((ids, int(torch.randint(1, length, (), generator=gen))))
     one = score_continuations(model, choices, batch_size=1)
     for batch_size in (5, 23):
-        assert score_continuations(model, choices, batch_size) == pytest.approx(one, abs=1e-5)
+        # A score is a sum of log-probabilities, all of one sign: its rounding is relative to it.
+        assert score_continuations(model, choices, batch_size) == pytest.approx(one, rel=FP32_REL)
 
 
 # ----------------------------------------------------------------------------- exact match
@@ -449,7 +450,7 @@ def test_transformers_on_the_export_gives_the_same_numbers(run, tmp_path: Path) 
     loaded = load_checkpoint(run_dir)
     encoded = encode_multiple_choice(loaded.tokenizer, read_task(task), max_len)
     ours = score_continuations(loaded.model, [c for cs in encoded for c in cs], batch_size=5)
-    assert ours == pytest.approx(hf_scores, abs=1e-4)
+    assert ours == pytest.approx(hf_scores, rel=FP32_REL)  # sums of one sign: relative
 
 
 # ----------------------------------------------------------------------------- the shipped file

@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from minillm.cli import app
+from minillm.runtime.device import StopSignal
 from tests.helpers import error_line, trained_run
 
 runner = CliRunner()
@@ -91,8 +92,9 @@ def test_ctrl_c_is_acknowledged_and_a_second_one_loses_no_checkpoint_silently(
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(root))
-    # Each step of a checkpoint save stretched by 1 s, so that the second Ctrl-C lands inside it.
-    argv = [sys.executable, str(root / "scripts" / "slow_saves.py"), "1", "train",
+    # Each step of a checkpoint save stretched by 2 s, so that the second Ctrl-C, sent more than
+    # StopSignal.SAME_REQUEST_S after the first (sooner would be the same request), lands inside.
+    argv = [sys.executable, str(root / "scripts" / "slow_saves.py"), "2", "train",
             str(run.parent / "cfg.yaml"),
             "--set", f"train.out_dir={out}", "--set", "train.max_steps=100000",
             "--set", "train.log_every=1", "--set", "train.eval_every=0",
@@ -106,18 +108,20 @@ def test_ctrl_c_is_acknowledged_and_a_second_one_loses_no_checkpoint_silently(
             if line.startswith("step 2/"):
                 break
         proc.send_signal(signal.SIGINT)
+        first = time.monotonic()
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("stopping after this step"):
                 break
         while not list((out / "checkpoints").glob(".tmp-step_*")):  # the checkpoint write began
             time.sleep(0.05)
+        time.sleep(max(0.0, first + StopSignal.SAME_REQUEST_S + 0.2 - time.monotonic()))
         proc.send_signal(signal.SIGINT)
         for line in proc.stdout:
             lines.append(line)
             if "finishing it first" in line:
                 break
-        if signals == 3:  # still inside the write (stretched to 3 s)
+        if signals == 3:  # still inside the write (stretched to 6 s)
             proc.send_signal(signal.SIGINT)
         lines += proc.stdout.read().splitlines(keepends=True)
         assert proc.wait(timeout=60) == 130, "".join(lines)
@@ -139,6 +143,45 @@ def test_ctrl_c_is_acknowledged_and_a_second_one_loses_no_checkpoint_silently(
             "`minillm train` resumes from the start (no checkpoint yet)" in text
         )
         assert not latest.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_two_signals_in_a_moment_are_one_request(run: Path, tmp_path: Path, signame: str):
+    """`timeout 60 make demo` signals the process group, so minillm hears SIGTERM twice within
+    milliseconds (issue 62): that is one request, the step is checkpointed, exit 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "minillm", "train", str(run.parent / "cfg.yaml"),
+            "--set", f"train.out_dir={out}", "--set", "train.max_steps=100000",
+            "--set", "train.log_every=1", "--set", "train.eval_every=0",
+            "--set", "train.ckpt_every=0"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=tmp_path)  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stdout:  # the loop runs (and the handler is in place) at "step 2/"
+            lines.append(line)
+            if line.startswith("step 2/"):
+                break
+        proc.send_signal(getattr(signal, signame))
+        time.sleep(0.1)
+        proc.send_signal(getattr(signal, signame))
+        lines += proc.stdout.read().splitlines(keepends=True)
+        assert proc.wait(timeout=60) == 130, "".join(lines)
+    finally:
+        proc.kill()
+    text = "".join(lines)
+    assert "stopped at once" not in text, text
+    step = int(text.split(f"stopped by {signame} at step ")[1].split(" ")[0])
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == f"step_{step:06d}"
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """GGUF files for llama.cpp, Ollama, LM Studio and llama-cpp-python: `export --format gguf`.
 
-Offers `GGUF_DTYPES`, `check_gguf_target`, `modelfile_path`, `gguf_arch`, `gguf_tensors`,
-`modelfile_text` and `export_gguf` (what the command runs); the tokenizer's part of the file is
-minillm.checkpoint.gguf_tokens.
+Offers `GGUF_DTYPES`, `check_gguf_target`, `gguf_arch`, `gguf_tensors` and `export_gguf` (what the
+command runs); the tokenizer's part of the file is minillm.checkpoint.gguf_tokens, the Modelfile
+minillm.checkpoint.ollama.
 
 The file is written with gguf-py, the llama.cpp project's own writer, the way its
 `convert_hf_to_gguf.py` writes a `LlamaForCausalLM`, except that the tokenizer is described
@@ -21,8 +21,8 @@ Mixtral: q/k rows permuted to its adjacent RoPE pairs), `qwen2`, `qwen3`, `qwen2
 llama3 as the `rope_freqs` tensor of per-frequency divisors, longrope as phi3's factor tensors;
 what llama.cpp cannot compute (dynamic NTK, a sliding window shorter than the context outside
 gemma3, YaRN without truncation, dense blocks in an MoE) is one error line naming the key, and
-nothing written. Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries minillm's chat
-template in Go form (a published model's Jinja template Ollama takes from the file) and the stop
+nothing written. Beside the .gguf an Ollama Modelfile (`NAME.Modelfile`) carries the chat
+template in Ollama's Go form where minillm.checkpoint.ollama recognises its format, and the stop
 tokens."""
 
 from __future__ import annotations
@@ -35,25 +35,19 @@ import numpy as np
 import torch
 
 from minillm.checkpoint.gguf_tokens import (
-    GgufSpecials,
     gguf_specials,
     gguf_vocab,
 )
 from minillm.checkpoint.hf_export import KEPT, check_not_over_source
-from minillm.config import ModelConfig, SampleConfig
+from minillm.checkpoint.ollama import modelfile_path, modelfile_text
+from minillm.config import ModelConfig
 from minillm.errors import UserError
 from minillm.families import family_of
 from minillm.runtime.disk_space import raise_if_disk_full
 from minillm.runtime.files import StagedFile, fsync_dir, fsync_file
-from minillm.tokenizer.chat_template import HF_CHAT_TEMPLATE
 
 GGUF_DTYPES = ("f32", "f16", "q8_0")
 Q8_0_BLOCK = 32  # q8_0 quantises rows in blocks of 32 values
-
-
-def modelfile_path(out: str | Path) -> Path:
-    """The Ollama Modelfile written beside `out`: model.gguf -> model.Modelfile."""
-    return Path(out).with_suffix(".Modelfile")
 
 
 def check_gguf_target(
@@ -162,40 +156,6 @@ def gguf_tensors(
 
 
 # ----------------------------------------------------------------------------- Ollama
-
-
-# Our template (minillm.tokenizer.chat_template) in Ollama's Go template: each message as
-# <|role|>content<|end|>, then the generation prompt. Ollama's roles are ours (system, user,
-# assistant).
-OLLAMA_CHAT_TEMPLATE = (
-    "{{- range .Messages }}<|{{ .Role }}|>{{ .Content }}<|end|>{{ end }}<|assistant|>"
-)
-
-
-def modelfile_text(gguf_name: str, ids: GgufSpecials, sample: SampleConfig, context: int) -> str:
-    """An Ollama Modelfile for the .gguf beside it: the template, stop tokens, context and the
-    run's sampling defaults (`ollama create NAME -f FILE.Modelfile`).
-
-    minillm's own chat template is written in Go (OLLAMA_CHAT_TEMPLATE). A published model's
-    Jinja template is not translated: the Modelfile names none, and `ollama create` takes the
-    file's tokenizer.chat_template, which it matches to its own template of that family."""
-    if ids.template is None:
-        template: str | None = "{{ .Prompt }}"
-    else:  # minillm's own, in Go; a published model's is Ollama's to match
-        template = OLLAMA_CHAT_TEMPLATE if ids.template == HF_CHAT_TEMPLATE else None
-    lines = [
-        "# Ollama: ollama create NAME -f THIS_FILE, then ollama run NAME (written by minillm)",
-        f"FROM ./{gguf_name}",
-        *([f'TEMPLATE """{template}"""'] if template is not None else []),
-        *(f'PARAMETER stop "{s}"' for s in ids.stops),
-        # Past the trained context RoPE positions are unseen; Ollama's default may be longer.
-        f"PARAMETER num_ctx {context}",
-        f"PARAMETER temperature {sample.temperature:g}",
-    ]
-    if sample.temperature > 0:  # written when off (0, 1) too: Ollama's defaults are 40 and 0.9
-        lines.append(f"PARAMETER top_p {sample.top_p:g}")
-        lines.append(f"PARAMETER top_k {sample.top_k}")
-    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------- export
@@ -314,7 +274,7 @@ def export_gguf(ckpt: Any, out: str | Path, dtype: str = "f32", force: bool = Fa
         w.write_tensors_to_file()
         w.close()
         fsync_file(staged.tmp)
-        text = modelfile_text(out.name, ids, cfg.sample, m.max_seq_len)
+        text = modelfile_text(out.name, ids, cfg.sample, m.max_seq_len, ckpt.conventions.special)
         modelfile = StagedFile.text(modelfile_path(out), text)
         check_gguf_target(out, force, ckpt.path, dtype)  # again: someone may have written since
         staged.commit()

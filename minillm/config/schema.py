@@ -265,7 +265,10 @@ class DataConfig(Section):
     )
     seed: int = setting(1337, help="Seed of the train/validation split of documents.")
     vocab_size: int = setting(4096, help="Vocabulary of the byte-level BPE tokenizer to train.")
-    tokenizer: str = setting("", help="Path of tokenizer.json; empty = <out_dir>/tokenizer.json.")
+    tokenizer: str = setting(
+        "",
+        help="Path of tokenizer.json (or a folder holding one); empty = <out_dir>/tokenizer.json.",
+    )
     out_dir: str = setting(
         "data/tokens",
         help="Folder for the shards (train_000000.bin, ..., val_000000.bin, ...) and meta.json.",
@@ -343,7 +346,11 @@ class DataConfig(Section):
 
     @property
     def tokenizer_path(self) -> Path:
-        return Path(self.tokenizer) if self.tokenizer else Path(self.out_dir) / "tokenizer.json"
+        """data.tokenizer (a folder: its tokenizer.json), else the one out_dir's pass trains."""
+        if not self.tokenizer:
+            return Path(self.out_dir) / "tokenizer.json"
+        path = Path(self.tokenizer)
+        return path / "tokenizer.json" if path.is_dir() else path
 
 
 @dataclass

@@ -207,17 +207,23 @@ def _decode_python_state(st: list) -> tuple:
 class StopSignal:
     """Turns SIGINT/SIGTERM into a request to checkpoint and stop after the current step.
 
-    The first signal is acknowledged at once with `notice` (on stderr). A second one stops at
-    once (KeyboardInterrupt), except inside `finishing(what)`, a checkpoint being written: there
-    it says that `what` finishes first, and only a third stops at once. The atomic checkpoint
-    writes keep the previous checkpoint whole either way.
+    The first signal is acknowledged at once with `notice` (on stderr). Signals within
+    SAME_REQUEST_S of the first are that same request: `timeout`, `make` and a terminal signal
+    a whole process group, so one Ctrl-C or one `kill` of the group can arrive two or three
+    times. A later second one stops at once (KeyboardInterrupt), except inside
+    `finishing(what)`, a checkpoint being written: there it says that `what` finishes first, and
+    only a third stops at once. The atomic checkpoint writes keep the previous checkpoint whole
+    either way.
     """
+
+    SAME_REQUEST_S = 2.0
 
     def __init__(self, notice: str = "") -> None:
         self.requested = False
         self.signame = ""
         self.notice = notice
         self._count = 0
+        self._first_at = 0.0  # time.monotonic() of the first signal
         self._finishing = ""  # what a second signal lets finish, while inside finishing()
         self._old: dict[int, Any] = {}
 
@@ -229,12 +235,15 @@ class StopSignal:
                 os.write(2, f"{text}\n".encode())
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self._count += 1
         if not self.requested:
-            self.requested = True
+            self.requested, self._count = True, 1
+            self._first_at = time.monotonic()
             self.signame = signal.Signals(signum).name
             self._say(self.notice)
             return
+        if time.monotonic() - self._first_at < self.SAME_REQUEST_S:
+            return  # the first request again, delivered to the process group twice
+        self._count += 1
         if self._finishing and self._count == 2:
             self._say(f"{self._finishing}: finishing it first (interrupt once more to abandon it)")
             return

@@ -1,10 +1,13 @@
 """A full disk met while writing, made one line that names the folder and the space needed.
 
-Offers `is_disk_full` (an OSError ENOSPC/EDQUOT, or torch.save's RuntimeError on a short write),
-`full_disk_error` (the UserError to raise), `raise_if_disk_full` (called in a writer's `except`
-after its cleanup: raises that error for a full disk), `free_bytes` and `human_bytes`. Each writer
-(checkpoints, token shards, the tokenizer, the HF, peft and GGUF exports) removes its temporary
-files first, so the error can promise that nothing existing was lost.
+Offers `is_disk_full` (an OSError ENOSPC/EDQUOT, torch.save's RuntimeError on a short write,
+safetensors' error for either, or a `DiskFullError`), `full_disk_error` (the `DiskFullError` to
+raise), `raise_if_disk_full` (called in a writer's `except` after its cleanup: raises that error
+for a full disk), `free_bytes` and `human_bytes`. minillm.runtime.files' atomic writes raise a
+`DiskFullError` naming the file's folder themselves, so every writer that uses them (meta files,
+the tokenizer, a run's config, the Modelfile) answers a full disk in one line; the writers of
+several files (checkpoints, token shards, the HF, peft and GGUF exports) catch it, remove their
+temporary files and say what is kept.
 """
 
 from __future__ import annotations
@@ -22,13 +25,29 @@ from minillm.errors import UserError
 _TORCH_SHORT_WRITE = ("unexpected pos", "file write failed")
 
 
+# safetensors (Rust) on a full disk: "Error while serializing: I/O error: No space left on device
+# (os error 28)"; its SafetensorError is neither an OSError nor a RuntimeError.
+_RUST_IO_ERRORS = (f"(os error {errno.ENOSPC})", f"(os error {errno.EDQUOT})")
+
+
+class DiskFullError(UserError, OSError):
+    """A full disk, already said in one line (a UserError: exit 2); still an OSError ENOSPC, so
+    a caller that catches OSError (an optional cache) or rewords a full disk sees one."""
+
+    def __init__(self, message: str) -> None:
+        OSError.__init__(self, errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def is_disk_full(e: BaseException) -> bool:
     """Whether `e` is a write that failed for want of space (or of quota)."""
     if isinstance(e, OSError):
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     if isinstance(e, RuntimeError):
         return any(s in str(e) for s in _TORCH_SHORT_WRITE)
-    return False
+    return type(e).__name__ == "SafetensorError" and any(s in str(e) for s in _RUST_IO_ERRORS)
 
 
 def human_bytes(n: float) -> str:
@@ -51,13 +70,13 @@ def free_bytes(folder: str | Path) -> int | None:
         return None
 
 
-def full_disk_error(folder: str | Path, what: str, needed: int | None, after: str) -> UserError:
+def full_disk_error(folder: str | Path, what: str, needed: int | None, after: str) -> DiskFullError:
     """`<folder>: no space left on the device writing <what>: needs about N, M free; <after>`."""
     free = free_bytes(folder)
     sizes = [f"needs about {human_bytes(needed)}" if needed else ""]
     sizes.append(f"{human_bytes(free)} free" if free is not None else "")
     room = ", ".join(s for s in sizes if s)
-    return UserError(
+    return DiskFullError(
         f"{folder}: no space left on the device writing {what}"
         + (f" ({room})" if room else "")
         + f"; {after}"

@@ -6,12 +6,14 @@ Offers `atomic_write`, `atomic_write_text`, `atomic_write_json`, `atomic_copy` (
 `fsync_dir`, `fsync_file`, `sha256_file`, `save_safetensors`, `ensure_writable_dir`,
 `removing_new_dirs`; and reading a user's files: `read_user_text`, `user_jsonl`.
 A reader therefore sees the old file or the new one, never a half-written one, whatever instant a
-crash or a full disk strikes.
+crash or a full disk strikes; a full disk is a `DiskFullError` (one line, exit 2) naming the
+folder and the space the file needs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from minillm.errors import ConfigError, UserError
+from minillm.runtime.disk_space import full_disk_error, is_disk_full
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -63,10 +66,15 @@ class StagedFile:
     @classmethod
     def text(cls, path: str | Path, text: str) -> StagedFile:
         staged = cls(path)
-        with open(staged.tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(staged.tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException as e:
+            staged.discard()
+            _raise_if_disk_full(e, staged.path, len(text.encode("utf-8")))
+            raise
         return staged
 
     def commit(self) -> None:
@@ -77,11 +85,19 @@ class StagedFile:
             self.tmp.unlink()
 
 
+def _raise_if_disk_full(e: BaseException, path: Path, size: int | None) -> None:
+    """A full disk met writing `path` (its temporary file already removed) as one line."""
+    if is_disk_full(e) and not isinstance(e, UserError):
+        kept = f"{path.name} is as it was" if path.exists() else f"{path.name} was not written"
+        raise full_disk_error(path.parent, path.name, size, kept) from None
+
+
 @contextlib.contextmanager
-def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
+def atomic_write(path: str | Path, mode: str = "wb", size: int | None = None) -> Iterator[IO[Any]]:
     """Open a temporary sibling of `path`; on success fsync it and rename it over `path`.
 
-    On any exception the temporary file is removed and `path` is left as it was.
+    On any exception the temporary file is removed and `path` is left as it was; a full disk is
+    a DiskFullError naming the folder and `size` (the bytes to write, where the caller knows).
     """
     staged = StagedFile(path)
     encoding = None if "b" in mode else "utf-8"
@@ -91,15 +107,16 @@ def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
             f.flush()
             os.fsync(f.fileno())
         staged.commit()
-    except BaseException:
+    except BaseException as e:
         staged.discard()
+        _raise_if_disk_full(e, staged.path, size)
         raise
     fsync_dir(staged.path.parent)
 
 
 def atomic_copy(src: str | Path, dst: str | Path) -> None:
     """Copy `src` to `dst` through a temporary file, fsynced, then renamed."""
-    with atomic_write(dst) as out, open(src, "rb") as f:
+    with atomic_write(dst, size=os.path.getsize(src)) as out, open(src, "rb") as f:
         shutil.copyfileobj(f, out)
 
 
@@ -136,15 +153,22 @@ def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[s
     safetensors >= 0.5 creates it 0600, which stops another user loading a shared model."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:
+        # safetensors' own error type for a full disk: made the OSError every writer checks for
+        if is_disk_full(e) and not isinstance(e, OSError):
+            raise OSError(errno.ENOSPC, f"{path}: {e}") from None
+        raise
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    with atomic_write(path, "w") as f:
-        f.write(text)
+    data = text.encode("utf-8")
+    with atomic_write(path, "wb", size=len(data)) as f:
+        f.write(data)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:

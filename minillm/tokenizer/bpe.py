@@ -148,14 +148,17 @@ def check_tokenizer(tok: Tokenizer, vocab_size: int, path: str | Path) -> None:
     got = tok.get_vocab_size()
     if got != vocab_size:
         owner = _owner(Path(path))
-        # A model's tokenizer cannot be retrained (check_not_a_models_tokenizer): the fix is the
-        # size, not --retrain, which would only send the user back here.
-        fix = (
-            f"it belongs to {owner} in {Path(path).parent}: set data.vocab_size to {got} (or "
-            "leave it out with train.init_from)"
-            if owner
-            else f"set data.vocab_size to {got} to use it, or pass --retrain to replace it"
-        )
+        # A model's or a published tokenizer cannot be retrained (check_not_a_models_tokenizer):
+        # the fix is the size, not --retrain, which would only send the user back here.
+        if owner:
+            fix = (
+                f"it belongs to {owner} in {Path(path).parent}: set data.vocab_size to {got} (or "
+                "leave it out with train.init_from)"
+            )
+        elif not _written_by_minillm(tok, Path(path)):
+            fix = f"it is a published tokenizer: set data.vocab_size to {got} to use it"
+        else:
+            fix = f"set data.vocab_size to {got} to use it, or pass --retrain to replace it"
         raise ConfigError(
             "data.vocab_size",
             f"the existing tokenizer has {got} tokens but data.vocab_size is {vocab_size}; {fix}",
@@ -204,6 +207,13 @@ def is_published(tok_path: Path) -> bool:
     )
 
 
+def _written_by_minillm(tok: Tokenizer, tok_path: Path) -> bool:
+    """Whether the tokenizer at `tok_path` is one `minillm tokenize` trained: our special tokens
+    and no published model's tokenizer_config.json beside it."""
+    ours = special_tokens(tok) in (list(SPECIAL_TOKENS), list(LEGACY_SPECIAL_TOKENS))
+    return ours and not is_published(tok_path)
+
+
 def check_not_a_models_tokenizer(tok_path: Path) -> None:
     """A UserError if `tok_path` is the tokenizer of a model: a Hugging Face folder with weights
     (config.json and *.safetensors beside it), a minillm checkpoint (state.json) or run
@@ -211,7 +221,17 @@ def check_not_a_models_tokenizer(tok_path: Path) -> None:
     longer mean what they were trained on."""
     owner = _owner(tok_path)
     if not owner:
-        return
+        try:
+            tok = Tokenizer.from_file(str(tok_path))
+        except Exception:  # not a tokenizer at all: --retrain may replace it
+            return
+        if _written_by_minillm(tok, tok_path):
+            return
+        raise UserError(
+            f"{tok_path}: data.tokenizer: a published tokenizer, not one minillm trained; "
+            "--retrain does not replace it: point data.tokenizer at a new file (or drop "
+            "--retrain to use it)"
+        )
     folder = tok_path.parent
     raise UserError(
         f"{tok_path}: data.tokenizer: belongs to {owner} in {folder}, whose weights need it; "

@@ -177,7 +177,8 @@ def assistant_spans(
     content (trim it, keep its leading whitespace, cut a <think> part) the span is what it
     wrote. The span starts where the template's generation prompt for the reply ends (the
     conversation before it, rendered with `add_generation_prompt`) when that rendering is a
-    prefix of the conversation's, and it ends after the content and the first of `end_tokens`
+    prefix of the conversation's and more than whitespace lies between that and the content
+    (else at the content), and it ends after the content and the first of `end_tokens`
     (the tokenizer's special tokens) that follows it, whitespace between them included; so
     ChatML's `\\n` after `<|im_end|>` is not a target, as in the templates that carry markers.
     """
@@ -196,6 +197,12 @@ def assistant_spans(
         # then renders otherwise, and the reply starts where its content does.
         prefix = text.startswith(prompt) and cursor <= len(prompt) <= at
         start = len(prompt) if prefix else at
+        if not text[start:at].strip():
+            # Only whitespace between the generation prompt and the reply (Llama 2's and
+            # Mistral v0.1's ' ' after [/INST]) is the template's separator, not the reply: a
+            # `▁` token of its own there is no target, as in transformers' mask with the
+            # {% generation %} markers around the content.
+            start = at
         rest = text[end:]
         gap = len(rest) - len(rest.lstrip())
         token = next((t for t in ends if rest[gap:].startswith(t)), None)

@@ -306,6 +306,10 @@ class Trainer:
             own = self.objective.scalars()
             monitor.scalars(own, self.state.step)
             shown = _beside_loss(shown, own, self.objective.console)
+            parts = self.objective.loss_parts(own)
+            if parts and "loss" in shown:
+                each = " + ".join(f"{label} {v:.4f}" for label, v in parts.items())
+                shown["loss"] = f"{shown['loss']} ({each})"
         monitor.step(self.state.step, shown, log)
         if log:
             meter.reset()
@@ -339,7 +343,8 @@ class Trainer:
             self.last_eval = self.objective.evaluate(self.model, self.autocast)  # {} for none
             monitor.scalars({f"val/{k}": v for k, v in self.last_eval.items()}, self.state.step)
             if self.last_eval:
-                shown = ", ".join(f"{_LABELS.get(k, k)} {v:.4f}" for k, v in self.last_eval.items()
+                labels = {**_LABELS, **self.objective.val_labels}
+                shown = ", ".join(f"{labels.get(k, k)} {v:.4f}" for k, v in self.last_eval.items()
                                   if k != "perplexity")  # fmt: skip
                 monitor.print(f"step {self.state.step}: val {shown}")
             if self.probes is not None:

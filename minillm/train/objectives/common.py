@@ -115,6 +115,13 @@ class Objective(Protocol):
     # Its scalars shown on the progress line beside the loss: {tag: label} (a GRPO loss is ~0,
     # so its reward and share of correct replies are what a user watches).
     console: dict[str, str]
+    # Labels of its `evaluate` keys on the console's val line where they differ from the
+    # train line's (a DPO run's val loss has no sft term: "dpo loss").
+    val_labels: dict[str, str]
+
+    def loss_parts(self, own: dict[str, float]) -> dict[str, float]:
+        """The parts the step's loss sums, by label, from its `scalars()` ({} for one part):
+        shown after the loss, `loss 0.3036 (dpo 0.2900 + sft 0.0136)`."""
 
     def attach(self, model: Transformer) -> None:
         """The model it trains, holding its starting weights (before a resume loads its own)."""

@@ -181,7 +181,16 @@ class DPO:
     dropout = False
     chat = True
     console = {"dpo/reward_accuracy": "acc"}
+    # The held-out pairs' loss is the DPO loss alone, without sft_weight's term.
+    val_labels = {"loss": "dpo loss"}
     needs_start_weights = True  # the reference is train.init_from, on a resume too
+
+    def loss_parts(self, own: dict[str, float]) -> dict[str, float]:
+        """DPO's loss and sft_weight x the chosen replies' cross-entropy, where that is on."""
+        w = self.cfg.train.dpo.sft_weight
+        if not w or "dpo/loss" not in own:
+            return {}
+        return {"dpo": own["dpo/loss"], "sft": w * own["dpo/nll"]}
 
     def __init__(self, setup: Setup) -> None:
         cfg = setup.cfg

@@ -119,6 +119,10 @@ class GRPO:
     dropout = False
     chat = True
     console = {"grpo/reward": "reward", "grpo/correct": "correct"}
+    val_labels: dict[str, str] = {}
+
+    def loss_parts(self, own: dict[str, float]) -> dict[str, float]:
+        return {}
 
     def __init__(self, setup: Setup) -> None:
         cfg = setup.cfg

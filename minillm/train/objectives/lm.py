@@ -77,7 +77,11 @@ class LM:
 
     dropout = True
     console: dict[str, str] = {}
+    val_labels: dict[str, str] = {}
     needs_start_weights = False  # a resume takes its own checkpoint's weights
+
+    def loss_parts(self, own: dict[str, float]) -> dict[str, float]:
+        return {}
 
     def __init__(self, setup: Setup) -> None:
         cfg = setup.cfg
