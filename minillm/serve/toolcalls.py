@@ -103,12 +103,13 @@ class ToolFormat:
             "additionalProperties": False,
         }
 
-    def grammar(self, tools: list[dict[str, Any]], trigger_id: int | None, parallel: bool) -> str:
+    def grammar(self, tools: list[dict[str, Any]], token_id: Any, parallel: bool) -> str:
         """Lark for forced calls to one of `tools` (OpenAI's `function` objects), from the
-        reply's start: the trigger (`<[id]>` where it is one token), then the calls."""
+        reply's start: the trigger, then the calls. token_id(text): the id of a marker that is
+        one token (written `<[id]>`: the grammar engine reads added tokens by id, not text)."""
         schemas = [self._call_schema(t) for t in tools]
         one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        trigger = f"<[{trigger_id}]>" if trigger_id is not None else json.dumps(self.trigger)
+        trigger = _ref(self.trigger, token_id)
         if self.name == "mistral":
             array = {"type": "array", "items": one, "minItems": 1}
             if not parallel:
@@ -116,20 +117,22 @@ class ToolFormat:
             return f"start: {trigger} {schema_lark(array)}\n"
         call = f"call: {schema_lark(one)}\n"
         if self.name == "hermes":
-            block = f'block: {trigger} "\\n" call "\\n</tool_call>"\n'
+            close = _ref("</tool_call>", token_id)
+            block = f'block: {trigger} "\\n" call "\\n" {close}\n'
             start = 'start: block ("\\n" block)*\n' if parallel else "start: block\n"
             return start + block + call
         start = 'start: call ("; " call)*\n' if parallel else "start: call\n"
         return start + call
 
-    def lazy_grammar(self, tools: list[dict[str, Any]]) -> str:
+    def lazy_grammar(self, tools: list[dict[str, Any]], token_id: Any) -> str:
         """Lark for what follows the trigger token in `auto` mode (the row is free before)."""
         schemas = [self._call_schema(t) for t in tools]
         one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         if self.name == "mistral":
             return f"start: {schema_lark({'type': 'array', 'items': one, 'minItems': 1})}\n"
         if self.name == "hermes":
-            return f'start: "\\n" call "\\n</tool_call>"\ncall: {schema_lark(one)}\n'
+            close = _ref("</tool_call>", token_id)
+            return f'start: "\\n" call "\\n" {close}\ncall: {schema_lark(one)}\n'
         return f"start: {schema_lark(one)}\n"
 
     def call_id(self) -> str:
@@ -137,6 +140,12 @@ class ToolFormat:
             alphabet = string.ascii_letters + string.digits
             return "".join(secrets.choice(alphabet) for _ in range(self.id_length))
         return new_call_id()
+
+
+def _ref(text: str, token_id: Any) -> str:
+    """A marker in Lark: its token `<[id]>` where it is one, else its text."""
+    token = token_id(text)
+    return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
 def new_call_id() -> str:
