@@ -418,3 +418,35 @@ def test_reasoning_is_split_from_content_and_streamed_likewise(
     _assert_renders_as_transformers(
         folder, messages, chat_template_kwargs={"enable_thinking": False}
     )
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_sample_and_chat_json_schema_use_the_same_path(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from minillm.cli import app
+    from tests.helpers import error_line
+
+    folder = folders["qwen2.5-tools"]
+    schema = tmp_path / "weather.json"
+    schema.write_text(json.dumps(WEATHER))
+    runner = CliRunner()
+    common = ["--ckpt", str(folder), "--json-schema", str(schema), "--max-new-tokens", "200"]
+    result = runner.invoke(app, ["sample", *common, "--prompt", "Weather: ", "--seed", "3"])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(json.loads(result.stdout.removeprefix("Weather: ")), WEATHER)
+    result = runner.invoke(app, ["chat", *common, "--message", "Weather?", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(json.loads(result.stdout), WEATHER)
+    # A schema the engine cannot compile, or no JSON at all: one line naming the file, exit 2.
+    schema.write_text(json.dumps({"type": "object", "not": {"type": "string"}}))
+    result = runner.invoke(app, ["sample", *common, "--prompt", "x"])
+    assert result.exit_code == 2
+    assert f"--json-schema {schema}" in error_line(result) and "not" in error_line(result)
+    schema.write_text("{oops")
+    result = runner.invoke(app, ["chat", *common, "--message", "x"])
+    assert result.exit_code == 2 and "not JSON" in error_line(result)

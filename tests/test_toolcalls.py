@@ -19,12 +19,16 @@ HERMES = (
     'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n'
     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 )
-LLAMA = '{"name": "get_weather", "parameters": {"city": "Köln"}}; {"name": "get_time", "parameters": {}}'
+LLAMA = (
+    '{"name": "get_weather", "parameters": {"city": "Köln"}}; '
+    '{"name": "get_time", "parameters": {}}'
+)
 LLAMA_TAG = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Köln"}}'
 MISTRAL = (
     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Köln"}}, '
     '{"name": "get_time", "arguments": {}}]'
 )
+BROKEN = 'x <tool_call>\n{"broken": \n</tool_call>'
 TWO = [("get_weather", {"city": "Köln"}), ("get_time", {})]
 CASES = [
     ("hermes", HERMES, "Let me look.", TWO),
@@ -32,8 +36,7 @@ CASES = [
     ("llama3_json", LLAMA_TAG, None, TWO[:1]),
     ("mistral", MISTRAL, None, TWO),
     ("hermes", "No call: <tool_ca is not <tool_call", "No call: <tool_ca is not <tool_call", []),
-    ("hermes", 'x <tool_call>\n{"broken": \n</tool_call>', 'x <tool_call>\n{"broken": \n</tool_call>',
-     []),
+    ("hermes", BROKEN, BROKEN, []),
     ("llama3_json", "Plain {words}.", "Plain {words}.", []),
 ]  # fmt: skip
 

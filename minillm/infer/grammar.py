@@ -1,6 +1,7 @@
 """Constrained decoding: a grammar's token mask for a row of the decoding core.
 
 Offers `GrammarError` (a schema or grammar the engine cannot compile, naming the keyword),
+`read_schema` and `schema_grammar` (--json-schema FILE of `minillm sample` and `chat`),
 `Grammar` (a compiled grammar for one tokenizer; `lazy_trigger` switches it on at a token, as
 llama-server's lazy grammars do for tool calls), `json_schema_grammar`, `json_object_grammar`,
 `lark_grammar`, `RowGrammar` (one row's matcher: its mask, the tokens it consumes) and
@@ -20,6 +21,7 @@ import json
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +58,28 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     except ValueError as e:
         raise GrammarError(f"not a JSON schema: {e}") from None
+
+
+def read_schema(path: Path) -> dict[str, Any]:
+    """A JSON schema file (`--json-schema FILE`), or a UserError naming the file."""
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"--json-schema {path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"--json-schema {path}: not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise UserError(f"--json-schema {path}: a JSON schema is an object, got {type(schema)}")
+    return schema
+
+
+def schema_grammar(schema: dict[str, Any], tokenizer: Any, stop_ids: Iterable[int], where: str):
+    """The compiled grammar of `schema` for a `tokenizers.Tokenizer` (`minillm sample` and `chat`
+    with --json-schema); a schema the engine refuses is a UserError naming `where`."""
+    try:
+        return Grammar.compile(grammar_tokenizer(tokenizer, stop_ids), json_schema_grammar(schema))
+    except GrammarError as e:
+        raise UserError(f"{where}: the grammar engine cannot compile it: {e}") from None
 
 
 def json_object_grammar() -> str:
