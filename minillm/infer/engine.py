@@ -185,7 +185,7 @@ class Engine:
         self.step_threads = one_row_threads(self.device)  # for steps of one row
         self.active: list[Row] = []  # row i lives in row i of the cache
         self.waiting: collections.deque[Row] = collections.deque()
-        self.masks = Masks()  # grammar rows' token masks
+        self.masks = Masks(overlap=self.device.type != "cpu")  # grammar rows' token masks
         self.steps = 0  # batched forwards run
         self.generated = 0  # tokens chosen, over all rows
 

@@ -4,13 +4,14 @@ Offers `GrammarError` (a schema or grammar the engine cannot compile, naming the
 `read_schema` and `schema_grammar` (--json-schema FILE of `minillm sample` and `chat`),
 `Grammar` (a compiled grammar for one tokenizer; `lazy_trigger` switches it on at a token, as
 llama-server's lazy grammars do for tool calls), `json_schema_grammar`, `json_object_grammar`,
-`lark_grammar`, `RowGrammar` (one row's matcher: its mask, the tokens it consumes) and
-`fill_masks` (the masks of a batch's rows, computed together, on a worker thread while the
-forward runs).
+`lark_grammar`, `RowGrammar` (one row's matcher: its mask, the tokens it consumes),
+`fill_masks` (the masks of a batch's rows) and `Masks` (the engine's: computed on a worker thread
+while the forward runs on a GPU; after it on the CPU, whose cores the model's threads use).
 
 The engine is llguidance (docs/design.md, "Serving", says why it and not xgrammar): it reads a
 tokenizer.json as it is, so every tokenizer minillm loads is one it takes; a mask costs tens of
-microseconds per token, on the CPU, at any vocabulary size measured.
+microseconds per token, on the CPU, at any vocabulary size measured, and a schema compiles in a
+few milliseconds (scripts/bench_grammar.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,27 +158,15 @@ class RowGrammar:
                 self.active = False
 
 
-_executor: Any = None
-_executor_lock = threading.Lock()
-
-
-def _parallel() -> Any:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            import llguidance
-
-            _executor = llguidance.LLExecutor()
-        return _executor
-
-
 def fill_masks(rows: list[RowGrammar], vocab: int) -> torch.Tensor:
-    """Allowed tokens (len(rows), vocab) as booleans, the rows' masks computed together (the
-    grammar engine's threads; it releases the GIL, so the forward runs beside it)."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
+    """Allowed tokens (len(rows), vocab) as booleans. One row at a time on the calling thread:
+    the engine's parallel executor measured slower here, its threads taking the cores that the
+    model's threads wait for (docs/benchmarks.md, constrained decoding)."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     bits = allocate_token_bitmask(len(rows), vocab)
-    fill_next_token_bitmask_par(_parallel(), [(r.matcher, i) for i, r in enumerate(rows)], bits)
+    for i, r in enumerate(rows):
+        fill_next_token_bitmask(r.matcher, bits, i)
     shifts = torch.arange(32, dtype=torch.int32)
     allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)  # (n, 32 * W)
     return allowed[:, :vocab]
@@ -186,15 +174,17 @@ def fill_masks(rows: list[RowGrammar], vocab: int) -> torch.Tensor:
 
 class Masks:
     """The token masks of a batch's grammar rows: `start` them on a worker thread before the
-    forward, `apply` them to its logits after (rows admitted meanwhile computed then)."""
+    forward, `apply` them to its logits after (rows admitted meanwhile computed then). With
+    `overlap` off (a model on the CPU, whose threads the worker would take) all at `apply`."""
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = True) -> None:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.overlap = overlap
 
     def start(self, grammars: list[RowGrammar | None]) -> Any:
         """The masks of the rows whose grammar is active, begun; None if none is."""
         ruled = [g for g in grammars if g is not None and g.active]
-        if not ruled:
+        if not ruled or not self.overlap:
             return None
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "minillm-grammar")
