@@ -197,15 +197,15 @@ def test_tool_round_trip_renders_as_transformers(folders: dict[str, Path], qwen)
         model="m", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
         tool_choice="required", temperature=0, max_tokens=300, parallel_tool_calls=False,
     ).choices[0].message  # fmt: skip
-    history = [
-        {"role": "user", "content": "Weather?"},
-        first.model_dump(exclude_none=True),
-        *({"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'}
-          for c in first.tool_calls),
-    ]  # fmt: skip
+    results = [{"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'}
+               for c in first.tool_calls]  # fmt: skip
+    # The reply's message object goes back as it came (README's example does so).
     r = client.chat.completions.create(
-        model="m", messages=history, tools=TOOLS, max_tokens=5, temperature=0
-    )
+        model="m", messages=[{"role": "user", "content": "Weather?"}, first, *results],
+        tools=TOOLS, max_tokens=5, temperature=0,
+    )  # fmt: skip
+    history = [{"role": "user", "content": "Weather?"}, first.model_dump(exclude_none=True)]
+    history += results
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     _assert_renders_as_transformers(folders["qwen2.5-tools"], history)
 
