@@ -450,3 +450,43 @@ def test_sample_and_chat_json_schema_use_the_same_path(
     schema.write_text("{oops")
     result = runner.invoke(app, ["chat", *common, "--message", "x"])
     assert result.exit_code == 2 and "not JSON" in error_line(result)
+
+
+def test_auto_switches_the_grammar_on_at_the_trigger(qwen, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tool_choice auto: free text, then `<tool_call>`; from there the mask holds the call to
+    the tools' schemas (a uniform draw over what it allows), and after `</tool_call>` the row is
+    free again (here it ends)."""
+    from minillm.infer import engine
+
+    tok = load_checkpoint_tokenizer(qwen)
+    open_, close, end = (tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>", "<|im_end|>"))
+    words = tok.encode("Let me see.", add_special_tokens=False).ids
+    gen = torch.Generator().manual_seed(4)
+    drawn: list[int] = []
+
+    def draw(logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        row = logits[0]
+        if len(drawn) < len(words):
+            pick = words[len(drawn)]
+        elif len(drawn) == len(words):
+            pick = open_
+        elif close in drawn:
+            pick = end
+        else:  # inside the call: anything the mask leaves, uniformly
+            allowed = torch.isfinite(row).nonzero().flatten()
+            assert len(allowed) < len(row) // 2, "the mask is on inside the call"
+            pick = int(allowed[torch.randint(len(allowed), (), generator=gen)])
+        if len(drawn) <= len(words):  # free text: every token of the vocabulary may come
+            assert int(torch.isfinite(row).sum()) == tok.get_vocab_size()
+        drawn.append(pick)
+        return torch.tensor([pick])
+
+    monkeypatch.setattr(engine, "sample_next", draw)
+    client, _ = qwen
+    r = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        max_tokens=300,
+    )  # fmt: skip
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me see."
+    _check_calls(choice.message.tool_calls, set(SCHEMAS))
