@@ -398,8 +398,14 @@ def test_reasoning_is_split_from_content_and_streamed_likewise(
     ]
     messages = [{"role": "user", "content": "Hail!"}]
     with serving(folder) as (client, _):
-        script_tokens(monkeypatch, ids * 2)
+        script_tokens(monkeypatch, ids * 3)
         whole = client.chat.completions.create(model="m", messages=messages, max_tokens=50)
+        logprobs = []  # each token's, also where the splitter holds its text back
+        for chunk in client.chat.completions.create(
+            model="m", messages=messages, max_tokens=50, stream=True, logprobs=True
+        ):
+            for choice in chunk.choices:
+                logprobs += choice.logprobs.content if choice.logprobs else []
         parts = {"reasoning_content": "", "content": ""}
         for chunk in client.chat.completions.create(
             model="m", messages=messages, max_tokens=50, stream=True
@@ -412,6 +418,7 @@ def test_reasoning_is_split_from_content_and_streamed_likewise(
     assert message["reasoning_content"] == "The user greets."
     assert message["content"] == "Hail, friend."
     assert parts == {"reasoning_content": "The user greets.", "content": "Hail, friend."}
+    assert len(logprobs) == len(ids)
     # max_tokens counts the reasoning too: the usage is every token of the reply.
     assert whole.usage.completion_tokens == len(ids)
     # enable_thinking: false reaches the template (an empty think block opens the reply).

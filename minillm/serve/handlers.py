@@ -333,8 +333,9 @@ class Handler:
                         )
                 split = splits[i]
                 if split is not None:  # reasoning, content and tool calls, each its own delta
-                    for delta in split.push(self.piece(job, event)):
-                        yield chunk(i, **delta)
+                    deltas = split.push(self.piece(job, event)) or ([{}] if lp is not None else [])
+                    for k, delta in enumerate(deltas):  # the token's logprobs with its first
+                        yield chunk(i, lp=lp if k == 0 else None, **delta)
                 elif event.text or lp is not None:
                     yield chunk(i, event.text, lp=lp)
                     shown[i] += len(event.text)
