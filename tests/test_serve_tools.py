@@ -375,6 +375,8 @@ def test_unknown_completion_field_and_tools_on_a_template_without_them(
     with serving(folders["qwen2.5-tools"]) as (_, http):
         r = http.post("/v1/completions", json=r_args)
         assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+        r = http.post("/v1/completions", json={"prompt": "x", "tools": TOOLS})
+        assert r.status_code == 400 and "send it to /v1/chat/completions" in r.text
     plain = build(tmp_path, "chatml")
     with serving(plain) as (_, http):
         body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}

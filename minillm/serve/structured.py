@@ -48,6 +48,14 @@ NOT_DONE = {
     "service_tier": "service tiers",
     "verbosity": "a verbosity setting",
 }
+# Chat fields sent to /v1/completions: said in words there.
+CHAT_ONLY = {
+    "messages": "/v1/chat/completions",
+    "tools": "/v1/chat/completions (a completion has no template to render tools)",
+    "tool_choice": "/v1/chat/completions",
+    "response_format": "/v1/chat/completions (or `minillm sample --json-schema FILE`)",
+    "chat_template_kwargs": "/v1/chat/completions",
+}
 # Template variables a request may not set: the server sets them.
 RESERVED_KWARGS = {"messages", "tools", "documents", "add_generation_prompt"}
 
@@ -61,6 +69,8 @@ def _bad(param: str, what: str) -> Any:
 def check_fields(body: dict[str, Any], known: set[str]) -> None:
     """Every field is one this endpoint reads (a 400 naming the first that is not)."""
     for key in body:
+        if key in CHAT_ONLY and key not in known:
+            raise _bad(key, f"not supported by /v1/completions: send it to {CHAT_ONLY[key]}")
         if key in NOT_DONE:
             raise _bad(key, f"not supported by this server ({NOT_DONE[key]} is not implemented)")
         if key not in known:
