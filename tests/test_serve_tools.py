@@ -499,3 +499,25 @@ def test_auto_switches_the_grammar_on_at_the_trigger(qwen, monkeypatch: pytest.M
     (choice,) = r.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me see."
     _check_calls(choice.message.tool_calls, set(SCHEMAS))
+
+
+def test_masks_beside_the_forward_equal_masks_after_it() -> None:
+    """The GPU path (masks on a worker thread while the forward runs) masks as the CPU's."""
+    from minillm.infer.grammar import Grammar, Masks, grammar_tokenizer, json_schema_grammar
+    from tests.published import family_tokenizer
+
+    tok = family_tokenizer("chatml")
+    grammar = Grammar.compile(grammar_tokenizer(tok, {2}), json_schema_grammar(WEATHER))
+    rows = [grammar.start(), None, grammar.start()]
+    rows[2].advance(tok.token_to_id("{"))
+    logits = torch.randn(3, tok.get_vocab_size() + 16, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for overlap in (True, False):
+        masks, got = Masks(overlap=overlap), logits.clone()
+        masks.apply(rows, got, masks.start(rows), tok.get_vocab_size())
+        out[overlap] = got
+    assert torch.equal(out[True], out[False])
+    assert torch.equal(out[True][1], logits[1])  # a free row is untouched
+    allowed = torch.isfinite(out[True][0]).nonzero().flatten().tolist()
+    assert allowed and all('{"city":'.startswith(tok.decode([t])) for t in allowed)
+    assert torch.isinf(out[True][2, tok.get_vocab_size() :]).all()
