@@ -17,7 +17,6 @@ few milliseconds (scripts/bench_grammar.py).
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,17 +36,21 @@ class GrammarError(UserError):
     """A schema or grammar the engine cannot compile; the message names what it refused."""
 
 
-@functools.lru_cache(maxsize=4)
-def _ll_tokenizer(tokenizer_json: str, eos: tuple[int, ...]) -> Any:
-    import llguidance
-
-    return llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos))
+_TOKENIZERS: dict[tuple[int, tuple[int, ...]], tuple[Any, Any]] = {}
 
 
 def grammar_tokenizer(tokenizer: Any, stop_ids: Iterable[int]) -> Any:
-    """llguidance's view of a `tokenizers.Tokenizer`; the grammar's end admits `stop_ids`
-    (cached: building it reads the whole vocabulary)."""
-    return _ll_tokenizer(tokenizer.to_str(), tuple(sorted(stop_ids)))
+    """llguidance's view of a `tokenizers.Tokenizer`; the grammar's end admits `stop_ids`.
+    Kept per tokenizer object: building it serializes and reads the whole vocabulary."""
+    import llguidance
+
+    key = (id(tokenizer), tuple(sorted(stop_ids)))
+    if key not in _TOKENIZERS:
+        if len(_TOKENIZERS) >= 8:
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+        built = llguidance.LLTokenizer(tokenizer.to_str(), eos_token=list(key[1]))
+        _TOKENIZERS[key] = (tokenizer, built)  # the tokenizer kept alive: its id stays its own
+    return _TOKENIZERS[key][1]
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:

@@ -29,6 +29,8 @@ from minillm.serve.tokens import TokenText
 from minillm.serve.toolcalls import ToolFormat, tool_format
 from minillm.serve.worker import EngineThread, QueueFull, Ticket
 from minillm.tokenizer.bpe import special_tokens
+from minillm.tokenizer.conventions import PublishedConventions
+from minillm.tokenizer.jinja_chat import render
 
 
 class Handler:
@@ -121,9 +123,11 @@ class Handler:
         agentic = any(m["role"] == "tool" or "tool_calls" in m for m in messages)
         if not (plan.tools or plan.extra or agentic):
             ids = self.encode_chat(messages)
+            if not self.thinking:
+                return ids, False
             text = self.tok.decode(ids[-8:], skip_special_tokens=False)
-            return ids, self.thinking and text.rstrip().endswith("<think>")
-        if not hasattr(self.conv, "chat_text"):  # minillm's own template: no variables
+            return ids, text.rstrip().endswith("<think>")
+        if not isinstance(self.conv, PublishedConventions):  # minillm's own: no variables
             field = "chat_template_kwargs" if plan.extra else "messages"
             raise P.APIError(
                 400,
@@ -133,7 +137,11 @@ class Handler:
         if not self.conv.has_chat:
             return self.encode_chat(messages), False  # the 400 that says so
         try:
-            text = self.conv.chat_text(messages, True, plan.tools, plan.extra)
+            # apply_chat_template(messages, tools=..., **chat_template_kwargs), as the template
+            # of a published model is rendered everywhere (minillm.tokenizer.jinja_chat).
+            text, _ = render(
+                self.conv.template, messages, True, self.conv.special, plan.tools, plan.extra
+            )
         except UserError as e:
             raise P.APIError(400, str(e), param="messages", code="invalid_messages") from None
         ids = self.tok.encode(text, add_special_tokens=False).ids

@@ -447,23 +447,9 @@ class PublishedConventions(Conventions):
         return self._spell(self.tok.id_to_token(token) or "")
 
     def chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        text = self.chat_text(messages, add_generation_prompt)
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def chat_text(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> str:
-        """The template's text, as `apply_chat_template(messages, tools=tools, **extra,
-        tokenize=False)` (`minillm serve`: tool calls and tool results in the messages)."""
         assert self.template is not None, "check_chat first"
-        text, _ = jinja_chat.render(
-            self.template, messages, add_generation_prompt, self.special, tools, extra
-        )
-        return text
+        text, _ = jinja_chat.render(self.template, messages, add_generation_prompt, self.special)
+        return self.tok.encode(text, add_special_tokens=False).ids
 
     def chat_targets(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
         """The template's rendering; targets: minillm.tokenizer.jinja_chat.assistant_spans."""
