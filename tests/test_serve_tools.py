@@ -521,3 +521,13 @@ def test_masks_beside_the_forward_equal_masks_after_it() -> None:
     allowed = torch.isfinite(out[True][0]).nonzero().flatten().tolist()
     assert allowed and all('{"city":'.startswith(tok.decode([t])) for t in allowed)
     assert torch.isinf(out[True][2, tok.get_vocab_size() :]).all()
+
+
+def test_a_value_not_honoured_is_refused_in_words(qwen) -> None:
+    _, http = qwen
+    body = {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "presence_penalty: repetition penalties are not implemented (only 0)"
+    )

@@ -172,12 +172,22 @@ def _model(body: dict[str, Any], limits: Limits) -> None:
         )
 
 
+# What a known key this server cannot honour would ask for, in words.
+_NOT_HONOURED = {
+    "frequency_penalty": "repetition penalties are not implemented",
+    "presence_penalty": "repetition penalties are not implemented",
+    "logit_bias": "logit biases are not implemented",
+    "suffix": "insertion (text after the completion) is not implemented",
+}
+
+
 def _unsupported(body: dict[str, Any], keys: dict[str, Any]) -> None:
     """A known key this server cannot honour must be absent or at its neutral value."""
     for key, neutral in keys.items():
         value = body.get(key)
         if value is not None and value != neutral and value != [] and value != {}:
-            raise _bad(key, f"not supported by this server (only {json.dumps(neutral)})")
+            why = _NOT_HONOURED.get(key, "not supported by this server")
+            raise _bad(key, f"{why} (only {json.dumps(neutral)})")
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
