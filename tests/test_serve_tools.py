@@ -75,6 +75,8 @@ def _families() -> dict[str, dict]:
         "llama3.1-tools": {**fams["llama3"], "specials": [*s.LLAMA3_SPECIALS, "<|python_tag|>",
                                                          "<|eom_id|>"],
                            "template": _template("meta-llama-Llama-3.1-8B-Instruct")},
+        "r1-distill": {**fams["deepseek-v3"], "added": ["<think>", "</think>"],
+                       "template": _template("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B")},
         "mistral-tools": {**fams["mistral"], "specials": [*s.MISTRAL_SPECIALS, "[TOOL_CALLS]",
                                                           "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                                                           "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
@@ -87,6 +89,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     fams = _script().FAMILIES
     extra = _families()
     fams.update(extra)
+    extra["r1-distill"].pop("model", None)  # a Llama: the DeepSeek-V3 class is not the point here
     try:
         root = tmp_path_factory.mktemp("tools")
         return {name: family_folder(root, name, max_position_embeddings=4096) for name in extra}
@@ -530,4 +533,30 @@ def test_a_value_not_honoured_is_refused_in_words(qwen) -> None:
     assert r.status_code == 400
     assert r.json()["error"]["message"] == (
         "presence_penalty: repetition penalties are not implemented (only 0)"
+    )
+
+
+def test_a_prompt_that_opens_the_think_block_starts_the_reply_in_reasoning(
+    folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek-R1 distills: the generation prompt ends in `<think>\\n` (here with
+    enable_thinking, which llama.cpp's copy of the template reads), so the reply is reasoning up
+    to `</think>`; its tool calls are a format minillm names and refuses."""
+    folder = folders["r1-distill"]
+    tok = hf_tokenizer(folder)
+    reply = "Weigh it.\n</think>\n\nThe answer."
+    ids = [*tok(reply, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    kwargs = {"chat_template_kwargs": {"enable_thinking": True}}
+    with serving(folder) as (client, http):
+        script_tokens(monkeypatch, ids)
+        r = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Why?"}], extra_body=kwargs
+        )
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+        refused = http.post("/v1/chat/completions", json=body)
+    message = r.choices[0].message.model_dump()
+    assert message["reasoning_content"] == "Weigh it." and message["content"] == "The answer."
+    assert refused.status_code == 400
+    assert (
+        "DeepSeek V3/R1 format, which minillm does not parse" in refused.json()["error"]["message"]
     )

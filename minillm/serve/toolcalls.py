@@ -165,7 +165,6 @@ _OTHERS = {
     "<|tool_call|>": "Granite / Phi-4",
     "<start_function_call>": "FunctionGemma",
     "functools[": "Firefunction",
-    ">>>": "Functionary",
 }
 
 
@@ -174,6 +173,13 @@ def tool_format(template: str | None) -> ToolFormat:
     says why none: no template, a template without tools, or a format minillm does not parse."""
     if not template:
         raise UserError("tools: the model has no chat template, so it has no tool-call format")
+    # Another family's markers first: Qwen3-Coder's XML calls also sit in <tool_call> blocks.
+    found = next((name for marker, name in _OTHERS.items() if marker in template), None)
+    if found:
+        raise UserError(
+            f"tools: the model's chat template writes the {found} format, which minillm does not "
+            "parse (it parses Hermes/Qwen <tool_call>, Llama 3.1 JSON and Mistral [TOOL_CALLS])"
+        )
     if "tools" not in template:
         raise UserError(
             "tools: the model's chat template does not use `tools`, so the model was not "
@@ -185,9 +191,7 @@ def tool_format(template: str | None) -> ToolFormat:
         return FORMATS["mistral"]
     if '"parameters"' in template or "<|python_tag|>" in template:
         return FORMATS["llama3_json"]
-    found = next((name for marker, name in _OTHERS.items() if marker in template), None)
-    what = f"the {found} format" if found else "a tool-call format"
     raise UserError(
-        f"tools: the model's chat template writes {what}, which minillm does not parse (it "
+        "tools: the model's chat template writes a tool-call format minillm does not parse (it "
         "parses Hermes/Qwen <tool_call>, Llama 3.1 JSON and Mistral [TOOL_CALLS])"
     )
