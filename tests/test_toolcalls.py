@@ -69,13 +69,23 @@ def test_calls_parse_whole_and_cut_anywhere(fmt: str, text: str, content, calls)
             assert sent == (content or ""), cut
 
 
-def test_each_call_streams_its_id_and_name_once_then_arguments() -> None:
+def test_each_call_streams_its_id_and_name_once_then_argument_fragments() -> None:
+    """As vLLM: per call its id, type and name once, then its arguments as they are written."""
     _, deltas = _split("hermes", [HERMES[i : i + 3] for i in range(0, len(HERMES), 3)])
     parts = [p for d in deltas for p in d.get("tool_calls", [])]
-    assert [p["index"] for p in parts] == [0, 0, 1, 1]
-    assert "id" in parts[0] and parts[0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert parts[1] == {"index": 0, "function": {"arguments": '{"city": "Köln"}'}}
-    assert parts[0]["id"] != parts[2]["id"]
+    heads = [p for p in parts if "id" in p]
+    assert [(p["index"], p["function"]) for p in heads] == [
+        (0, {"name": "get_weather", "arguments": ""}),
+        (1, {"name": "get_time", "arguments": ""}),
+    ]
+    assert heads[0]["id"] != heads[1]["id"]
+    for index, args in ((0, '{"city": "Köln"}'), (1, "{}")):
+        fragments = [
+            p["function"]["arguments"] for p in parts if p["index"] == index and "id" not in p
+        ]
+        assert "".join(fragments) == args
+    assert len([p for p in parts if p["index"] == 0]) > 3  # fragments, not one piece at the end
+    assert parts.index(heads[1]) > max(i for i, p in enumerate(parts) if p["index"] == 0)
 
 
 @pytest.mark.parametrize("in_thought", [False, True])

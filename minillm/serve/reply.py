@@ -5,7 +5,8 @@ completes (`{"reasoning_content": ...}`, `{"content": ...}`, `{"tool_calls": [..
 chunk shapes); `finish()` returns the rest; `message()` the whole reply as one message. The
 stream and the whole reply come from the same pieces, so a client that joins the deltas gets the
 message. Text that may be the start of a marker (`</think>`, `<tool_call>`) is held back until
-the next piece says whether it is, so a partial marker never reaches `content`.
+the next piece says whether it is, so a partial marker never reaches `content`; a Hermes call's
+arguments go out in fragments as they are written (`ToolFormat.open_call`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ReplySplitter:
         self.pending = ""  # text not yet sent: a marker's possible start, or calls in progress
         self.calls: list[ToolCall] = []
         self.sent_calls = 0
+        self.streamed: dict[int, str] = {}  # per call index: the arguments sent so far
         self.started_content = False
         self.cut = ""
         self.reasoning, self.content = "", ""
@@ -125,7 +127,7 @@ class ReplySplitter:
         return [{"content": text}]
 
     def _calls(self, final: bool) -> list[dict[str, Any]]:
-        """Calls are sent as each is whole: its id, type and name, then its arguments."""
+        """Whole calls are sent, and the one being written so far (Hermes, name first)."""
         assert self.tools is not None
         calls, whole = self.tools.parse_calls(self.pending, final)
         if final and not whole and not calls:  # not calls after all: the text is content
@@ -138,16 +140,30 @@ class ReplySplitter:
             calls = calls[:1]
         out = []
         for i in range(self.sent_calls, len(calls)):
-            call, cid = calls[i], self.tools.call_id()
-            self.calls.append(call)
-            head = {"name": call.name, "arguments": ""}
-            out.append(
-                {"tool_calls": [{"index": i, "id": cid, "type": "function", "function": head}]}
-            )
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+            out += self._send(i, calls[i].name, calls[i].arguments)
+            self.calls.append(calls[i])
         self.sent_calls = len(calls)
+        opened = None if final else self.tools.open_call(self.pending)
+        if opened is not None and (self.parallel or not calls):
+            out += self._send(self.sent_calls, *opened)  # the call being written, so far
         if final:
             self.pending, self.state = "", "done"
+        return out
+
+    def _send(self, i: int, name: str, arguments: str) -> list[dict[str, Any]]:
+        """Call i's deltas not yet sent: its id, type and name once, then what its arguments
+        have grown by (a Hermes call streams them as they come; the others whole)."""
+        out = []
+        if self.streamed.get(i) is None:
+            head = {"name": name, "arguments": ""}
+            call = {"index": i, "id": self.tools.call_id(), "type": "function", "function": head}
+            out.append({"tool_calls": [call]})
+            self.streamed[i] = ""
+        sent = self.streamed[i]
+        if arguments.startswith(sent) and len(arguments) > len(sent):
+            part = {"index": i, "function": {"arguments": arguments[len(sent) :]}}
+            out.append({"tool_calls": [part]})
+            self.streamed[i] = arguments
         return out
 
 

@@ -48,6 +48,31 @@ def _decoder_objects(text: str) -> tuple[list[Any], str]:
         at = end
 
 
+_CLOSE = "</tool_call>"
+# A Hermes call whose name comes first: `{"name": "...", "arguments": ` and then its arguments.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _trim_object_end(text: str) -> str:
+    """`text` without what may end the call's object: trailing space, one `}`, space."""
+    text = text.rstrip()
+    return (text[:-1] if text.endswith("}") else text).rstrip()
+
+
+def _raw_arguments(call: ToolCall | None, body: str) -> ToolCall | None:
+    """A Hermes call's arguments as the model wrote them (the text streamed piece by piece),
+    where its name comes first and they are JSON; else as parsed."""
+    head = _HEAD.match(body)
+    if call is None or head is None:
+        return call
+    raw = _trim_object_end(body[head.end() :])
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError:
+        return call
+    return ToolCall(call.name, raw) if not raw.startswith('"') else call
+
+
 def _as_call(value: Any, args_key: str) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -81,6 +106,7 @@ class ToolFormat:
                     break
                 values, rest = _decoder_objects(body)
                 call = _as_call(values[0], self.args_key) if len(values) == 1 else None
+                call = _raw_arguments(call, body)
                 ok = ok and call is not None and not rest.strip()
                 if call is not None:
                     calls.append(call)
@@ -93,6 +119,23 @@ class ToolFormat:
         values, rest = _decoder_objects(text.strip())  # llama3_json
         calls = [c for v in values if (c := _as_call(v, self.args_key))]
         return calls, len(calls) == len(values) and not rest.strip()
+
+    def open_call(self, text: str) -> tuple[str, str] | None:
+        """Hermes: the name of the call still being written and its arguments so far, as they
+        will stand in the whole call (what may still close the call held back); None when the
+        last block is closed, or its name does not come first."""
+        if self.name != "hermes":
+            return None
+        last = re.split(r"\s*<tool_call>\s*", text.strip())[-1]
+        head = _HEAD.match(last)
+        if "</tool_call>" in last or head is None or last[head.end() :].startswith('"'):
+            return None
+        args = last[head.end() :]
+        for k in range(min(len(_CLOSE) - 1, len(args)), 0, -1):  # a partial </tool_call>
+            if _CLOSE.startswith(args[-k:]):
+                args = args[:-k]
+                break
+        return json.loads(f'"{head.group(1)}"'), _trim_object_end(args)
 
     def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
         params = tool.get("parameters") or {"type": "object", "properties": {}}
