@@ -230,6 +230,13 @@ def sample(
     ignore_eos: bool = typer.Option(
         False, "--ignore-eos", help="Do not stop at end-of-text (benchmarks)."
     ),
+    json_schema: Path | None = typer.Option(
+        None,
+        "--json-schema",
+        metavar="FILE",
+        help="A JSON schema file: every generated text is JSON that it accepts, forced token by "
+        "token by a grammar's mask (llguidance), as `minillm serve`'s response_format.",
+    ),
 ) -> None:
     """Generate text from a checkpoint, streamed as it comes; stops at end-of-text.
 
@@ -240,8 +247,16 @@ def sample(
 
     texts = run(read_prompts, prompt, prompt_file)
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
+    schema = _schema(json_schema)  # before the slow load
     loaded = ckpt.load()
-    run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos)
+    run(sample_checkpoint, loaded, texts, params, num_samples, ignore_eos, json_schema=schema)
+
+
+def _schema(path: Path | None) -> tuple[Path, dict] | None:
+    """--json-schema FILE read (one error line naming the file if it is not a JSON object)."""
+    from minillm.infer.grammar import read_schema
+
+    return None if path is None else (path, run(read_schema, path))
 
 
 @app.command(
@@ -269,6 +284,13 @@ def chat(
     top_k: int | None = TopKOption,
     top_p: float | None = TopPOption,
     seed: int | None = typer.Option(None, "--seed", metavar="S", help="Same seed, same replies."),
+    json_schema: Path | None = typer.Option(
+        None,
+        "--json-schema",
+        metavar="FILE",
+        help="A JSON schema file: every reply is JSON that it accepts, forced token by "
+        "token by a grammar's mask (llguidance), as `minillm serve`'s response_format.",
+    ),
 ) -> None:
     """Talk to a chat model: replies streamed, /reset and /exit; a reply stops at <|end|>
     (or <|endoftext|>; a published model's: its eos and end of turn), in the model's template.
@@ -280,5 +302,6 @@ def chat(
     from minillm.infer.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed)
+    schema = _schema(json_schema)  # before the slow load
     loaded = ckpt.load()
-    run(chat_checkpoint, loaded, params, system, message)
+    run(chat_checkpoint, loaded, params, system, message, json_schema=schema)

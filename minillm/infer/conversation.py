@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from minillm.errors import UserError, warn
 from minillm.infer.engine import Engine, Event, SamplingParams
+from minillm.infer.grammar import schema_grammar
 from minillm.infer.sampling import fresh_seed
 
 if TYPE_CHECKING:
@@ -57,7 +58,12 @@ class Conversation:
     """The messages so far with a model; `reply(text)` adds a user turn and the answer."""
 
     def __init__(
-        self, ckpt: LoadedCheckpoint, params: SamplingParams, system: str | None, err: TextIO
+        self,
+        ckpt: LoadedCheckpoint,
+        params: SamplingParams,
+        system: str | None,
+        err: TextIO,
+        json_schema: tuple[Path, dict] | None = None,
     ) -> None:
         self.tok, self.conv = ckpt.tokenizer, ckpt.conventions
         self.conv.check_chat(f"{ckpt.path}: --ckpt")
@@ -73,6 +79,10 @@ class Conversation:
             print(f"seed {params.seed} (pass --seed to repeat these replies)", file=err)
         # A reply's text is decoded on its own (`tokenizer.decode(reply)`), streamed or not.
         self.params = dataclasses.replace(params, stop_ids=self.conv.stop_ids, text_alone=True)
+        if json_schema is not None:  # (file, schema): every reply is a JSON the schema accepts
+            where = f"--json-schema {json_schema[0]}"
+            grammar = schema_grammar(json_schema[1], self.tok, self.conv.stop_ids, where)
+            self.params = dataclasses.replace(self.params, grammar=grammar)
         self.engine = Engine(ckpt.model, self.tok)
         self.system = system
         self.turns = 0
@@ -126,14 +136,15 @@ def chat_checkpoint(
     stdin: TextIO | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    json_schema: tuple[Path, dict] | None = None,
 ) -> None:
-    """What `minillm chat` runs (module docstring)."""
+    """What `minillm chat` runs (module docstring); json_schema: (its file, the schema)."""
     stdin = stdin if stdin is not None else sys.stdin
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     if message is not None and not message.strip():
         raise UserError("--message: empty message")
-    conv = Conversation(ckpt, params, system, err)
+    conv = Conversation(ckpt, params, system, err, json_schema)
     warn_if_text_model(ckpt)
     if message is not None:
         out.write(conv.reply(message) + "\n")

@@ -35,13 +35,21 @@ import collections
 import dataclasses
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from minillm.config.schema import SampleConfig
-from minillm.infer.sampling import check_sampling, fresh_seed, row_seed, sample_next
+from minillm.infer.grammar import Grammar, Masks, RowGrammar
+from minillm.infer.sampling import (
+    TokenLogprob,
+    check_sampling,
+    fresh_seed,
+    row_seed,
+    sample_next,
+    token_logprobs,
+)
 from minillm.infer.text_stream import StopText
 from minillm.model import KVCache
 from minillm.model.decode import Decoder
@@ -64,6 +72,9 @@ class SamplingParams:
     # The generated text decoded on its own, as `tokenizer.decode(reply)` (a chat reply), not as
     # the prompt's continuation (a sentencepiece reply's first space: minillm.infer.text_stream).
     text_alone: bool = False
+    # A grammar the text must follow (minillm.infer.grammar: a JSON schema, forced tool calls):
+    # each row gets its own matcher and its logits a mask, so other rows of a batch stay free.
+    grammar: Grammar | None = None
 
     @classmethod
     def greedy(cls, max_new_tokens: int, **settings: Any) -> SamplingParams:
@@ -87,16 +98,6 @@ class SamplingParams:
         return out
 
 
-@dataclass
-class TokenLogprob:
-    """A token, its log-probability under the model (None for a first token without context)
-    and the most likely alternatives at its position, (id, logprob) best first."""
-
-    id: int
-    logprob: float | None
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
 class Row:
     """One sequence: its prompt, settings, generator and what it has generated so far."""
 
@@ -114,6 +115,7 @@ class Row:
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.cancelled = False
         self.cached = 0  # tokens of this row's window in the KV cache
+        self.grammar: RowGrammar | None = params.grammar.start() if params.grammar else None
 
     @property
     def done(self) -> bool:
@@ -150,21 +152,6 @@ def window_length(n: int, context: int) -> int:
     return keep + (n - context - 1) % (context - keep + 1)
 
 
-def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int, limit: int) -> list:
-    """TokenLogprob of each chosen id (N,) under logits (N, V); `top` alternatives among the
-    ids below `limit` (the tokenizer's: a padded table's extra rows are no tokens)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values = logprobs.gather(-1, chosen[:, None].to(logprobs.device))[:, 0].tolist()
-    alts: list[list[tuple[int, float]]] = [[] for _ in values]
-    if top > 0:
-        best = torch.topk(logprobs[:, :limit], min(top, limit), dim=-1)
-        alts = [
-            list(zip(i, v, strict=True))
-            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
-        ]
-    return [TokenLogprob(t, v, a) for t, v, a in zip(chosen.tolist(), values, alts, strict=True)]
-
-
 class Engine:
     """The decoding loop over a model (module docstring). Not thread-safe: one caller steps it
     (`minillm serve` runs it on its engine thread)."""
@@ -198,6 +185,7 @@ class Engine:
         self.step_threads = one_row_threads(self.device)  # for steps of one row
         self.active: list[Row] = []  # row i lives in row i of the cache
         self.waiting: collections.deque[Row] = collections.deque()
+        self.masks = Masks(overlap=self.device.type != "cpu")  # grammar rows' token masks
         self.steps = 0  # batched forwards run
         self.generated = 0  # tokens chosen, over all rows
 
@@ -267,6 +255,7 @@ class Engine:
         stepping = list(self.active)
         chosen: list[Row] = []
         logits: list[torch.Tensor] = []
+        masks = self.masks.start([r.grammar for r in stepping])  # computed beside the forward
         if stepping:
             try:
                 logits.append(self._forward(stepping))  # (n, V)
@@ -277,7 +266,7 @@ class Engine:
                 events += self._fail(stepping, e)
         prompts = self._admit(events, chosen, logits)
         if chosen:
-            events += self._choose(chosen, torch.cat(logits), prompts)
+            events += self._choose(chosen, torch.cat(logits), prompts, masks)
         self._leave([r for r in self.active if r.done], None)
         if not self.active:
             self.cache.release()  # nothing in flight: hold no memory for it
@@ -353,11 +342,16 @@ class Engine:
         return [TokenLogprob(row.prompt[0], None), *rest]
 
     def _choose(
-        self, rows: list[Row], logits: torch.Tensor, prompts: dict[int, list[TokenLogprob]]
+        self,
+        rows: list[Row],
+        logits: torch.Tensor,
+        prompts: dict[int, list[TokenLogprob]],
+        masks: Any = None,
     ) -> list[Event]:
         """Each row's next token from logits (n, V), drawn in groups of equal settings."""
         if self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit :] = float("-inf")
+        self.masks.apply([r.grammar for r in rows], logits, masks, self.vocab_limit)
         groups: dict[tuple, list[int]] = collections.defaultdict(list)
         for i, row in enumerate(rows):
             p = row.params
@@ -391,6 +385,11 @@ class Engine:
         row.tokens.append(token)
         self.generated += 1
         p, text, reason = row.params, "", None
+        if row.grammar is not None:
+            row.grammar.advance(token)
+            if row.grammar.error is not None:
+                row.finish_reason = "error"
+                return Event(row, token, error=row.grammar.error, finish_reason="error")
         if token in p.stop_ids:
             reason = "stop"
             text = row.text.finish() if row.text is not None else ""
@@ -398,6 +397,9 @@ class Engine:
             if row.text is not None:
                 text = row.text.push(token)
                 reason = "stop" if row.text.stopped else None
+            if reason is None and row.grammar is not None and row.grammar.finished:
+                reason = "stop"  # the grammar ended the text (a JSON value, a forced tool call)
+                text += row.text.finish() if row.text is not None else ""
             if reason is None and len(row.tokens) >= p.max_new_tokens:
                 reason = "length"
                 text += row.text.finish() if row.text is not None else ""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from minillm.errors import UserError
 from minillm.infer.engine import Engine, Event, Row, SamplingParams
+from minillm.infer.grammar import schema_grammar
 from minillm.infer.sampling import fresh_seed
 from minillm.infer.text_stream import continuation
 
@@ -70,6 +71,7 @@ def sample_checkpoint(
     ignore_eos: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    json_schema: tuple[Path, dict] | None = None,
 ) -> list[str]:
     """Generate from a LoadedCheckpoint (module docstring); unset settings from its `sample`
     section. Returns the texts without their prompts, row j * num_samples + k being sample k
@@ -90,6 +92,10 @@ def sample_checkpoint(
         print(f"seed {params.seed} (pass --seed to repeat this text)", file=err)
     if not ignore_eos:
         params = dataclasses.replace(params, stop_ids=conv.text_stops)
+    if json_schema is not None:  # (file, schema): each row's text is a JSON the schema accepts
+        where, schema = f"--json-schema {json_schema[0]}", json_schema[1]
+        grammar = schema_grammar(schema, tok, params.stop_ids, where)
+        params = dataclasses.replace(params, grammar=grammar)
     texts = texts or [""]
     slid: list[Row] = []
 

@@ -1,7 +1,8 @@
 """The pure parts of sampling: filters, the draw, per-row seeds, the range checks.
 
 Offers `apply_temperature`, `top_k_filter`, `top_p_filter`, `sample_from_probs`, `sample_next`,
-`fresh_seed`, `row_seed` and `check_sampling`; the loop that uses them is
+`fresh_seed`, `row_seed`, `check_sampling`, `TokenLogprob` and `token_logprobs` (a token's
+log-probability and its top alternatives); the loop that uses them is
 `minillm.infer.engine`.
 
 Shape legend: B rows, V vocabulary.
@@ -10,6 +11,7 @@ Shape legend: B rows, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -112,3 +114,28 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
         raise UserError(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+
+
+@dataclass
+class TokenLogprob:
+    """A token, its log-probability under the model (None for a first token without context)
+    and the most likely alternatives at its position, (id, logprob) best first."""
+
+    id: int
+    logprob: float | None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int, limit: int) -> list:
+    """TokenLogprob of each chosen id (N,) under logits (N, V); `top` alternatives among the
+    ids below `limit` (the tokenizer's: a padded table's extra rows are no tokens)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values = logprobs.gather(-1, chosen[:, None].to(logprobs.device))[:, 0].tolist()
+    alts: list[list[tuple[int, float]]] = [[] for _ in values]
+    if top > 0:
+        best = torch.topk(logprobs[:, :limit], min(top, limit), dim=-1)
+        alts = [
+            list(zip(i, v, strict=True))
+            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        ]
+    return [TokenLogprob(t, v, a) for t, v, a in zip(chosen.tolist(), values, alts, strict=True)]

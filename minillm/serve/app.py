@@ -142,7 +142,8 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        job = P.parse_chat(await handler.body(request), handler.limits, handler.encode_chat)
+        body = await handler.body(request)
+        job = P.parse_chat(body, handler.limits, handler.encode_chat, handler)
         return await handler.stream(job) if job.stream else await handler.complete(request, job)
 
     @app.post("/v1/completions")

@@ -20,11 +20,17 @@ from fastapi.responses import StreamingResponse
 
 from minillm.errors import UserError
 from minillm.infer.engine import Event
+from minillm.infer.grammar import Grammar, grammar_tokenizer
 from minillm.serve import protocol as P
 from minillm.serve import responses as R
+from minillm.serve.reply import ReplySplitter, join_deltas
+from minillm.serve.structured import Plan
 from minillm.serve.tokens import TokenText
+from minillm.serve.toolcalls import ToolFormat, tool_format
 from minillm.serve.worker import EngineThread, QueueFull, Ticket
 from minillm.tokenizer.bpe import special_tokens
+from minillm.tokenizer.conventions import PublishedConventions
+from minillm.tokenizer.jinja_chat import render
 
 
 class Handler:
@@ -90,6 +96,76 @@ class Handler:
         except UserError as e:  # the template refused the conversation (a role order)
             raise P.APIError(400, str(e), param="messages", code="invalid_messages") from None
 
+    # ------------------------------------------------------------------ agents (structured)
+
+    def tool_format(self) -> ToolFormat:
+        """The template's tool-call format (a UserError naming why there is none)."""
+        return tool_format(self.conv.template)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` where it is one token of the vocabulary."""
+        return self.tok.token_to_id(text)
+
+    def compile(self, grammar: str, lazy_trigger: int | None = None) -> Grammar:
+        """A grammar for this tokenizer; its end admits a chat reply's stop tokens."""
+        return Grammar.compile(
+            grammar_tokenizer(self.tok, self.stops["chat"]), grammar, lazy_trigger
+        )
+
+    @property
+    def thinking(self) -> bool:
+        """The template writes think blocks (Qwen3, DeepSeek-R1): replies carry reasoning."""
+        return bool(self.conv.template) and "</think>" in self.conv.template
+
+    def render_chat(self, messages: list[dict[str, Any]], plan: Plan) -> tuple[list[int], bool]:
+        """The prompt's ids through the template, with the plan's tools and variables; and
+        whether it ends inside an open think block (the reply starts as reasoning)."""
+        agentic = any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+        if not (plan.tools or plan.extra or agentic):
+            ids = self.encode_chat(messages)
+            if not self.thinking:
+                return ids, False
+            text = self.tok.decode(ids[-8:], skip_special_tokens=False)
+            return ids, text.rstrip().endswith("<think>")
+        if not isinstance(self.conv, PublishedConventions):  # minillm's own: no variables
+            field = "chat_template_kwargs" if plan.extra else "messages"
+            raise P.APIError(
+                400,
+                f"{field}: minillm's own chat template has no tools, tool messages or variables",
+                param=field,
+            )
+        if not self.conv.has_chat:
+            return self.encode_chat(messages), False  # the 400 that says so
+        try:
+            # apply_chat_template(messages, tools=..., **chat_template_kwargs), as the template
+            # of a published model is rendered everywhere (minillm.tokenizer.jinja_chat).
+            text, _ = render(
+                self.conv.template, messages, True, self.conv.special, plan.tools, plan.extra
+            )
+        except UserError as e:
+            raise P.APIError(400, str(e), param="messages", code="invalid_messages") from None
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return ids, self.thinking and text.rstrip().endswith("<think>")
+
+    def splitter(self, job: P.Job) -> ReplySplitter | None:
+        """The reply's splitter for a chat job with tool calls or think blocks (None: the text
+        is all content)."""
+        if job.kind != "chat" or not (job.plan.format or self.thinking):
+            return None
+        return ReplySplitter(job.plan.format, self.thinking, job.in_thought, job.plan.parallel)
+
+    def piece(self, job: P.Job, event: Event) -> str:
+        """The event's text as the splitter reads it: a trigger that is a special token (whose
+        text decoding drops) is written out."""
+        fmt = job.plan.format
+        if fmt is not None and event.token is not None and event.token == self.trigger_of(fmt):
+            return event.text + fmt.trigger
+        return event.text
+
+    def trigger_of(self, fmt: ToolFormat) -> int | None:
+        token = self.token_id(fmt.trigger)
+        return token if token in self.special.values() else None
+
     def encode_text(self, text: str) -> list[int]:
         """A string prompt is a fresh document, as in `minillm sample`."""
         return self.conv.prompt_ids(text)
@@ -150,6 +226,8 @@ class Handler:
         ticket, queue = self.submit(job)
         n = len(ticket)
         texts, reasons = [""] * n, [None] * n
+        splits = [self.splitter(job) for _ in range(n)]
+        deltas: list[list] = [[] for _ in range(n)]
         tokens: list[list] = [[] for _ in range(n)]
         prompts: list[Any] = [None] * n
         used = [0] * n
@@ -165,6 +243,8 @@ class Handler:
                     raise P.APIError(500, event.error, type_="server_error")
                 i = ticket.index[id(event.row)]
                 texts[i] += event.text
+                if splits[i] is not None:
+                    deltas[i] += splits[i].push(self.piece(job, event))
                 tokens[i] += [event.logprob] if event.logprob is not None else []
                 if event.prompt is not None:
                     prompts[i] = event.prompt[self._hidden(job, i) :]
@@ -177,6 +257,10 @@ class Handler:
         choices = []
         for i in range(n):
             c = {"index": i, "text": texts[i], "finish_reason": reasons[i], "logprobs": None}
+            if splits[i] is not None:
+                c["message"] = join_deltas(deltas[i] + splits[i].finish())
+                if splits[i].calls and reasons[i] == "stop":
+                    c["finish_reason"] = "tool_calls"
             if job.kind == "chat" and job.sampling.logprobs is not None:
                 c["logprobs"] = {"content": self.text.chat_logprobs(tokens[i])}
             elif job.kind == "completion":
@@ -214,6 +298,7 @@ class Handler:
         data = [b""] * n  # completions with logprobs: each choice's bytes so far (offsets)
         shown = [0] * n  # characters sent per choice
         started = [False] * n  # completions with echo: the prompt was sent
+        splits = [self.splitter(job) for _ in range(n)]
         wu = job.include_usage
 
         def chunk(i: int, text: str = "", reason: str | None = None, lp: Any = None, **d: Any):
@@ -254,12 +339,22 @@ class Handler:
                         lp, data[i] = self.text.completion_logprobs(
                             [event.logprob], shown[i], data[i]
                         )
-                if event.text or lp is not None:
+                split = splits[i]
+                if split is not None:  # reasoning, content and tool calls, each its own delta
+                    deltas = split.push(self.piece(job, event)) or ([{}] if lp is not None else [])
+                    for k, delta in enumerate(deltas):  # the token's logprobs with its first
+                        yield chunk(i, lp=lp if k == 0 else None, **delta)
+                elif event.text or lp is not None:
                     yield chunk(i, event.text, lp=lp)
                     shown[i] += len(event.text)
                 if event.finish_reason is not None:
                     left -= 1
-                    yield chunk(i, reason=event.finish_reason)
+                    reason = event.finish_reason
+                    if split is not None:
+                        for delta in split.finish():
+                            yield chunk(i, **delta)
+                        reason = "tool_calls" if split.calls and reason == "stop" else reason
+                    yield chunk(i, reason=reason)
             else:  # every choice finished (no error): the usage, if asked
                 if job.include_usage:
                     obj = "chat.completion.chunk" if chat else "text_completion"

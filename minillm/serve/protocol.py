@@ -6,9 +6,10 @@ parameter at fault). The response and chunk objects are `minillm.serve.responses
 
 Validation is written out here rather than left to pydantic so that every refusal is OpenAI's
 `{"error": {"message", "type", "param", "code"}}` with a message that names the parameter, the
-shape clients such as the `openai` package parse and show. Unknown keys are ignored (as vLLM
-does: clients send extras such as `user`); known keys that this server cannot honour (penalties,
-logit_bias, suffix, tools) are refused rather than silently dropped.
+shape clients such as the `openai` package parse and show. Every field is honoured or refused
+by name: an unknown one (as OpenAI's API does), and a known one this server cannot honour
+(penalties, logit_bias, suffix, logprobs under a grammar). The agents' fields (tools,
+response_format, chat_template_kwargs) are `minillm.serve.structured`'s.
 """
 
 from __future__ import annotations
@@ -21,9 +22,16 @@ from typing import Any
 
 from minillm.config.schema import SampleConfig
 from minillm.infer.engine import SamplingParams
+from minillm.serve import structured as S
 
 # The chat template's roles; "developer" is OpenAI's newer name for the system message.
-ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLE_ALIASES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 MAX_STOP = 4  # OpenAI's limit on `stop` sequences
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default cap; OpenAI's is 5 and 20)
 
@@ -90,6 +98,8 @@ class Job:
     echo: bool = False
     prompt_texts: list[str] = field(default_factory=list)
     hidden: list[int] = field(default_factory=list)  # leading ids of each prompt not echoed
+    plan: S.Plan = field(default_factory=S.Plan)  # chat: tools, grammar, template variables
+    in_thought: bool = False  # chat: the prompt opened a think block (the reply starts in it)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -162,12 +172,22 @@ def _model(body: dict[str, Any], limits: Limits) -> None:
         )
 
 
+# What a known key this server cannot honour would ask for, in words.
+_NOT_HONOURED = {
+    "frequency_penalty": "repetition penalties are not implemented",
+    "presence_penalty": "repetition penalties are not implemented",
+    "logit_bias": "logit biases are not implemented",
+    "suffix": "insertion (text after the completion) is not implemented",
+}
+
+
 def _unsupported(body: dict[str, Any], keys: dict[str, Any]) -> None:
     """A known key this server cannot honour must be absent or at its neutral value."""
     for key, neutral in keys.items():
         value = body.get(key)
         if value is not None and value != neutral and value != [] and value != {}:
-            raise _bad(key, f"not supported by this server (only {json.dumps(neutral)})")
+            why = _NOT_HONOURED.get(key, "not supported by this server")
+            raise _bad(key, f"{why} (only {json.dumps(neutral)})")
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -264,8 +284,9 @@ def _fit(
 # ----------------------------------------------------------------------------- the two requests
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """`messages` as the chat template's {role, content}, or a 400 naming the bad element."""
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`messages` as the chat template's {role, content} (and an assistant's tool_calls, a tool
+    result's tool_call_id), or a 400 naming the bad element."""
     messages = body.get("messages")
     if messages is None:
         raise APIError(400, "messages: required", param="messages", code="missing_required")
@@ -280,7 +301,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if role not in ROLE_ALIASES:
             raise _bad(
                 f"{where}.role",
-                f"{json.dumps(role)} is not one of system, developer, user, assistant",
+                f"{json.dumps(role)} is not one of system, developer, user, assistant, tool",
             )
         content = m.get("content")
         if isinstance(content, list):  # OpenAI's content parts: only text ones are readable
@@ -292,23 +313,29 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
                     raise _bad(f"{where}.content[{j}].text", "expected a string")
                 texts.append(part["text"])
             content = "".join(texts)
-        if content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
+        calls = role == "assistant" and m.get("tool_calls") not in (None, [])
+        if content is None and role == "assistant":  # null beside tool_calls: templates (Qwen3's)
+            content = ""  # test it as a string
+        if not isinstance(content, str) and not calls:
             raise _bad(f"{where}.content", f"expected a string, got {_kind(content)}")
-        out.append({"role": ROLE_ALIASES[role], "content": content})
+        if calls or role == "tool":
+            out.append(S.history_message(m, where, role, content))
+        else:
+            out.append({"role": ROLE_ALIASES[role], "content": content})
     return out
 
 
-def parse_chat(body: dict[str, Any], limits: Limits, encode: Any) -> Job:
-    """A /v1/chat/completions body -> Job; encode(messages) gives the prompt ids."""
+def parse_chat(body: dict[str, Any], limits: Limits, encode: Any, model: Any = None) -> Job:
+    """A /v1/chat/completions body -> Job; encode(messages) gives the prompt ids. `model` (the
+    Handler) renders tools and compiles grammars; without it the agents' fields are refused."""
+    S.check_fields(body, S.CHAT_FIELDS)
     _model(body, limits)
     messages = chat_messages(body)
-    _unsupported(
-        body,
-        {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "tools": []},
-    )
+    _unsupported(body, {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}})
     sampling, explicit = _sampling(body, limits, ("max_tokens", "max_completion_tokens"), 1)
+    plan = S.plan(body, model) if model is not None else S.Plan()
+    if plan.structured and _get(body, "logprobs", bool, False):
+        raise _bad("logprobs", "not supported with a response_format or a forced tool call")
     if _get(body, "logprobs", bool, False):
         top = _get(body, "top_logprobs", int, 0)
         if not 0 <= top <= MAX_LOGPROBS:
@@ -318,10 +345,24 @@ def parse_chat(body: dict[str, Any], limits: Limits, encode: Any) -> Job:
         raise _bad("top_logprobs", "only with logprobs: true")
     n = _n(body, limits)
     stream, include_usage = _stream(body)
-    prompt = encode(messages)
+    in_thought = False
+    if model is not None:
+        prompt, in_thought = model.render_chat(messages, plan)
+    else:
+        prompt = encode(messages)
     sampling = _fit(sampling, explicit, [prompt], limits, "messages")
-    sampling = dataclasses.replace(sampling, text_alone=True)  # a reply, as `minillm chat`
-    return Job("chat", [prompt], sampling, n=n, stream=stream, include_usage=include_usage)
+    # A reply, as `minillm chat`; the grammar (if any) forces its text.
+    sampling = dataclasses.replace(sampling, text_alone=True, grammar=plan.grammar)
+    return Job(
+        "chat",
+        [prompt],
+        sampling,
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        plan=plan,
+        in_thought=in_thought,
+    )
 
 
 def completion_prompts(
@@ -369,6 +410,7 @@ def _is_id(t: Any) -> bool:
 
 def parse_completion(body: dict[str, Any], limits: Limits, encode: Any, decode: Any) -> Job:
     """A /v1/completions body -> Job; encode(text) / decode(ids) are the tokenizer's."""
+    S.check_fields(body, S.COMPLETION_FIELDS)
     _model(body, limits)
     prompts, texts, hidden = completion_prompts(body, limits, encode, decode)
     _unsupported(

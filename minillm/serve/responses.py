@@ -64,7 +64,7 @@ def _chunk(
 def chat_response(
     rid: str, model: str, created: int, choices: list[dict[str, Any]], use: dict[str, int]
 ) -> dict[str, Any]:
-    """choices: {index, text, finish_reason, logprobs} -> a chat.completion object."""
+    """choices: {index, text or message, finish_reason, logprobs} -> a chat.completion."""
     return _response(
         rid,
         "chat.completion",
@@ -73,7 +73,7 @@ def chat_response(
         [
             _choice(
                 c["index"],
-                {"message": {"role": "assistant", "content": c["text"]}},
+                {"message": c.get("message") or {"role": "assistant", "content": c["text"]}},
                 c.get("logprobs"),
                 c["finish_reason"],
             )

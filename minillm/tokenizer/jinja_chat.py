@@ -117,12 +117,16 @@ def _compile(source: str) -> Any:
 
 def render(
     source: str,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool,
     special: dict[str, str],
+    tools: list[dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The template's text for `messages`, and the character spans it marked with
-    `{% generation %}` (none for a template without markers). A template that raises (a role
+    `{% generation %}` (none for a template without markers). `tools` (OpenAI's tool objects)
+    and `extra` (chat_template_kwargs, e.g. enable_thinking) reach the template as
+    `apply_chat_template(tools=..., **extra)` passes them. A template that raises (a role
     order it refuses) is a UserError with its message."""
     import jinja2
 
@@ -134,9 +138,9 @@ def render(
         for block in template.generate(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
-            tools=None,
+            tools=tools or None,
             documents=None,
-            **special,
+            **{**special, **(extra or {})},
         ):
             blocks.append(block)
     except jinja2.exceptions.TemplateSyntaxError as e:
