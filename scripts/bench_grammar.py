@@ -8,8 +8,8 @@ arrays) for the tokenizer, and the mask's time per token while a valid JSON text
 is fed token by token (median over the text's tokens; CPU, one row). The vocabularies: the
 tests' byte-level BPE (400 tokens) and byte-level BPEs of 32,000 and 151,646 tokens built here
 (random merges over GPT-2's byte alphabet: a mask's cost grows with the tokens it must check, not
-with what they spell). With --engine-rows, the decoding core's milliseconds per token on a small
-random Llama at 1 and 8 rows, free and under the schema (llguidance, masks on the worker thread).
+with what they spell). With --engine-rows, the decoding core's milliseconds per step on a small
+random model at 1 and 8 rows, free and under json_object, and the masks' own time per step.
 Check the load (/proc/loadavg) first; each number is a median of repeats in one process.
 """
 
@@ -164,6 +164,28 @@ def engine_rows(rows: int, grammar: bool, tokens: int = 48) -> float:
     return statistics.median(best)
 
 
+def mask_step(rows: int) -> float:
+    """Milliseconds the core spends per step on the masks of `rows` json_object rows (computed
+    and applied, Masks.apply as on the CPU): the cost a step adds, free of the forward's noise."""
+    import torch
+
+    from minillm.infer.grammar import Grammar, Masks, grammar_tokenizer, json_schema_grammar
+    from tests.published import family_tokenizer
+
+    tok = family_tokenizer("chatml")
+    grammar = Grammar.compile(grammar_tokenizer(tok, {0}), json_schema_grammar({"type": "object"}))
+    ruled = [grammar.start() for _ in range(rows)]
+    for g in ruled:
+        g.advance(tok.token_to_id("{"))
+    masks, logits = Masks(overlap=False), torch.randn(rows, tok.get_vocab_size() + 16)
+    times = []
+    for _ in range(200):
+        start = time.perf_counter()
+        masks.apply(ruled, logits, None, tok.get_vocab_size())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine-rows", action="store_true", help="also the core at 1 and 8 rows")
@@ -173,11 +195,11 @@ def main() -> None:
     with open("/proc/loadavg") as f:
         print(f"load {f.read().split()[:3]}")
     if args.engine_rows:  # first: xgrammar's import leaves threads that slow torch's
-        print("| rows | free (ms/token) | json_object (ms/token) | cost |")
-        print("|---:|---:|---:|---:|")
+        print("| rows | free (ms/step) | json_object (ms/step) | change | masks (ms/step) |")
+        print("|---:|---:|---:|---:|---:|")
         for rows in (1, 8):
-            free, ruled = engine_rows(rows, False), engine_rows(rows, True)
-            print(f"| {rows} | {free:.2f} | {ruled:.2f} | {ruled / free - 1:+.0%} |")
+            free, ruled, masks = engine_rows(rows, False), engine_rows(rows, True), mask_step(rows)
+            print(f"| {rows} | {free:.2f} | {ruled:.2f} | {ruled / free - 1:+.0%} | {masks:.3f} |")
         print()
     vocabularies = {"tests 400": tests_bpe(), "bpe 32k": synthetic_bpe(32_000),
                     "bpe 151k": synthetic_bpe(151_646)}  # fmt: skip

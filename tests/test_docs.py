@@ -393,3 +393,27 @@ def test_the_lora_size_rule_and_its_example_add_up() -> None:
     # make test's time: one range in both places that give it
     assert "7-14 min on 2 quiet CPU cores, ~25 busy" in text
     assert "(7-14 minutes on 2 quiet cores; up to ~25 minutes on a busy machine" in text
+
+
+def test_the_legacy_false_note_holds_for_the_installed_transformers(tmp_path: Path) -> None:
+    """README: a sentencepiece-style tokenizer whose tokenizer_config.json says `legacy: false`
+    is encoded as its tokenizer.json says (one `▁` of its own before a leading space's word),
+    which transformers 5.x, rebuilding it with a Metaspace pre-tokenizer, does not do."""
+    import transformers
+
+    from minillm.tokenizer.bpe import load_tokenizer
+    from tests.published import family_folder, hf_tokenizer
+
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert "whose tokenizer_config.json says `legacy: false` (Llama 2, TinyLlama, Phi-3)" in text
+    assert "`[1, 29871, 8236, 2913]` in minillm" in text and "`[1, 8236, 2913]` in" in text
+    assert f"transformers {transformers.__version__.rsplit('.', 1)[0]}" in text
+    folder = family_folder(tmp_path, "llama2")  # Llama 2's specials, a Metaspace-style BPE
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.update(tokenizer_class="LlamaTokenizer", legacy=False)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    ours = load_tokenizer(folder / "tokenizer.json").encode(" leading space").tokens
+    hf = hf_tokenizer(folder)
+    theirs = hf.convert_ids_to_tokens(hf(" leading space")["input_ids"])
+    assert ours[0] == theirs[0] == "<s>" and ours[1] == "▁"
+    assert ours[:1] + ours[2:] == theirs  # the one `▁` transformers leaves out

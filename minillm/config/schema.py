@@ -138,6 +138,9 @@ class ModelConfig(MoEKeys, _KeysAfterMLA, MLAKeys, _KeysBeforeMLA):
         help="The published family this architecture is (llama, qwen2, qwen3, mistral, mixtral, "
         "qwen2_moe, qwen3_moe, gemma3, phi3, deepseek_v3: minillm.families), which names its "
         "exports. Set on import; null = resolved from the options above when a run starts.",
+        # Not compared: two configs of the same options are the same model, whichever family
+        # names its exports (a checkpoint saved before the key equals its resolved config).
+        compare=False,
     )
 
     def __post_init__(self) -> None:

