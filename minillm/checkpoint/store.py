@@ -38,6 +38,8 @@ from minillm.checkpoint.layout import (
     resolve_checkpoint,
 )
 from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model, resolve_dtype
+from minillm.checkpoint.save import prune_checkpoints as prune_checkpoints
+from minillm.checkpoint.save import save_checkpoint as save_checkpoint
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
 from minillm.config.hub_id import is_hub_id
 from minillm.errors import CheckpointError, UserError
