@@ -93,28 +93,33 @@ def memory_fits(cfg: Config, half: bool, acts: int) -> dict[str, Any]:
 
 
 def fits_rows(fits: dict[str, Any]) -> list[tuple[str, str]]:
-    """The table rows of `memory_fits`: one per job, its total (what it is made of: fits_lines)."""
-    return [(f"fits: {label}", f"{fits[job]['total'] / GiB:.2f} GiB") for job, label in _jobs(fits)]
+    """The table rows of `memory_fits`: one per job, its total (what it is made of, at which
+    dtype and context: fits_lines)."""
+    return [
+        (f"fits: {short}", f"{fits[job]['total'] / GiB:.2f} GiB") for job, short, _ in _jobs(fits)
+    ]
 
 
 def fits_lines(fits: dict[str, Any]) -> list[str]:
     """One line per job of what its total is made of, printed below the table (a value a line
     at 80 columns: a breakdown in the table's cell would wrap)."""
     lines = []
-    for job, label in _jobs(fits):
+    for job, short, detail in _jobs(fits):
         parts = ", ".join(
             f"{name.replace('_', ' ')} {value / GiB:.2f}"
             for name, value in fits[job].items()
             if name != "total"
         )
-        lines.append(f"{label}: {parts} GiB")
+        lines.append(f"{short} ({detail}): {parts} GiB")
     return lines
 
 
-def _jobs(fits: dict[str, Any]) -> list[tuple[str, str]]:
+def _jobs(fits: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(job, its row's label, what it assumes) of each job `memory_fits` sizes."""
+    r = fits["lora_rank"]
     return [
-        ("run", f"run ({fits['dtype']}, {fits['context']:,} tokens)"),
-        ("lora", f"LoRA rank {fits['lora_rank']} ({fits['dtype']} base)"),
-        ("qlora", f"QLoRA rank {fits['lora_rank']} (NF4 base)"),
-        ("full", "full fine-tune (AdamW, fp32 master)"),
+        ("run", "run", f"{fits['dtype']}, {fits['context']:,} tokens"),
+        ("lora", f"LoRA r{r}", f"rank {r}, {fits['dtype']} base"),
+        ("qlora", f"QLoRA r{r}", f"rank {r}, NF4 base"),
+        ("full", "full fine-tune", "AdamW, fp32 master weights"),
     ]

@@ -392,8 +392,10 @@ def test_a_run_starts_from_an_exported_folder_without_a_model_section(
     assert with_model.model == new.model  # the folder's, not the section's
     make_trainer(with_model, verbose=False).close()
     # A config built without load_run_config (which resolves init_from, once) keeps its own
-    # model: the folder's weights do not fit it, one error naming the folder and the tensors.
-    with pytest.raises(CheckpointError, match=f"{hf_dir}: weights do not fit the model: .*shape"):
+    # model: the folder's weights do not fit it, one error naming the weights file and the tensors.
+    with pytest.raises(
+        CheckpointError, match=f"{hf_dir}/model.safetensors: weights do not fit the model: .*shape"
+    ):
         make_trainer(load_config(path), verbose=False)
 
 

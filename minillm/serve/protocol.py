@@ -23,6 +23,7 @@ from typing import Any
 from minillm.config.schema import SampleConfig
 from minillm.infer.engine import SamplingParams
 from minillm.serve import structured as S
+from minillm.serve.api_error import APIError as APIError
 
 # The chat template's roles; "developer" is OpenAI's newer name for the system message.
 ROLE_ALIASES = {
@@ -34,37 +35,6 @@ ROLE_ALIASES = {
 }
 MAX_STOP = 4  # OpenAI's limit on `stop` sequences
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default cap; OpenAI's is 5 and 20)
-
-
-class APIError(Exception):
-    """An OpenAI-style error: `status` is the HTTP code, `body()` the JSON object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status,
-            message,
-            param,
-            code,
-            type_,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 from minillm.errors import UserError
 from minillm.infer.grammar import Grammar, GrammarError, json_object_grammar, json_schema_grammar
+from minillm.serve.api_error import APIError
 from minillm.serve.toolcalls import ToolFormat
 
 # The fields each endpoint reads; `user` and `metadata` are tags for the caller's own records,
@@ -61,8 +62,6 @@ RESERVED_KWARGS = {"messages", "tools", "documents", "add_generation_prompt"}
 
 
 def _bad(param: str, what: str) -> Any:
-    from minillm.serve.protocol import APIError
-
     return APIError(400, f"{param}: {what}", param=param, code="invalid_value")
 
 
