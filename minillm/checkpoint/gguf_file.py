@@ -27,7 +27,6 @@ tokens."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -78,15 +77,6 @@ def gguf_arch(cfg: ModelConfig) -> Any:
     return family_of(cfg).gguf_arch(cfg)
 
 
-def llama3_rope_freqs(cfg: ModelConfig) -> torch.Tensor:
-    """llama.cpp's `rope_freqs` (D/2,) for rope_scaling llama3: what each plain frequency is
-    divided by (convert_hf_to_gguf.py's rope_factors), from our own frequencies."""
-    from minillm.model.rope import inv_frequencies
-
-    plain = ModelConfig(**{**dataclasses.asdict(cfg), "rope_scaling": {}})
-    return inv_frequencies(plain)[0] / inv_frequencies(cfg)[0]
-
-
 def gguf_tensors(
     state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: str
 ) -> list[tuple[str, np.ndarray, Any]]:
@@ -108,16 +98,7 @@ def gguf_tensors(
     family = family_of(cfg)
     arch = family.gguf_arch(cfg)
     names = gguf.get_tensor_name_map(arch, cfg.n_layer)
-    named: list[tuple[str, torch.Tensor]] = []
-    if cfg.rope_scaling.type == "llama3":
-        named.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                      llama3_rope_freqs(cfg)))  # fmt: skip
-    if cfg.rope_scaling.type == "longrope":  # phi3's: what each frequency is divided by
-        for tensor, factors in (
-            (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, cfg.rope_scaling.long_factor),
-            (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, cfg.rope_scaling.short_factor),
-        ):
-            named.append((gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(factors)))
+    named: list[tuple[str, torch.Tensor]] = family.gguf_rope_tensors(cfg)
     for hf_name, hf_w in family.to_hf(cfg, state):
         moe = ".block_sparse_moe." in hf_name or ".mlp.experts." in hf_name
         router = hf_name.endswith(("mlp.gate.weight", "e_score_correction_bias"))

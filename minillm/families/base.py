@@ -135,6 +135,22 @@ class Family:
         """The architecture's hyper-parameters (heads, lengths, experts) on a GGUFWriter."""
         raise NotImplementedError
 
+    def gguf_rope_tensors(self, cfg: ModelConfig) -> list[tuple[str, Tensor]]:
+        """(GGUF name, tensor) of the RoPE scaling llama.cpp reads as tensors: llama3's
+        `rope_freqs`, what each plain frequency is divided by (convert_hf_to_gguf.py's
+        rope_factors), from our own frequencies."""
+        if cfg.rope_scaling.type != "llama3":
+            return []
+        import dataclasses
+
+        import gguf
+
+        from minillm.model.rope import inv_frequencies
+
+        plain = ModelConfig(**{**dataclasses.asdict(cfg), "rope_scaling": {}})
+        freqs = inv_frequencies(plain)[0] / inv_frequencies(cfg)[0]
+        return [(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", freqs)]
+
     def gguf_tensor(self, cfg: ModelConfig, hf_name: str, w: Tensor) -> list[tuple[str, Tensor]]:
         """(HF-style name, tensor) to look up in gguf's name map for one HF tensor: itself, or
         the family's own split or shift of it."""

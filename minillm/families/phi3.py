@@ -185,6 +185,21 @@ class Phi3(Llama):
     def peft_rows(self, cfg: ModelConfig, target: str, b: Tensor) -> tuple[Tensor, ...]:
         return (rotary_rows_to_hf(b, cfg),) if target == "wqkv" else (b,)
 
+    def gguf_rope_tensors(self, cfg: ModelConfig) -> list[tuple[str, Tensor]]:
+        """LongRoPE's factors as phi3's `rope_factors_long`/`_short`: what each frequency is
+        divided by."""
+        if cfg.rope_scaling.type != "longrope":
+            return super().gguf_rope_tensors(cfg)
+        import gguf
+
+        return [
+            (gguf.TENSOR_NAMES[tensor] + ".weight", torch.tensor(factors))
+            for tensor, factors in (
+                (gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, cfg.rope_scaling.long_factor),
+                (gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT, cfg.rope_scaling.short_factor),
+            )
+        ]
+
     def gguf_arch(self, cfg: ModelConfig) -> Any:
         check_gguf_rope(cfg)
         check_gguf_window(cfg)
