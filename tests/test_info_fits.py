@@ -71,4 +71,5 @@ def test_the_rank_and_context_are_the_configs(tmp_path: Path) -> None:
     assert fits["run"]["kv_cache"] == 16 * 2 * 64 * 2
     table = runner.invoke(app, ["info", str(path)])
     assert table.exit_code == 0, table.output
-    assert "QLoRA rank 16" in table.stdout and "full fine-tune" in table.stdout
+    assert "fits: QLoRA r16" in table.stdout and "rank 16, NF4 base" in table.stdout
+    assert "full fine-tune" in table.stdout

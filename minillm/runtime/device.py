@@ -271,4 +271,19 @@ class StopSignal:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._restore()
+        if not self.requested or not self._old:
+            self._restore()
+            return
+        # Stopped by a signal: its copies may still be on their way (a process group signalled
+        # at once), and the run exits 130 in a moment. Until the window closes they are the
+        # same request; a later signal gets the handler that was there before.
+        old, self._old = self._old, {}
+        for s in old:
+            signal.signal(s, functools.partial(self._after_exit, old))
+
+    def _after_exit(self, old: dict[int, Any], signum: int, frame: Any) -> None:
+        if time.monotonic() - self._first_at < self.SAME_REQUEST_S:
+            return
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        os.kill(os.getpid(), signum)
