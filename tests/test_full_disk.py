@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from minillm.checkpoint import gguf_file, hf_export, peft_folder
+from minillm.checkpoint import gguf_file, hf_shards, peft_folder
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
@@ -83,7 +83,7 @@ def test_export_on_a_full_disk_is_one_line_exit_2(
     run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
     if fmt == "hf":
-        monkeypatch.setattr(hf_export, "save_safetensors", full_disk)
+        monkeypatch.setattr(hf_shards, "save_safetensors", full_disk)
         out = tmp_path / "hf"
     else:
         import gguf

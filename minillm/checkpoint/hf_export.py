@@ -6,7 +6,9 @@ Offers `export_checkpoint(ckpt, out, force)` (what `minillm export` runs),
 Reading a folder back is minillm.checkpoint.hf_import; parameter names and the config mapping are
 the model's family's (minillm.families, model.family).
 
-An exported folder holds config.json, model.safetensors (HF names), tokenizer.json,
+An exported folder holds config.json, the weights (HF names, the model's dtype) as
+model.safetensors or, past `--max-shard-size`, shards and their index (minillm.checkpoint.hf_shards,
+written tensor by tensor: no second copy of the model), tokenizer.json,
 tokenizer_config.json, special_tokens_map.json and generation_config.json; it loads with
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`. The tokenizer's files
 are what its kind writes (minillm.tokenizer.conventions' `write_hf_files`). With the chat tokens,
@@ -28,17 +30,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from minillm.checkpoint.layout import (
-    HF_CONFIG_FILE,
-    HF_GENERATION_FILE,
-    HF_WEIGHTS_FILE,
-)
+import torch
+
+from minillm.checkpoint.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weight_shards
+from minillm.checkpoint.layout import HF_CONFIG_FILE, HF_GENERATION_FILE
 from minillm.checkpoint.model_tokens import model_tokens
 from minillm.config import SampleConfig
 from minillm.errors import UserError
-from minillm.families import hf_config_dict, to_hf_state_dict
+from minillm.families import family_of, hf_config_dict
 from minillm.runtime.disk_space import raise_if_disk_full
-from minillm.runtime.files import commit_dir, save_safetensors
+from minillm.runtime.files import commit_dir
 from minillm.tokenizer.conventions import ModelTokens
 
 
@@ -116,12 +117,29 @@ def check_not_over_source(out: Path, source: Path) -> None:
         )
 
 
-def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
-    """Write a LoadedCheckpoint as an HF Llama folder at `out`, all at once (temp + rename).
+def weights_dtype(model: torch.nn.Module) -> str:
+    """config.json's torch_dtype for a model: the dtype most of its floating-point weights have."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return str(max(set(dtypes), key=dtypes.count, default=torch.float32)).removeprefix("torch.")
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def export_checkpoint(
+    ckpt: Any,
+    out: str | Path,
+    force: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write a LoadedCheckpoint as an HF folder at `out`, all at once (temp + rename), its
+    weights in the model's dtype, in shards of at most `max_shard_size` (hf_shards).
 
     A non-empty `out` is refused unless force, and then replaced only once the new one is whole.
     """
     out = Path(out)
+    max_bytes = parse_size(max_shard_size)
     check_export_target(out, force, ckpt.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = ckpt.config
@@ -130,9 +148,11 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        state = {k: v.detach().float().cpu() for k, v in ckpt.model.state_dict().items()}
-        tensors = to_hf_state_dict(state, cfg.model)
-        save_safetensors(tensors, tmp / HF_WEIGHTS_FILE, metadata={"format": "pt"})
+        # Views of the model's own tensors, in its dtype: nothing is copied until a family's
+        # to_hf computes a tensor, and then one shard's worth at most is held (hf_shards).
+        state = {k: v.detach() for k, v in ckpt.model.state_dict().items()}
+        named = family_of(cfg.model).to_hf(cfg.model, state)
+        write_weight_shards(named, tmp, max_bytes, metadata={"format": "pt"})
         files = ckpt.conventions.write_hf_files(ckpt.tokenizer_path, tmp, cfg.model.max_seq_len)
         files[HF_GENERATION_FILE] = published_generation_config(
             tokens, cfg.sample, from_run=not ckpt.hf_folder
@@ -142,6 +162,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
             bos_id=tokens.bos,
             eos_id=tokens.config_eos,
             router_aux_loss_coef=cfg.train.moe_aux_loss,
+            dtype=weights_dtype(ckpt.model),
         )
         for name, obj in files.items():
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
@@ -149,7 +170,7 @@ def export_checkpoint(ckpt: Any, out: str | Path, force: bool = False) -> Path:
         commit_dir(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        need = lambda: 4 * sum(v.numel() for v in ckpt.model.state_dict().values())  # noqa: E731
+        need = lambda: weights_bytes(ckpt.model)  # noqa: E731
         raise_if_disk_full(e, out.parent, f"the hf export {out.name}", need, KEPT)
         raise
     return out

@@ -87,9 +87,17 @@ def export(
         metavar="DTYPE",
         help="gguf only: f32 (default, exact), f16 or q8_0 (2-D weights; norms stay f32).",
     ),
+    max_shard_size: str | None = typer.Option(
+        None,
+        "--max-shard-size",
+        metavar="SIZE",
+        help="hf only: the largest weights file, e.g. 5GB (default), 500MB, 2GiB; past it the "
+        "weights are shards with an index, as transformers' save_pretrained writes them.",
+    ),
 ) -> None:
-    """Write a Hugging Face LlamaForCausalLM folder (config, safetensors weights, tokenizer), or
-    with --format gguf a llama.cpp GGUF file and an Ollama FILE.Modelfile beside it.
+    """Write a Hugging Face folder of the model's class (config, safetensors weights in the
+    model's dtype, sharded past --max-shard-size, tokenizer), or with --format gguf a llama.cpp
+    GGUF file and an Ollama FILE.Modelfile beside it.
 
     The folder loads with transformers' AutoModelForCausalLM and AutoTokenizer.from_pretrained.
     A LoRA run exports merged (base + adapters); with --format peft its adapters alone, as a
@@ -97,6 +105,9 @@ def export(
     """
     if fmt not in ("hf", "gguf", "peft"):
         print_error(f"--format: {fmt!r} is not one of hf, gguf, peft")
+        raise typer.Exit(2)
+    if max_shard_size is not None and fmt != "hf":
+        print_error(f"--max-shard-size: only with --format hf (not {fmt})")
         raise typer.Exit(2)
     if fmt == "gguf":
         from minillm.checkpoint.gguf_file import check_gguf_target, export_gguf, modelfile_path
@@ -107,7 +118,8 @@ def export(
         print(f"wrote {path} and {modelfile_path(path).name}")
         return
     if dtype is not None:
-        print_error(f"--dtype: only with --format gguf (an {fmt} folder is float32)")
+        kept = "an hf folder keeps the model's dtype" if fmt == "hf" else "adapters are float32"
+        print_error(f"--dtype: only with --format gguf ({kept})")
         raise typer.Exit(2)
     if fmt == "peft":
         from minillm.checkpoint.hf_export import check_export_target
@@ -119,8 +131,10 @@ def export(
         print(f"wrote {path}")
         return
     from minillm.checkpoint.hf_export import check_export_target, export_checkpoint
+    from minillm.checkpoint.hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_size
 
+    shard_bytes = run(parse_size, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     run(check_export_target, out, force, ckpt)  # before the (slow) load
     loaded = load_ckpt(ckpt, "cpu", best)
-    path = run(export_checkpoint, loaded, out, force=force)
+    path = run(export_checkpoint, loaded, out, force=force, max_shard_size=shard_bytes)
     print(f"wrote {path}")

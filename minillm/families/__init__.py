@@ -72,12 +72,17 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
 
 
 def hf_config_dict(
-    cfg: ModelConfig, bos_id: int | None, eos_id: int | None, router_aux_loss_coef: float = 0.0
+    cfg: ModelConfig,
+    bos_id: int | None,
+    eos_id: int | None,
+    router_aux_loss_coef: float = 0.0,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """A `config.json` for the transformers class of the model's family; router_aux_loss_coef is
-    the run's train.moe_aux_loss."""
+    the run's train.moe_aux_loss, dtype the weights' (its torch_dtype)."""
     family = family_of(cfg)
-    return {**family.config_to_hf(cfg, router_aux_loss_coef), **config_tail(bos_id, eos_id)}
+    tail = config_tail(bos_id, eos_id, dtype)
+    return {**family.config_to_hf(cfg, router_aux_loss_coef), **tail}
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -221,8 +221,9 @@ def rope_from_hf(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]
     return float(theta), scaling
 
 
-def config_tail(bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-    """The keys every config.json minillm writes ends with, whatever the family."""
+def config_tail(bos_id: int | None, eos_id: int | None, dtype: str = "float32") -> dict[str, Any]:
+    """The keys every config.json minillm writes ends with, whatever the family; `dtype` is the
+    weights' (what `from_pretrained(dtype="auto")` and minillm's `--dtype auto` load in)."""
     return {
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -231,7 +232,7 @@ def config_tail(bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
         # No pad id: LlamaModel hands it to nn.Embedding as padding_idx, whose row then never
         # gets a gradient, and ours is end-of-text, which a fine-tune must keep learning.
         "pad_token_id": None,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "use_cache": True,
     }
 
