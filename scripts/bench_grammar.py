@@ -109,8 +109,12 @@ def bench_llguidance(tokenizer_json: str, ids: list[int], eos: int) -> dict[str,
 
 def bench_xgrammar(tokenizer_json: str, ids: list[int], eos: int) -> dict[str, float]:
     import transformers
-    import xgrammar as xg
     from tokenizers import Tokenizer
+
+    try:
+        import xgrammar as xg
+    except ImportError:
+        raise SystemExit("xgrammar is not installed: pip install -e '.[grammar-bench]'") from None
 
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json))
     info = xg.TokenizerInfo.from_huggingface(hf, stop_token_ids=[eos])
