@@ -7,6 +7,8 @@ dequantized base plus the adapters, and the peft export loads in peft onto the 4
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +271,114 @@ def test_on_cuda_the_layer_moves_and_is_linear4bits(folder: Path, tmp_path: Path
         print(f"QLoRA step peak GPU memory: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
     finally:
         trainer.close()
+
+
+QLORA_PEAK = """
+import resource, sys
+import torch
+from minillm.checkpoint.hf_import import hf_model_config
+from minillm.checkpoint.init_from import init_weights, lora_base
+from minillm.families import fused_rows
+from minillm.model.nf4 import NF4Linear, nf4_as_loaded, nf4_problem
+cfg = hf_model_config(sys.argv[1])
+assert nf4_problem() is None
+NF4Linear(torch.randn(128, 64)).dequantized()  # bitsandbytes' own start-up, not the model's
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# What prepare_run does for a QLoRA run: the load, then the base's identity.
+model, _ = init_weights(sys.argv[1], cfg, torch.float32, nf4_as_loaded(fused_rows(cfg)))
+sha = lora_base(sys.argv[1], None, torch.float32, cfg)["sha256"]
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+nf4 = [m for m in model.modules() if isinstance(m, NF4Linear)]
+assert len(nf4) == 4 * cfg.n_layer, len(nf4)
+block = sum(4 * m.in_features * m.out_features for m in nf4) // cfg.n_layer
+rest = sum(p.numel() * p.element_size() for p in model.parameters())
+print(peak - before, sum(m.nbytes() for m in nf4), block, rest, sha)
+"""
+
+
+@pytest.mark.slow
+def test_a_qlora_load_peaks_at_the_nf4_model_plus_a_layer(tmp_path: Path) -> None:
+    """A float32 QLoRA base of ~100 MB (8 layers of 12.6 MB) loads, in a fresh process, with a
+    peak of at most its NF4 layers, the parameters kept in float (embedding, head, norms), two
+    layers in float32 and 12 MB of slack above the process before: each layer becomes NF4 as it
+    is read and the base's sha256 is read in passes, one layer kept. Measured: 37 MB (NF4 13 MB,
+    the rest 4 MB); loading the whole base in float32 and quantizing it after, as before: 145
+    MB. The sha256 is the one the full load's state_dict gives.
+
+    glibc's malloc is given a fixed mmap threshold: its default one rises as large blocks are
+    freed, so each freed float32 layer is then reused piecemeal by the small NF4 allocations and
+    not returned (87 MB instead of 37 MB here), which measures the allocator, not the loader."""
+    from minillm.checkpoint.hf_import import load_hf_model
+    from minillm.checkpoint.weights import weights_sha256
+    from tests.helpers import tiny_tokenizer
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, dtype=torch.float32)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder, max_shard_size="40MB")
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    root = Path(__file__).resolve().parent.parent
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "MALLOC_MMAP_THRESHOLD_": "65536"}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", QLORA_PEAK, str(folder)],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout.split()  # fmt: skip
+    grew, nf4_bytes, layer_bytes, rest_bytes = (int(x) for x in out[:4])
+    assert layer_bytes * 8 > 100e6
+    assert grew <= nf4_bytes + rest_bytes + 2 * layer_bytes + 12e6, (grew, out)
+    from minillm.checkpoint.hf_import import hf_model_config
+
+    full = load_hf_model(folder, hf_model_config(folder)).state_dict()
+    assert out[4] == weights_sha256(full)
+
+
+def test_streamed_sha256_is_weights_sha256_in_any_order_and_budget() -> None:
+    """The base's identity read in passes is the digest of the whole state_dict, with the names
+    yielded in a folder's order (blocks 0, 1, 2, ... 11: sorted 0, 1, 10, 11, 2, ...) and a
+    budget from nothing kept to everything; a name the source lacks is a KeyError."""
+    from minillm.checkpoint.weights import streamed_sha256, weights_sha256
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"blocks.{i}.{n}": torch.randn(3, 4, generator=g) for i in range(12) for n in "ba"}
+    state["tok_emb.weight"] = torch.randn(5, 4, generator=g)
+    want = weights_sha256(state, torch.bfloat16)
+    for budget in (0, 48, 10**6):
+        got = streamed_sha256(list(state), lambda: iter(state.items()), torch.bfloat16, budget)
+        assert got == want, budget
+    with pytest.raises(KeyError):
+        streamed_sha256([*state, "norm.weight"], lambda: iter(state.items()), None, 48)
+
+
+def test_a_base_quantized_as_it_loads_is_the_one_quantized_after(folder: Path) -> None:
+    """nf4_as_loaded gives the codes quantize_nf4 gives the whole loaded model, and add_lora on
+    it draws the same adapters from the same seed (a seeded QLoRA run starts as before)."""
+    from minillm.checkpoint.hf_import import hf_model_config
+    from minillm.checkpoint.init_from import init_weights
+    from minillm.config import LoRAConfig
+    from minillm.families import fused_rows
+    from minillm.model.lora import add_lora
+    from minillm.model.nf4 import nf4_as_loaded, quantize_nf4
+
+    cfg = hf_model_config(folder)
+    lora = LoRAConfig(rank=4, alpha=8, quantize="nf4")
+    models = []
+    for hook in (True, False):
+        model, _ = init_weights(str(folder), cfg, torch.float32,
+                                nf4_as_loaded(fused_rows(cfg)) if hook else None)  # fmt: skip
+        torch.manual_seed(3)
+        add_lora(model, lora)
+        models.append(quantize_nf4(model, fused_rows(cfg), "train.lora.quantize"))
+    now, before = (dict(m.named_modules()) for m in models)
+    assert sum(isinstance(m, NF4Linear) for m in now.values()) == 4 * cfg.n_layer
+    for name, m in now.items():
+        if isinstance(m, NF4Linear):
+            assert torch.equal(m.dequantized(), before[name].dequantized()), name
+    assert models[0].state_dict().keys() == models[1].state_dict().keys()
+    for name, t in models[0].state_dict().items():
+        assert torch.equal(t, models[1].state_dict()[name]), name

@@ -2,7 +2,8 @@
 Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE, Gemma 3's text model, Phi-3 or DeepSeek-V3
 (minillm.families.FAMILIES).
 
-Offers `hf_tensors(dir, cfg)` (the folder's tensors as ours, one at a time), `load_hf_model(dir,
+Offers `hf_tensors(dir, cfg)` (the folder's tensors as ours, one at a time), `hf_source`
+(passes over them, for a load that reads them more than once), `load_hf_model(dir,
 cfg, dtype, device)` (them in a model built lazily: what `--ckpt DIR` and `train.init_from: DIR`
 load), `hf_dtype` (what `--dtype auto` means for it), `import_hf_folder(dir) -> (ModelConfig,
 float32 state_dict, tokenizer.json path)`, `hf_model_config` (the ModelConfig of config.json
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,10 +165,19 @@ def load_hf_model(
 
     CheckpointError (a UserError) names the file at fault: missing, pickled or truncated
     weights, tensors missing or of the wrong shape."""
+    passes, where = hf_source(folder, cfg)
+    return fill_model(empty_model(cfg), passes(), where, dtype, device)
+
+
+def hf_source(
+    folder: str | Path, cfg: ModelConfig
+) -> tuple[Callable[[], Iterator[tuple[str, torch.Tensor]]], str]:
+    """(a new pass over the folder's (our name, tensor) pairs, errors as load_hf_model's; the
+    file or index those errors name): what a lazy load reads, as often as it needs to."""
     folder = Path(folder)
     files = _weight_files(folder)
     where = str(files[0]) if len(files) == 1 else str(folder / HF_WEIGHTS_INDEX)
-    return fill_model(empty_model(cfg), _checked(folder, cfg, where), where, dtype, device)
+    return lambda: _checked(folder, cfg, where), where
 
 
 def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,10 @@ import torch
 
 from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
-from minillm.checkpoint.hf_import import hf_model_config, load_hf_model
+from minillm.checkpoint.hf_import import hf_model_config, hf_source
 from minillm.checkpoint.hub import resolve_model_path
 from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model
-from minillm.checkpoint.weights import weights_sha256
+from minillm.checkpoint.weights import streamed_sha256, weights_sha256
 from minillm.config import (
     POSITION_KEYS,
     Config,
@@ -104,50 +104,89 @@ def _init_source(name: str) -> InitSource:
 
 
 def init_weights(
-    path: str, model: ModelConfig, dtype: torch.dtype = torch.float32
+    path: str,
+    model: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    on_filled: Callable[[str, torch.nn.Module], torch.nn.Module | None] | None = None,
 ) -> tuple[torch.nn.Module, str]:
     """The model `train.init_from` names: a Transformer of `model` (the run's: the source's,
     with its own POSITION_KEYS) built on the meta device and filled from the source tensor by
     tensor, in `dtype` on the CPU (a checkpoint's weights integrity-checked first); and where
     it came from, for the banner: `runs/x (step_000400)` for a run directory (its newest intact
     checkpoint), else the checkpoint or Hugging Face folder as given. A LoRA run's weights are
-    its base with the adapters merged. A hub name reads its cached snapshot."""
+    its base with the adapters merged. A hub name reads its cached snapshot. `on_filled`:
+    fill_model's (QLoRA's NF4 conversion, layer by layer as they are read)."""
+    tensors, where, label = _source(path, model, dtype)
+    return fill_model(empty_model(model), tensors(), where, dtype, on_filled=on_filled), label
+
+
+def _source(
+    path: str, model: ModelConfig, dtype: torch.dtype
+) -> tuple[Callable[[], Iterable[tuple[str, torch.Tensor]]], str, str]:
+    """What init_weights reads: (a new pass over the (our name, tensor) pairs, the place errors
+    name, the banner's label)."""
     if not _is_minillm(path):
-        return load_hf_model(resolve_model_path(path), model, dtype), path
+        passes, where = hf_source(resolve_model_path(path), model)
+        return passes, where, path
     found = layout.resolve_checkpoint(path)
     given_one = (Path(path) / layout.STATE_FILE).is_file()
     label = path if given_one else f"{path} ({found.name})"
     where = str(found / layout.MODEL_FILE)
     if ckpt.lora_base_of(layout.read_state(found)) is not None:
         merged = ckpt.load_checkpoint(found, verify=False, dtype=dtype).model
-        return fill_model(empty_model(model), merged.state_dict().items(), where, dtype), label
+        return lambda: merged.state_dict().items(), where, label
     if not (found / layout.MODEL_FILE).is_file():
         raise CheckpointError(f"{where}: missing")
     tensors = LazySafetensors([found / layout.MODEL_FILE])
-    return fill_model(empty_model(model), tensors.items(), where, dtype), label
+    return tensors.items, where, label
 
 
 def lora_base(
-    path: str, weights: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    path: str,
+    weights: Mapping[str, torch.Tensor] | None,
+    dtype: torch.dtype = torch.float32,
+    model: ModelConfig | None = None,
 ) -> dict[str, str]:
     """The identity of a LoRA run's base, which its checkpoints record (`lora_base` in
     state.json): train.init_from as given, the folder the weights came from (a run directory's
     newest checkpoint, resolved now), that folder's absolute path, and the sha256 of the weights
     (`weights_sha256`), with the dtype the base is frozen in where it is not float32 (the sha256
-    is then of the weights rounded to it)."""
+    is then of the weights rounded to it). `weights` None (a QLoRA base, held in NF4 only): the
+    same sha256 of the weights read again from the source, as loaded in `dtype` for `model`."""
     source = resolve_model_path(path)  # a hub name: the snapshot its weights came from
     if _is_minillm(path):
         source = layout.resolve_checkpoint(path)  # the one init_weights read (intact)
     half = dtype != torch.float32
-    base = {
-        "path": path,
-        "source": str(source),
-        "abspath": str(source.resolve()),
-        "sha256": weights_sha256(weights, dtype if half else None),
-    }
+    if weights is not None:
+        sha = weights_sha256(weights, dtype if half else None)
+    else:
+        assert model is not None, "lora_base: weights None needs the model config"
+        sha = _streamed_sha256(path, model, dtype)
+    base = {"path": path, "source": str(source), "abspath": str(source.resolve()), "sha256": sha}
     if half:
         base["dtype"] = str(dtype).removeprefix("torch.")
     return base
+
+
+def _streamed_sha256(path: str, model: ModelConfig, dtype: torch.dtype) -> str:
+    """weights_sha256 of init_weights(path, model, dtype)'s state_dict without holding it: the
+    source read in passes (streamed_sha256), each tensor converted as fill_model converts it,
+    at most one block's worth kept between passes."""
+    tensors, _, _ = _source(path, model, dtype)
+    meta = empty_model(model).state_dict(keep_vars=True)
+    params = {k for k, v in meta.items() if isinstance(v, torch.nn.Parameter)}
+    want = {k: dtype if k in params and v.is_floating_point() else v.dtype for k, v in meta.items()}
+    size = {k: v.numel() * want[k].itemsize for k, v in meta.items()}
+    blocks: dict[str, int] = {}
+    for k, n in size.items():
+        group = ".".join(k.split(".")[:2]) if k.startswith("blocks.") else k
+        blocks[group] = blocks.get(group, 0) + n
+    half = dtype if dtype != torch.float32 else None
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t.to(want[name] if t.is_floating_point() else meta[name].dtype)
+
+    return streamed_sha256(list(meta), tensors, half, max(blocks.values()), convert)
 
 
 def _same(given: Any, value: Any) -> bool:

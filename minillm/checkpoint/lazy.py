@@ -4,8 +4,9 @@ Offers `LazySafetensors(files)` (a read-only Mapping over safetensors files that
 tensor, memory-mapped, when it is looked up), `empty_model(cfg)` (a Transformer whose
 parameters are on the meta device: no memory, no init), `fill_model(model, tensors, where,
 dtype, device)` (each parameter materialised once, in `dtype`, on `device`, from an iterable of
-(our name, tensor)), `stored_dtype` / `resolve_dtype` (what `--dtype auto` means) and
-`DTYPES`, the names `--dtype` takes.
+(our name, tensor); an optional `on_filled` hook may replace each module once its parameters
+are all there: QLoRA's base becomes NF4 layer by layer so), `stored_dtype` / `resolve_dtype`
+(what `--dtype auto` means) and `DTYPES`, the names `--dtype` takes.
 
 Why this shape: a published model's weights are as large as the host's memory allows, so no
 step may hold them twice. A tensor read here is a view of the file's pages (the mapping lives as
@@ -17,7 +18,7 @@ not fit are `minillm.checkpoint.weights.fit_error`'s, as an eager load's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -163,18 +164,30 @@ def fill_model(
     where: str,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    on_filled: Callable[[str, nn.Module], nn.Module | None] | None = None,
 ) -> nn.Module:
     """Materialise `model`'s parameters from (our name, tensor) pairs, one at a time: each in
     `dtype` on `device` (persistent buffers, a router's bias, keep their own dtype), then its
     other buffers moved to `device`; the model in eval mode. Names missing, unexpected or
-    mis-shaped are one CheckpointError naming `where` (the message of an eager load)."""
+    mis-shaped are one CheckpointError naming `where` (the message of an eager load).
+
+    `on_filled(name, module)` is called once each module's own parameters are all materialised
+    (a module without parameters: never); a module it returns replaces that one in its parent,
+    so a layer can be converted (quantized) while the rest of the model is still being read."""
     device = torch.device(device)
     slots: dict[str, tuple[nn.Module, str, bool]] = {}
+    # Per module with parameters: its name, its parent and attribute, its parameters unfilled.
+    pending: dict[int, tuple[str, nn.Module | None, str, set[str]]] = {}
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         for leaf, p in module._parameters.items():
             if p is not None:
                 slots.setdefault(prefix + leaf, (module, leaf, True))
+        own_params = {leaf for leaf, p in module._parameters.items() if p is not None}
+        if on_filled is not None and own_params and id(module) not in pending:
+            parent_name, _, attr = mod_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if mod_name else None
+            pending[id(module)] = (mod_name, parent, attr, own_params)
         for leaf, b in module._buffers.items():
             if b is not None and leaf not in module._non_persistent_buffers_set:
                 slots.setdefault(prefix + leaf, (module, leaf, False))
@@ -194,6 +207,12 @@ def fill_model(
         else:
             module._buffers[leaf] = value
         del tensor, value  # the file's pages go with the last view of them
+        if is_param and id(module) in pending and _filled(pending, module, leaf, on_filled):
+            # Replaced: nothing here may keep the old module's float weights alive.
+            prefix = name.removesuffix(leaf)
+            for other in module._parameters:
+                slots.pop(prefix + other, None)
+        del module, old
     error = fit_error(own, given, where)
     if error is not None:
         raise error
@@ -202,3 +221,23 @@ def fill_model(
             if b is not None and b.device != device:
                 module._buffers[leaf] = b.to(device)
     return model.eval()
+
+
+def _filled(
+    pending: dict[int, tuple[str, nn.Module | None, str, set[str]]],
+    module: nn.Module,
+    leaf: str,
+    on_filled: Callable[[str, nn.Module], nn.Module | None] | None,
+) -> bool:
+    """Mark `module`'s parameter `leaf` filled; its last one calls `on_filled` (fill_model).
+    Whether the module was replaced."""
+    name, parent, attr, unfilled = pending[id(module)]
+    unfilled.discard(leaf)
+    if unfilled or on_filled is None:
+        return False
+    del pending[id(module)]
+    new = on_filled(name, module)
+    if new is None or new is module or parent is None:
+        return False
+    setattr(parent, attr, new)
+    return True

@@ -3,14 +3,16 @@
 Offers `load_weights_into`, what a minillm checkpoint, a Hugging Face folder (`--ckpt`,
 `train.init_from`) and the trainer's `init_from` all load through, `fit_error` (its message,
 which lazy loading, minillm.checkpoint.lazy, shares) and `weights_sha256`, the identity of a
-LoRA run's base. It lives apart from `store` and `hf_import` so that each can use it without
-the two importing each other.
+LoRA run's base (`streamed_sha256`: the same digest of weights read again and again from their
+files, for a QLoRA base that is never held in float). It lives apart from `store` and
+`hf_import` so that each can use it without the two importing each other.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -59,9 +61,54 @@ def weights_sha256(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None 
     by what it computed with, which a float32 load of the same files reproduces."""
     h = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].detach().to("cpu")
-        t = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).float()
-        t = t.contiguous()
-        h.update(f"{name} {tuple(t.shape)}\n".encode())
-        h.update(t.numpy().data)
+        _hash_one(h, name, state[name], dtype)
+    return h.hexdigest()
+
+
+def _hash_one(h: Any, name: str, t: torch.Tensor, dtype: torch.dtype | None) -> None:
+    t = t.detach().to("cpu")
+    t = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).float()
+    t = t.contiguous()
+    h.update(f"{name} {tuple(t.shape)}\n".encode())
+    h.update(t.numpy().data)
+
+
+def streamed_sha256(
+    names: Sequence[str],
+    passes: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    dtype: torch.dtype | None,
+    budget: int,
+    convert: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, t: t,
+) -> str:
+    """weights_sha256 of the weights `names` that `passes()` yields, in any order, each time it
+    is called (each as `convert(name, tensor)`, a load's dtype conversion, done only for those
+    hashed or kept), holding at most ~`budget` bytes of them at once (and the tensor at hand).
+
+    The digest is over the names in sorted order, which a source rarely yields them in (a
+    folder's layers come 0, 1, 2, ...; the sorted names 0, 1, 10, ...): each pass hashes what it
+    can and keeps what comes early within the budget, and the next pass goes on where it
+    stopped. With a budget of one layer, three or four passes for up to 100 layers."""
+    order = sorted(names)
+    rank = {name: i for i, name in enumerate(order)}
+    h, done = hashlib.sha256(), 0
+    while done < len(order):
+        start, held, held_bytes = done, {}, 0
+        for name, t in passes():
+            i = rank.get(name, -1)
+            if i < done or name in held:
+                continue
+            if i == done:
+                _hash_one(h, name, convert(name, t), dtype)
+                done += 1
+                while done < len(order) and order[done] in held:
+                    t = held.pop(order[done])
+                    held_bytes -= t.nbytes
+                    _hash_one(h, order[done], t, dtype)
+                    done += 1
+            elif held_bytes + t.nbytes <= budget:
+                held[name] = convert(name, t)
+                held_bytes += held[name].nbytes
+            del t
+        if done == start:
+            raise KeyError(order[done])  # the source has no such tensor
     return h.hexdigest()

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from minillm.config import LORA_TARGETS, LoRAConfig
 from minillm.errors import ConfigError, warn
+from minillm.model.nf4 import NF4Linear
 from minillm.model.transformer import Transformer
 
 # (module holding the layer, layer name) of a block, per target.
@@ -43,16 +44,24 @@ _OWNER = {"wqkv": "attn", "wo": "attn", "w_gate_up": "ffn", "w_down": "ffn"}
 class LoRALinear(nn.Module):
     """base(x) + scale B A dropout(x): a frozen nn.Linear plus a trainable rank-r update."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+    def __init__(
+        self, base: nn.Linear | NF4Linear, rank: int, alpha: float, dropout: float
+    ) -> None:
         super().__init__()
         self.base = base.requires_grad_(False)
         self.rank, self.scale = rank, alpha / rank
-        w = base.weight
+        # A QLoRA base loaded as NF4 (nf4_as_loaded) has no float weight: its packed codes say
+        # where it lives, and its dtype is the one it was quantized from.
+        if isinstance(base, NF4Linear):
+            device, base_dtype = base.packed0.device, base.dtype
+        else:
+            device, base_dtype = base.weight.device, base.weight.dtype
         # The adapters in float32 over a base frozen in bf16/fp16 (train.precision's compute
         # dtype): their updates, gradients and optimizer state keep float32's precision.
-        dtype = w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32
-        self.lora_A = nn.Parameter(torch.empty(rank, w.shape[1], device=w.device, dtype=dtype))
-        self.lora_B = nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device, dtype=dtype))
+        dtype = base_dtype if base_dtype in (torch.float32, torch.float64) else torch.float32
+        shape_a, shape_b = (rank, base.in_features), (base.out_features, rank)
+        self.lora_A = nn.Parameter(torch.empty(shape_a, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(shape_b, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # peft's (and nn.Linear's) init
         # No dropout module at p = 0: even then it would copy x, an activation kept per layer.
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -167,7 +176,7 @@ def add_lora(
     the same every time."""
     layers = _layers(model, lora.targets)
     for owner, name in layers:
-        if not isinstance(getattr(owner, name, None), nn.Linear):
+        if not isinstance(getattr(owner, name, None), (nn.Linear, NF4Linear)):
             raise ConfigError(
                 "train.lora.targets",
                 f"{name}: this model has no such linear layer (a mixture of experts, "

@@ -1,6 +1,8 @@
 """4-bit NF4 weights: QLoRA's frozen base (`train.lora.quantize: nf4`) and `--quantize nf4`.
 
 Offers `NF4Linear`, `quantize_nf4(model)` (every linear layer of the blocks, in place),
+`nf4_as_loaded(parts)` (the same, one layer at a time while a lazy load fills the model:
+minillm.checkpoint.lazy.fill_model's `on_filled`, so a QLoRA run never holds its base in full),
 `nf4_round_trip(model)` (the same layers' weights replaced by what NF4 holds: the function a
 QLoRA run trained, for its merged checkpoint) and `nf4_problem()` (why it cannot run here).
 
@@ -25,7 +27,7 @@ not linear layers).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -176,6 +178,32 @@ def quantize_nf4(
     return model
 
 
+def nf4_as_loaded(
+    parts: dict[str, tuple[int, ...]] | None = None, key: str = "train.lora.quantize"
+) -> Callable[[str, nn.Module], nn.Module | None]:
+    """fill_model's `on_filled` that turns each linear layer of the blocks quantize_nf4 would
+    quantize (`blocks.<i>.attn.<name>`, `blocks.<i>.ffn.<name>` but the router) into an NF4Linear
+    as soon as its weight is read: a load's peak is then the NF4 model plus one layer in the load
+    dtype, not the whole base. Without bitsandbytes: a ConfigError naming `key`, before any
+    weight is read."""
+    problem = nf4_problem()
+    if problem is not None:
+        raise ConfigError(key, f"nf4: {problem}")
+    parts = parts or {}
+
+    @torch.no_grad()
+    def quantize(name: str, module: nn.Module) -> nn.Module | None:
+        path = name.split(".")
+        in_block = len(path) == 4 and path[0] == "blocks" and path[2] in ("attn", "ffn")
+        if not in_block or not isinstance(module, nn.Linear) or path[3] == "router":
+            return None
+        return NF4Linear(module.weight, module.bias, parts.get(path[3], ())).to(
+            module.weight.device
+        )
+
+    return quantize
+
+
 @torch.no_grad()
 def nf4_round_trip(
     model: Transformer, parts: dict[str, tuple[int, ...]] | None = None
@@ -189,4 +217,11 @@ def nf4_round_trip(
     return model
 
 
-__all__ = ["NF4Linear", "linear_slots", "nf4_problem", "nf4_round_trip", "quantize_nf4"]
+__all__ = [
+    "NF4Linear",
+    "linear_slots",
+    "nf4_as_loaded",
+    "nf4_problem",
+    "nf4_round_trip",
+    "quantize_nf4",
+]

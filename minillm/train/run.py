@@ -28,7 +28,8 @@ from minillm.checkpoint.init_from import lora_base
 from minillm.checkpoint.rundir import RunLock
 from minillm.config import Config
 from minillm.errors import ConfigError
-from minillm.families import with_family
+from minillm.families import fused_rows, with_family
+from minillm.model.nf4 import nf4_as_loaded
 from minillm.runtime.device import (
     PRECISION_DTYPES,
     autocast_context,
@@ -171,10 +172,17 @@ def prepare_run(
             # An objective with a reference compares against init_from on a resume too.
             keep = cfg.train.lora.rank or objective.needs_start_weights
             dtype = base_dtype(cfg, precision, resume_from)
+            # QLoRA: each linear layer of the blocks becomes NF4 as soon as it is read, so the
+            # base is never held whole in `dtype` (its sha256 is then read from the source).
+            qlora = bool(cfg.train.lora.rank) and cfg.train.lora.quantize == "nf4"
+            on_filled = nf4_as_loaded(fused_rows(cfg.model)) if qlora else None
             if tc.init_from and (resume_from is None or keep):
-                init_weights, init_label = load_init_weights(tc.init_from, cfg.model, dtype)
+                init_weights, init_label = load_init_weights(
+                    tc.init_from, cfg.model, dtype, on_filled
+                )
             if cfg.train.lora.rank:
-                base = _lora_base(cfg, init_weights.state_dict(), resume_from, dist, dtype)
+                weights = None if qlora else init_weights.state_dict()
+                base = _lora_base(cfg, weights, resume_from, dist, dtype)
             fsdp = dist.enabled and cfg.train.parallel == "fsdp"
             probes = TrainingProbes.create(
                 cfg, tokenizer_file, device, autocast_context(device, precision),
@@ -221,7 +229,7 @@ def base_dtype(cfg: Config, precision: str, resume_from: Path | None) -> torch.d
 
 def _lora_base(
     cfg: Config,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None,
     resume_from: Path | None,
     dist: DistInfo,
     dtype: torch.dtype,
@@ -234,7 +242,7 @@ def _lora_base(
             "LoRA does not run under train.parallel: fsdp (a frozen base is no memory for "
             "sharding to save); use parallel: ddp",
         )
-    base = lora_base(cfg.train.init_from, weights, dtype)
+    base = lora_base(cfg.train.init_from, weights, dtype, cfg.model)
     recorded = ckpt.lora_base_of(layout.read_state(resume_from)) if resume_from else None
     if recorded is not None and recorded["sha256"] != base["sha256"]:
         raise ConfigError(
