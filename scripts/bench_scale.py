@@ -215,7 +215,8 @@ def jobs(shape: str, cache: Path, precision: str) -> list[tuple[str, dict, dict]
     me = [sys.executable, str(Path(__file__).resolve()), "--child"]
     sample = [sys.executable, "-m", "minillm", "sample", "--ckpt", str(folder), "--prompt",
               "Hello there", "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
-              "--ignore-eos", "--device", "cpu"]  # fmt: skip
+              "--ignore-eos", "--device", "cpu",
+              "--dtype", "bfloat16" if precision == "bf16" else "float32"]  # fmt: skip
     rows = [
         (
             "sample",
