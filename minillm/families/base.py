@@ -116,14 +116,9 @@ class Family:
         return {"wqkv": (H * D, K * D, K * D), "w_gate_up": (F, F)}
 
     def peft_rows(self, cfg: ModelConfig, target: str, b: Tensor) -> tuple[Tensor, ...]:
-        """A LoRA B of our fused `target` split by rows into its peft modules' B's."""
-        H, K, D, F = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.ffn_hidden
-        rows = {
-            "wqkv": (H * D, K * D, K * D),
-            "wo": (cfg.d_model,),
-            "w_gate_up": (F, F),
-            "w_down": (cfg.d_model,),
-        }
+        """A LoRA B of our fused `target` split by rows into its peft modules' B's (the rows of
+        `fused_rows`; wo and w_down are one module each)."""
+        rows = {"wo": (cfg.d_model,), "w_down": (cfg.d_model,), **self.fused_rows(cfg)}
         return b.split(rows[target], dim=0)
 
     def gguf_arch(self, cfg: ModelConfig) -> Any:
