@@ -159,14 +159,16 @@ def load_hf_model(
     cfg: ModelConfig,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    on_filled: Callable[[str, torch.nn.Module], torch.nn.Module | None] | None = None,
 ) -> torch.nn.Module:
     """The Transformer of `cfg` (hf_model_config's) holding the folder's weights in `dtype` on
-    `device`, in eval mode, each tensor read and converted once (minillm.checkpoint.lazy).
+    `device`, in eval mode, each tensor read and converted once (minillm.checkpoint.lazy;
+    `on_filled` its hook: `--quantize`'s layers quantized as they are read).
 
     CheckpointError (a UserError) names the file at fault: missing, pickled or truncated
     weights, tensors missing or of the wrong shape."""
     passes, where = hf_source(folder, cfg)
-    return fill_model(empty_model(cfg), passes(), where, dtype, device)
+    return fill_model(empty_model(cfg), passes(), where, dtype, device, on_filled)
 
 
 def hf_source(

@@ -38,6 +38,7 @@ from minillm.checkpoint.layout import (
     resolve_checkpoint,
 )
 from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model, resolve_dtype
+from minillm.checkpoint.quantized_load import as_loaded, finish
 from minillm.checkpoint.save import prune_checkpoints as prune_checkpoints
 from minillm.checkpoint.save import save_checkpoint as save_checkpoint
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
@@ -149,11 +150,14 @@ def load_checkpoint(
     verify: bool = True,
     best: bool = False,
     dtype: str | torch.dtype | None = None,
+    quantize: str = "none",
 ) -> LoadedCheckpoint:
     """Config, model (eval mode) and tokenizer from `--ckpt` (a run, a checkpoint or a Hugging
     Face Llama folder). The model is built on the meta device and each weight read (memory-
     mapped) and materialised once, in `dtype` on `device` (minillm.checkpoint.lazy): `auto` the
     weights' own (a folder's config.json dtype), a name of `lazy.DTYPES`, None float32.
+    `quantize` (`--quantize` nf4 or int8) makes each linear layer so as it is read
+    (minillm.checkpoint.quantized_load); int8 that cannot run here is one warning and fp32.
 
     A run directory gives its newest intact checkpoint (a damaged newer one is skipped with a
     warning naming both, as `train` resumes), `best` the one BEST names; a checkpoint folder
@@ -175,7 +179,9 @@ def load_checkpoint(
             )
         cfg, tokenizer = read_hf_checkpoint(path)
         want = resolve_dtype(dtype, hf_dtype(path) if dtype == "auto" else None)
-        model = load_hf_model(path, cfg.model, want, device)
+        hook, problem = as_loaded(quantize, cfg.model, device)
+        model = load_hf_model(path, cfg.model, want, device, hook)
+        model = _quantized(model, quantize, cfg, problem)
         state = {"config": config_to_dict(cfg)}
         conventions = Conventions.of(tokenizer, Path(path))
         add_end_of_turn(conventions, cfg.model, Path(path))
@@ -199,14 +205,15 @@ def load_checkpoint(
     except ConfigError as e:
         raise CheckpointError(f"{ckpt / STATE_FILE}: its config is invalid: {e}") from None
     adapters = None
-    if lora_base_of(state) is not None:
+    hook, problem = as_loaded(quantize, cfg.model, device)
+    if lora_base_of(state) is not None:  # merged in float: quantized whole, after
         model, adapters = _lora_model(cfg, state, ckpt, device, dtype)
     else:
         weights = _lazy_weights(ckpt)
         want = resolve_dtype(dtype, weights.float_dtype() if dtype == "auto" else None)
-        model = fill_model(
-            empty_model(cfg.model), weights.items(), str(ckpt / MODEL_FILE), want, device
-        )
+        where = str(ckpt / MODEL_FILE)
+        model = fill_model(empty_model(cfg.model), weights.items(), where, want, device, hook)
+    model = _quantized(model, quantize, cfg, problem)
     tok_path = ckpt / TOKENIZER_FILE
     if not tok_path.is_file():
         tok_path = ckpt.parent.parent / TOKENIZER_FILE
@@ -255,9 +262,25 @@ def at_context(
     if cfg.model == ckpt.config.model:
         return ckpt
     param = next(ckpt.model.parameters())
+    model = empty_model(cfg.model)
+    _move_quantized(ckpt.model, model)
     weights = ckpt.model.state_dict().items()  # the same tensors, shared: no copy
-    model = fill_model(empty_model(cfg.model), weights, str(ckpt.path), param.dtype, param.device)
+    model = fill_model(model, weights, str(ckpt.path), param.dtype, param.device)
     return dataclasses.replace(ckpt, config=cfg, model=model)
+
+
+def _move_quantized(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """`old`'s quantized layers (--quantize's NF4Linear, Int8Linear, Int8MoE, an int8 copy of a
+    tied head) put into `new` as they are, where `new` (a model of the same weights, another
+    context) has a float layer or none: they hold no weight a state_dict names, and no position
+    key changes them."""
+    mine = dict(new.named_modules())
+    for name, module in old.named_modules():
+        if name and (name not in mine or type(mine[name]) is not type(module)):
+            parent, _, attr = name.rpartition(".")
+            setattr(new.get_submodule(parent), attr, module)
+    if hasattr(old, "quantized"):
+        new.quantized = old.quantized
 
 
 # ------------------------------------------------------------------ LoRA runs
@@ -325,6 +348,20 @@ def _lora_model(
     load_weights_into(model, {**frozen, **adapters}, str(ckpt / MODEL_FILE))
     merged = merge_lora(model).to(device=device, dtype=resolve_dtype(dtype, None))
     return merged.eval(), adapters
+
+
+def _quantized(
+    model: torch.nn.Module, quantize: str, cfg: Config, problem: str | None
+) -> torch.nn.Module:
+    """`model` quantized to the end (quantized_load.finish), or `problem`, int8's reason it
+    cannot run here, as one warning (the model stays fp32)."""
+    from minillm.errors import warn
+
+    if problem is None:
+        problem = finish(model, quantize, cfg.model)
+    if problem is not None:
+        warn(f"--quantize {quantize}: {problem}; running in fp32")
+    return model
 
 
 def _lazy_weights(ckpt: Path) -> LazySafetensors:

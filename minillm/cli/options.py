@@ -247,8 +247,8 @@ def load_ckpt(
     """--ckpt (with --best) loaded on --device (a user error: exit 2): a run, a checkpoint or a
     Hugging Face folder, which the command it is given to is first checked to suit; read at
     another context where `context` (--set) or eval's `seq_len` (--seq-len) asks (`at_context`);
-    with --quantize int8, its linear layers then made int8 (or one warning and fp32), from
-    float32 weights; otherwise in --dtype (`auto`: the weights' own)."""
+    with --quantize int8 or nf4, its linear layers made so as they are read (int8 from float32
+    weights, or one warning and fp32); otherwise in --dtype (`auto`: the weights' own)."""
     from minillm.checkpoint.layout import is_hf_folder
     from minillm.checkpoint.lazy import resolve_dtype
     from minillm.checkpoint.store import at_context, load_checkpoint
@@ -264,21 +264,10 @@ def load_ckpt(
     if is_hf_folder(ckpt):
         run(_check_hf_folder_use, ckpt, _ckpt_command.get())
     where = run(resolve_device, device, "--device")
-    loaded = run(load_checkpoint, ckpt, where, best=best, dtype=dtype)
+    # Quantized as it loads (nf4 on any device: bitsandbytes' CPU and CUDA kernels).
+    loaded = run(load_checkpoint, ckpt, where, best=best, dtype=dtype, quantize=quantize)
     if context or seq_len is not None:
         loaded = run(at_context, loaded, context or [], seq_len)
-    if quantize == "int8":
-        from minillm.errors import warn
-        from minillm.model.quantize import quantize_int8
-
-        problem = quantize_int8(loaded.model)
-        if problem is not None:
-            warn(f"--quantize int8: {problem}; running in fp32")
-    elif quantize == "nf4":  # any device: bitsandbytes' CPU and CUDA kernels
-        from minillm.families import fused_rows
-        from minillm.model.nf4 import quantize_nf4
-
-        quantize_nf4(loaded.model, fused_rows(loaded.config.model))
     return loaded
 
 

@@ -209,15 +209,16 @@ def quantize_int8(model: Transformer) -> str | None:
             if isinstance(attn, MLA):
                 _quantize_mla(attn)
             else:
-                attn.wqkv = Int8Linear(attn.wqkv.weight, attn.wqkv.bias)
-                attn.wo = Int8Linear(attn.wo.weight)
+                _quantize(attn, "wqkv", bias=True)
+                _quantize(attn, "wo")
             if isinstance(block.ffn, SwiGLU):
-                block.ffn.w_gate_up = Int8Linear(block.ffn.w_gate_up.weight)
-                block.ffn.w_down = Int8Linear(block.ffn.w_down.weight)
-            elif isinstance(block.ffn, MoE):
+                _quantize(block.ffn, "w_gate_up")
+                _quantize(block.ffn, "w_down")
+            elif isinstance(block.ffn, MoE) and not isinstance(block.ffn, Int8MoE):
                 block.ffn = Int8MoE(block.ffn)
         # A tied head's int8 copy sits where an untied head would (see the module docstring).
-        model.lm_head = Int8Linear(model.head_weight)
+        if not isinstance(model.lm_head, Int8Linear):
+            model.lm_head = Int8Linear(model.head_weight)
     model.quantized = "int8"
     return None
 
@@ -226,9 +227,16 @@ def _quantize_mla(attn: MLA) -> None:
     """Int8 projections of latent attention, but for wkv_b: its decode absorbs its float weight
     into the query and the output (minillm.model.mla), so it stays as it is."""
     for name in ("wq", "wq_a", "wq_b", "wkv_a", "wo"):
-        layer = getattr(attn, name)
-        if layer is not None:
-            setattr(attn, name, Int8Linear(layer.weight))
+        if getattr(attn, name) is not None:
+            _quantize(attn, name)
+
+
+def _quantize(owner: nn.Module, name: str, bias: bool = False) -> None:
+    """owner.<name> made an Int8Linear (with its bias where `bias`), unless it already is one:
+    a lazy load quantizes layers as it reads them (minillm.checkpoint.quantized_load)."""
+    layer = getattr(owner, name)
+    if not isinstance(layer, Int8Linear):
+        setattr(owner, name, Int8Linear(layer.weight, layer.bias if bias else None))
 
 
 __all__ = [
