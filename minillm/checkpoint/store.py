@@ -44,7 +44,7 @@ from minillm.checkpoint.save import save_checkpoint as save_checkpoint
 from minillm.checkpoint.weights import load_weights_into, weights_sha256
 from minillm.config.hub_id import is_hub_id
 from minillm.errors import CheckpointError, UserError
-from minillm.families import add_end_of_turn, with_family
+from minillm.families import model_conventions, with_family
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -168,7 +168,6 @@ def load_checkpoint(
     from minillm.config import config_from_dict, config_to_dict
     from minillm.errors import ConfigError
     from minillm.tokenizer.bpe import load_tokenizer
-    from minillm.tokenizer.conventions import Conventions
 
     if is_hf_folder(path):
         from minillm.checkpoint.hf_import import hf_dtype, load_hf_model, read_hf_checkpoint
@@ -183,8 +182,7 @@ def load_checkpoint(
         model = load_hf_model(path, cfg.model, want, device, hook)
         model = _quantized(model, quantize, cfg, problem)
         state = {"config": config_to_dict(cfg)}
-        conventions = Conventions.of(tokenizer, Path(path))
-        add_end_of_turn(conventions, cfg.model, Path(path))
+        conventions = model_conventions(tokenizer, Path(path), cfg.model)
         return LoadedCheckpoint(
             Path(path),
             cfg,
@@ -222,8 +220,7 @@ def load_checkpoint(
     except UserError as e:
         raise CheckpointError(f"{tok_path}: cannot load the run's tokenizer ({e})") from None
     _check_vocab(tokenizer, cfg, tok_path)
-    conventions = Conventions.of(tokenizer, tok_path.parent)
-    add_end_of_turn(conventions, cfg.model, tok_path.parent)
+    conventions = model_conventions(tokenizer, tok_path.parent, cfg.model)
     return LoadedCheckpoint(
         ckpt, cfg, model, tokenizer, state, conventions, adapters=adapters, tokenizer_path=tok_path
     )

@@ -28,6 +28,7 @@ from minillm.families.registry import (
     family_named,
     family_of,
     family_of_hf,
+    model_conventions,
     resolve_family,
     with_family,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "from_hf_state_dict",
     "hf_config_dict",
     "model_config_from_hf",
+    "model_conventions",
     "resolve_family",
     "to_hf_state_dict",
     "with_family",

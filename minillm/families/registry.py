@@ -2,7 +2,7 @@
 options are turned into a family (`resolve_family`), for a config that has none stored yet.
 
 Offers `FAMILIES`, `family_named`, `family_of`, `family_of_hf`, `resolve_family`,
-`with_family` and `add_end_of_turn`. Adding a family: its module (a
+`with_family`, `add_end_of_turn` and `model_conventions`. Adding a family: its module (a
 `minillm.families.base.Family`) and a line in `FAMILIES`; `resolve_family` only where minillm's
 own runs should be exported as it.
 """
@@ -107,15 +107,31 @@ def family_of_hf(hf: dict[str, Any]) -> Family | None:
 
 
 def add_end_of_turn(conventions: Any, cfg: ModelConfig, folder: Path) -> None:
-    """The family's end-of-turn tokens (Phi-3's <|end|>, <|assistant|>) on the conventions of a
-    tokenizer whose folder has no generation_config.json, which would otherwise stop at the eos
-    alone: a reply stops there, and exports write them (GGUF's end-of-turn id). In place."""
-    if cfg.family is None or (folder / "generation_config.json").is_file():
+    """The family's end of a chat turn on `conventions` (a tokenizer's, read from `folder`), in
+    place: its `turn_end` (Phi-3's <|end|>) where the template probe found none, and, where the
+    folder has no generation_config.json (which transformers' generate stops at, and so do
+    the conventions), its `end_of_turn` stop tokens (<|endoftext|>, <|assistant|>, <|end|>),
+    which its published generation_config.json lists: a reply stops there, and exports write
+    them (GGUF's end-of-turn id)."""
+    family = FAMILIES.get(cfg.family or "")
+    if family is None:
         return
-    family, tok = FAMILIES.get(cfg.family), conventions.tok
-    if family is None or not family.end_of_turn:
+    tok = conventions.tok
+    if conventions.turn_end is None and family.turn_end is not None:
+        conventions.turn_end = tok.token_to_id(family.turn_end)
+    if not family.end_of_turn or (folder / "generation_config.json").is_file():
         return
     ids = [i for t in family.end_of_turn if (i := tok.token_to_id(t)) is not None]
     conventions.stop_ids = conventions.stop_ids | frozenset(ids)
-    if conventions.turn_end is None and family.turn_end is not None:
-        conventions.turn_end = tok.token_to_id(family.turn_end)
+
+
+def model_conventions(tok: Any, folder: Path, cfg: ModelConfig) -> Any:
+    """How a model of `cfg` uses its tokenizer `tok` (read from `folder`): the tokenizer's
+    conventions (minillm.tokenizer.conventions) with the family's end of turn added
+    (add_end_of_turn): what every command that samples, chats, serves or scores a model builds,
+    a loaded checkpoint and a run's probes and objectives alike."""
+    from minillm.tokenizer.conventions import Conventions
+
+    conventions = Conventions.of(tok, folder)
+    add_end_of_turn(conventions, cfg, folder)
+    return conventions

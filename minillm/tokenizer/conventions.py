@@ -345,7 +345,9 @@ class PublishedConventions(Conventions):
         if not spans:
             return None, in_chat
         end = spans[-1][1]
-        last = [i for i, (a, b) in zip(enc.ids, enc.offsets) if b == end and a < end]
+        # The token that writes the reply's last character: a special token that strips the
+        # whitespace after it (Phi-3's <|end|>, `rstrip`) spans that newline too.
+        last = [i for i, (a, b) in zip(enc.ids, enc.offsets) if a < end <= b]
         token = last[-1] if last else None
         specials = {self.tok.token_to_id(s) for s in special_tokens(self.tok)}
         return (token if token in specials else None), in_chat

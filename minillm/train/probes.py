@@ -22,6 +22,7 @@ import torch
 
 from minillm.config import Config
 from minillm.errors import UserError, warn
+from minillm.families import model_conventions
 from minillm.infer.engine import SamplingParams, generate
 from minillm.infer.sample import encode_prompts
 from minillm.infer.task_format import Task, read_tasks
@@ -88,7 +89,7 @@ class TrainingProbes:
         if not tc.eval_tasks and not tc.sample_every:
             return None
         tok = load_tokenizer(tokenizer_file)
-        conv = Conventions.of(tok, Path(tokenizer_file).parent)
+        conv = model_conventions(tok, Path(tokenizer_file).parent, cfg.model)
         probes = cls(cfg, conv, device, autocast)  # checks the files
         if sharded and main:
             warn(

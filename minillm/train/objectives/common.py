@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from minillm.config import Config
 from minillm.errors import UserError
+from minillm.families import model_conventions
 from minillm.model import Transformer
 from minillm.model.lora import adapters_off
 from minillm.tokenizer.bpe import load_tokenizer, tokenizer_sha256
@@ -77,7 +78,7 @@ class Setup:
     @functools.cached_property
     def conventions(self) -> Conventions:
         """How the tokenizer is used: minillm's own chat template or a published model's."""
-        return Conventions.of(self.tokenizer, self.tokenizer_file.parent)
+        return model_conventions(self.tokenizer, self.tokenizer_file.parent, self.cfg.model)
 
 
 @dataclass(frozen=True)
