@@ -4,6 +4,7 @@ generate, each a whole process under /usr/bin/time -v (peak RSS, wall), one afte
     python scripts/bench_load.py build /tmp/tinyllama            # once: random bf16 shards
     python scripts/bench_load.py run /tmp/tinyllama [--tokens 8] [--dtype auto]
     python scripts/bench_load.py decode /tmp/tinyllama   # ms/token: fp32 +- W^T copies, bf16
+    python scripts/bench_load.py nf4 /tmp/tinyllama      # --quantize nf4's load: as read, after
 
 `build` writes a random-weight LlamaForCausalLM at TinyLlama-1.1B's shape (or `--shape 3b`,
 Llama-3.2-3B's) in bf16 safetensors shards with a byte-level BPE tokenizer, through
@@ -106,6 +107,26 @@ def decode_job(folder: Path, steps: int = 8) -> None:
         del model
 
 
+def nf4_job(folder: Path, rounds: int = 2) -> None:
+    """Seconds of `--quantize nf4`'s load in the folder's dtype, each layer quantized as it is
+    read, against the whole model loaded then quantized (what it did before), in turn in one
+    process (the same load on the machine for both); the peaks are `run`'s whole processes."""
+    from minillm.checkpoint.store import load_checkpoint
+    from minillm.families import fused_rows
+    from minillm.model.nf4 import quantize_nf4
+
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        model = load_checkpoint(folder, dtype="auto", quantize="nf4").model
+        t1 = time.perf_counter()
+        del model
+        loaded = load_checkpoint(folder, dtype="auto")
+        quantize_nf4(loaded.model, fused_rows(loaded.config.model))
+        t2 = time.perf_counter()
+        del loaded
+        print(f"as read {t1 - t0:.1f} s, whole then quantized {t2 - t1:.1f} s")
+
+
 def jobs(folder: Path, tokens: int, dtype: str) -> dict[str, list[str]]:
     """The two commands compared, each run in its own process."""
     py = sys.executable
@@ -132,7 +153,7 @@ def measure(cmd: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("what", choices=["build", "run", "hf", "decode"])
+    p.add_argument("what", choices=["build", "run", "hf", "decode", "nf4"])
     p.add_argument("folder", type=Path)
     p.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
     p.add_argument("--tokens", type=int, default=8)
@@ -144,6 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.what == "decode":
         print(f"loadavg before: {os.getloadavg()}")
         decode_job(args.folder)
+        print(f"loadavg after: {os.getloadavg()}")
+        return
+    if args.what == "nf4":
+        print(f"loadavg before: {os.getloadavg()}")
+        nf4_job(args.folder)
         print(f"loadavg after: {os.getloadavg()}")
         return
     if args.what == "hf":

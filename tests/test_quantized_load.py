@@ -75,21 +75,22 @@ def test_quantizing_as_it_loads_gives_the_codes_of_quantizing_after(
     assert torch.equal(new(tokens)[0], old(tokens)[0])
 
 
+@pytest.mark.parametrize("kind", ["run", "hf"])
 @pytest.mark.parametrize("quantize", ["nf4", "int8"])
 @torch.no_grad()
 def test_a_quantized_load_read_at_another_context_keeps_its_layers(
-    sources: dict[str, Path], quantize: str
+    sources: dict[str, Path], kind: str, quantize: str
 ) -> None:
     """`--set model.max_seq_len=...` (at_context) on a model quantized as it loaded: the same
-    logits as the old order (load, at_context, quantize)."""
+    logits as the old order (load, at_context, quantize); int8's copy of a tied head too."""
     from minillm.checkpoint.store import at_context
 
     if quantize == "int8" and int8_kernel_problem() is not None:
         pytest.skip(int8_kernel_problem())
     wider = ["model.max_seq_len=128"]
-    new = at_context(load_checkpoint(sources["hf"], quantize=quantize), wider)
+    new = at_context(load_checkpoint(sources[kind], quantize=quantize), wider)
     assert new.config.model.max_seq_len == 128 and new.model.quantized == quantize
-    old = at_context(load_checkpoint(sources["hf"]), wider)
+    old = at_context(load_checkpoint(sources[kind]), wider)
     if quantize == "nf4":
         from minillm.model.nf4 import quantize_nf4
 
