@@ -115,7 +115,7 @@ def memory_fits(cfg: Config, half: bool, acts: int, device: str = "cpu") -> dict
             "weights": round(quantized * NF4_BYTES + (params - quantized) * wb),
             **tuned,
             "dequantized": widest * wb,
-        },  # fmt: skip
+        },
         "full": full,
     }
     for job, parts in jobs.items():
