@@ -1,9 +1,10 @@
 """What fits: the memory to run a model and to LoRA-, QLoRA- and fully fine-tune it, like the
 "can I run it" tables (`minillm info`'s last rows and its `fits` key).
 
-Offers `memory_fits(cfg) -> dict` (nothing allocated: the model is built on the meta device) and
-`fits_rows(fits)` (the table's rows). Bytes, per job, at the weights' dtype (bf16 where the run
-computes in half precision, else fp32) and at train.seq_len tokens of context, batch 1:
+Offers `memory_fits(cfg, half, acts, device) -> dict` (nothing allocated: the model is built on
+the meta device) and `fits_rows(fits)` (the table's rows). Bytes a process holds on the device it
+runs on, per job, at the weights' dtype (bf16 where the run computes in half precision, else
+fp32) and at train.seq_len tokens of context, batch 1:
 
 - run: the weights (a tied head once) + the KV cache of one row at the context (2 x layers x
   kv heads x head dim per token; latent attention its kv_lora_rank + qk_rope_head_dim) + a
@@ -12,12 +13,23 @@ computes in half precision, else fp32) and at train.seq_len tokens of context, b
   fp32 with their gradients and AdamW's two moments (16 bytes each) + the activations of a
   training step (`minillm.info.activation_bytes`, with train.activation_checkpointing).
 - qlora: as lora, but the blocks' linear layers (what `minillm.model.nf4` quantizes) at NF4's
-  4 + 8/64 + 32/(64 x 256) bits a weight (codes, 8-bit block scales, their fp32 scales), and one
-  such layer dequantized at a time.
+  4 + 8/64 + 32/(64 x 256) bits a weight (codes, 8-bit block scales, their fp32 scales), the
+  rest (embedding, head, norms) in the compute dtype (its breakdown line says how much), and
+  one such layer dequantized at a time.
 - full: minillm's mixed-precision training, fp32 weights, gradients and AdamW's moments (16
-  bytes a parameter) + the activations.
+  bytes a parameter) + the activations; under bf16/fp16 autocast also its cast copy of the
+  weights (2 bytes a parameter, kept for the backward; not measured: bf16 training stalls on
+  this project's CPU). Off CUDA AdamW steps with foreach, whose sqrt of the second moments is
+  a temporary of 4 bytes a parameter after the backward has freed the activations: the peak is
+  the larger of the two, so `adamw_step` is what the temporary adds beyond them.
+- framework, in every job: on a CPU the resident size of Python, torch and minillm imported and
+  running (thread pools, kernels), measured as the peak RSS of the same job on a 2-layer d128
+  model (torch 2.13, Linux, `scripts/bench_scale.py --shapes tiny`): 250 MiB to sample, 400
+  MiB to train, 450 MiB for QLoRA (bitsandbytes imported too); on CUDA the CUDA context and
+  its kernels, assumed 512 MiB (not measured here: no GPU), the host's memory not counted.
 
-Framework overhead (the CUDA context, allocator slack, ~0.5-1 GiB on a GPU) is not counted.
+Checked against whole processes' peaks by `python scripts/bench_scale.py --info` (the
+measured / estimate column; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -36,6 +48,12 @@ from minillm.model.nf4 import BLOCK, linear_slots
 NF4_BYTES = (4 + 8 / BLOCK + 32 / (BLOCK * 256)) / 8
 ADAPTER_BYTES = 16  # fp32 weight, gradient and AdamW's two moments
 GiB = 1024**3
+# The framework's resident bytes on a CPU (module docstring: tiny jobs' measured peaks) and the
+# CUDA context's assumed size on a GPU.
+MiB = 1024**2
+CPU_FRAMEWORK = {"run": 250 * MiB, "train": 400 * MiB}
+CPU_BITSANDBYTES = 50 * MiB
+CUDA_CONTEXT = 512 * MiB
 
 
 def kv_bytes_per_token(cfg: Config, weight_bytes: int) -> int:
@@ -46,10 +64,20 @@ def kv_bytes_per_token(cfg: Config, weight_bytes: int) -> int:
     return m.n_layer * width * weight_bytes
 
 
-def memory_fits(cfg: Config, half: bool, acts: int) -> dict[str, Any]:
-    """Bytes to run, LoRA, QLoRA and fully fine-tune cfg's model (module docstring); `half`:
-    the run computes in bf16 (minillm.info.runs_half), so the weights are held in 2 bytes;
-    `acts`: a training step's activations of one sequence (minillm.info.activation_bytes)."""
+def framework_bytes(device: str, job: str) -> int:
+    """What a process of `job` (run, lora, qlora, full) holds beyond the model's own tensors on
+    `device` (cpu, mps, cuda: the module docstring's framework term)."""
+    if device.startswith("cuda"):
+        return CUDA_CONTEXT
+    base = CPU_FRAMEWORK["run" if job == "run" else "train"]
+    return base + (CPU_BITSANDBYTES if job == "qlora" else 0)
+
+
+def memory_fits(cfg: Config, half: bool, acts: int, device: str = "cpu") -> dict[str, Any]:
+    """Bytes to run, LoRA, QLoRA and fully fine-tune cfg's model on `device` (module docstring);
+    `half`: the run computes in bf16 (minillm.info.runs_half), so the weights are held in 2
+    bytes; `acts`: a training step's activations of one sequence (minillm.info.activation_bytes).
+    """
     m, t = cfg.model, cfg.train
     wb = 2 if half else 4
     # Without train.lora: rank 16 where LoRA is built (an MoE's experts are not: attention only).
@@ -72,15 +100,27 @@ def memory_fits(cfg: Config, half: bool, acts: int) -> dict[str, Any]:
         + m.vocab_size * 4,
     }
     tuned = {"adapters": adapters * ADAPTER_BYTES, "activations": acts}
-    qweights = round((params - quantized) * wb + quantized * NF4_BYTES)
+    full = {"weights": params * ADAPTER_BYTES, "activations": acts}
+    if half:  # autocast's cast copy of each weight, saved for the backward
+        full["autocast_copies"] = params * 2
+    if not device.startswith("cuda"):
+        # AdamW's foreach step (minillm.train.optim, off CUDA) makes sqrt(v) for every parameter
+        # at once: 4 bytes a parameter, when the step's activations are already freed.
+        full["adamw_step"] = max(0, params * 4 - acts - full.get("autocast_copies", 0))
     jobs = {
         "run": run,
         "lora": {"weights": weights, **tuned},
-        "qlora": {"weights": qweights, **tuned, "dequantized": widest * wb},
-        "full": {"weights": params * ADAPTER_BYTES, "activations": acts},
+        # The embedding, head and norms are never quantized: they stay in the compute dtype.
+        "qlora": {
+            "weights": round(quantized * NF4_BYTES + (params - quantized) * wb),
+            **tuned,
+            "dequantized": widest * wb,
+        },
+        "full": full,
     }
-    for job in jobs.values():
-        job["total"] = sum(job.values())
+    for job, parts in jobs.items():
+        parts["framework"] = framework_bytes(device, job)
+        parts["total"] = sum(parts.values())
     return {
         "dtype": "bf16" if half else "fp32",
         "context": T,
@@ -88,6 +128,7 @@ def memory_fits(cfg: Config, half: bool, acts: int) -> dict[str, Any]:
         "params": params,
         "params_nf4": quantized,
         "params_adapters": adapters,
+        "device": "cuda" if device.startswith("cuda") else device,
         **jobs,
     }
 
@@ -107,6 +148,7 @@ def fits_lines(fits: dict[str, Any]) -> list[str]:
     for job, short, detail in _jobs(fits):
         parts = ", ".join(
             f"{name.replace('_', ' ')} {value / GiB:.2f}"
+            + (f" ({_unquantized(fits)})" if (job, name) == ("qlora", "weights") else "")
             for name, value in fits[job].items()
             if name != "total"
         )
@@ -114,11 +156,17 @@ def fits_lines(fits: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _unquantized(fits: dict[str, Any]) -> str:
+    """QLoRA's weights beyond the NF4 layers: the embedding, head and norms in the dtype."""
+    b = (fits["params"] - fits["params_nf4"]) * (2 if fits["dtype"] == "bf16" else 4)
+    return f"{fits['dtype']} embedding/head {b / GiB:.2f}"
+
+
 def _jobs(fits: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(job, its row's label, what it assumes) of each job `memory_fits` sizes."""
     r = fits["lora_rank"]
     return [
-        ("run", "run", f"{fits['dtype']}, {fits['context']:,} tokens"),
+        ("run", "run", f"{fits['dtype']}, {fits['context']:,} tokens, {fits['device']}"),
         ("lora", f"LoRA r{r}", f"rank {r}, {fits['dtype']} base"),
         ("qlora", f"QLoRA r{r}", f"rank {r}, NF4 base"),
         ("full", "full fine-tune", "AdamW, fp32 master weights"),

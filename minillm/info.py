@@ -75,6 +75,18 @@ def runs_half(cfg: Config) -> bool:
     return p in ("bf16", "fp16") or (p == "auto" and torch.cuda.is_available())
 
 
+def runs_on(cfg: Config) -> str:
+    """The device a run of cfg takes: train.device, and for `auto` this machine's (cuda, then
+    mps, then cpu), as the run resolves it."""
+    d = cfg.train.device
+    if d != "auto":
+        return d
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    return "mps" if mps and mps.is_available() else "cpu"
+
+
 def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
     """Parameter counts, FLOPs per token and an approximate per-device training-memory budget.
 
@@ -139,7 +151,7 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         # Per micro-batch of the config (one sequence under auto), without and with checkpointing.
         "activation_bytes": {"full": micro * per_seq[False], "checkpointed": micro * per_seq[True]},
         # What it takes to run it, LoRA, QLoRA and fully fine-tune it (minillm.fits).
-        "fits": memory_fits(cfg, half, per_seq[t.activation_checkpointing]),
+        "fits": memory_fits(cfg, half, per_seq[t.activation_checkpointing], runs_on(cfg)),
     }
 
 

@@ -5,6 +5,8 @@ a whole process of its own, its peak RSS (os.wait4's rusage of that child) and w
     python scripts/bench_scale.py --shapes tinyllama  # one of them
     python scripts/bench_scale.py --quick             # a tiny shape: checks the script (a minute)
     python scripts/bench_scale.py --kernels           # NF4: bitsandbytes vs torchao's NF4Tensor
+    python scripts/bench_scale.py --shapes mid --jobs sample lora qlora full --info --no-reference
+                                                      # `minillm info`'s estimate beside each peak
 
 The folders are random-weight `LlamaForCausalLM`s built with transformers' classes in bf16,
 saved in shards with a byte-level BPE (scripts/make_published_folder.py's), cached under
@@ -15,6 +17,14 @@ saved in shards with a byte-level BPE (scripts/make_published_folder.py's), cach
   folder's `train.init_from`) vs peft on transformers' load; the step time is the mean of steps 2-3.
 - qlora: the same with the base in NF4 (`train.lora.quantize: nf4`) vs peft on transformers'
   `BitsAndBytesConfig(load_in_4bit=True, nf4, double quantization)`.
+- full (`--jobs ... full`): a full fine-tune, AdamW on every parameter, vs transformers' model
+  and torch's AdamW.
+
+`--jobs` picks the jobs (default sample, lora, qlora), `--no-reference` skips the reference side,
+`--seq` sets the training jobs' tokens (default 128) and `--prompt-tokens N` gives `sample` a
+prompt of about N tokens (default: "Hello there"), to size the prefill. `--info` adds `minillm
+info`'s estimate of each job (its `fits` total for that job, dtype and context) and the ratio
+measured / estimate: the check of issue 60's "within 15%" (peak RSS in GB of 10^9 bytes).
 
 Both sides compute in `--precision` (bf16 or fp32; transformers loads in that dtype). The table
 gives each job's minillm / reference ratio of peak RSS, wall and step time. Check
@@ -36,9 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
     "tinyllama": (2048, 22, 5632, 32, 4, 32000, False),  # TinyLlama-1.1B
     "llama3.2-3b": (3072, 28, 8192, 24, 8, 128256, True),  # Llama-3.2-3B
+    "mid": (1024, 20, 2816, 16, 4, 32000, False),  # 290M: every job incl. full FT under ~6 GB
     "tiny": (128, 2, 256, 4, 2, 1024, False),  # --quick
 }
 STEPS, SEQ, RANK, NEW_TOKENS = 3, 128, 16, 8
+JOBS = ["sample", "lora", "qlora", "full"]
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -80,8 +92,9 @@ def corpus(cache: Path) -> Path:
     return path
 
 
-def lora_config(folder: Path, cache: Path, precision: str, quantize: str) -> Path:
-    """A minillm LoRA (QLoRA) run's config on `folder`, its shards tokenized once."""
+def lora_config(folder: Path, cache: Path, precision: str, quantize: str, seq: int = SEQ) -> Path:
+    """A minillm LoRA (QLoRA; quantize "full": a full fine-tune) run's config on `folder`, its
+    shards tokenized once."""
     import yaml
 
     tokens = cache / f"tokens-{folder.name}"
@@ -89,12 +102,14 @@ def lora_config(folder: Path, cache: Path, precision: str, quantize: str) -> Pat
         "data": {"source": str(corpus(cache)), "out_dir": str(tokens)},
         "train": {
             "init_from": str(folder), "out_dir": str(cache / f"run-{folder.name}-{quantize}"),
-            "batch_size": 1, "seq_len": SEQ, "max_steps": STEPS, "warmup_steps": 0,
+            "batch_size": 1, "seq_len": seq, "max_steps": STEPS, "warmup_steps": 0,
             "device": "cpu", "precision": precision, "eval_every": 0, "ckpt_every": 0,
             "log_every": 1, "lora": {"rank": RANK, "alpha": 2 * RANK, "quantize": quantize},
         },
     }  # fmt: skip
-    path = cache / f"lora-{folder.name}-{quantize}.yaml"
+    if quantize == "full":
+        raw["train"]["lora"] = {"rank": 0}
+    path = cache / f"lora-{folder.name}-{quantize}-{seq}.yaml"
     path.write_text(yaml.safe_dump(raw), encoding="utf-8")
     if not (tokens / "meta.json").is_file():
         subprocess.run([sys.executable, "-m", "minillm", "tokenize", str(path)], check=True,
@@ -129,8 +144,9 @@ def job_minillm_train(config: str) -> dict:
     return {"load_s": load, "steps_s": steps}
 
 
-def job_peft_train(folder: str, precision: str, quantize: str) -> dict:
-    """peft's LoRA (on bitsandbytes' NF4 base with quantize nf4) on transformers' load."""
+def job_peft_train(folder: str, precision: str, quantize: str, seq: int = SEQ) -> dict:
+    """peft's LoRA (on bitsandbytes' NF4 base with quantize nf4) on transformers' load; with
+    quantize "full" transformers' model itself, every parameter trained."""
     import peft
     import torch
     import transformers
@@ -145,14 +161,15 @@ def job_peft_train(folder: str, precision: str, quantize: str) -> dict:
         kw["device_map"] = "cpu"
     start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kw)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=2 * RANK,
-                                                      target_modules=PEFT_TARGETS))  # fmt: skip
+    if quantize != "full":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=2 * RANK,
+                                                          target_modules=PEFT_TARGETS))  # fmt: skip
     load = time.perf_counter() - start
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     steps = []
     for _ in range(STEPS):
-        ids = torch.randint(0, 1000, (1, SEQ), generator=gen)
+        ids = torch.randint(0, 1000, (1, seq), generator=gen)
         t = time.perf_counter()
         loss = model(ids, labels=ids).loss
         loss.backward()
@@ -179,7 +196,7 @@ def child(args: argparse.Namespace) -> None:
     if args.job == "minillm-train":
         result = job_minillm_train(args.config)
     elif args.job == "peft-train":
-        result = job_peft_train(args.folder, args.precision, args.quantize)
+        result = job_peft_train(args.folder, args.precision, args.quantize, args.seq)
     else:
         result = job_hf_sample(args.folder, args.precision)
     print("RESULT " + json.dumps(result), flush=True)
@@ -188,11 +205,29 @@ def child(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the parent
 
 
+# Runs `python -m MODULE ARGS` or `python SCRIPT ARGS` and writes, last on stderr, its VmHWM:
+# the high-water mark of its memory since its exec. os.wait4's ru_maxrss would do but for one
+# thing: Linux carries the parent's RSS at the fork into it (this script's, once it has built a
+# folder with torch and transformers imported: ~0.5 GB, more than a tiny job's whole peak).
+HWM = """
+import atexit, runpy, sys
+hwm = lambda: [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+atexit.register(lambda: sys.stderr.write("\\n" + hwm()))
+module = sys.argv[1] == "-m"
+sys.argv = sys.argv[2:] if module else sys.argv[1:]
+if module:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def run_child(cmd: list[str]) -> dict:
-    """Run `cmd` as a child: its own peak RSS (GB: os.wait4's rusage of that child, not of every
-    child so far as RUSAGE_CHILDREN would give) and wall, plus what it printed after RESULT."""
+    """Run `cmd` (a python command line) as a child: its own peak RSS (GB: its VmHWM, see HWM)
+    and wall, plus what it printed after RESULT."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     start = time.perf_counter()
+    cmd = [cmd[0], "-c", HWM, *cmd[1:]]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     out = proc.stdout.read()
@@ -202,34 +237,74 @@ def run_child(cmd: list[str]) -> dict:
     wall = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{err[-3000:]}")
-    result = {"wall_s": wall, "rss_gb": usage.ru_maxrss / 1e6}  # Linux: ru_maxrss in KB
+    hwm = [line for line in err.splitlines() if line.startswith("VmHWM:")]
+    kb = int(hwm[-1].split()[1]) if hwm else usage.ru_maxrss  # Linux: KiB either way
+    result = {"wall_s": wall, "rss_gb": kb * 1024 / 1e9}
     for line in out.splitlines():
         if line.startswith("RESULT "):
             result.update(json.loads(line[len("RESULT ") :]))
     return result
 
 
-def jobs(shape: str, cache: Path, precision: str) -> list[tuple[str, dict, dict]]:
-    """(job, minillm's numbers, the reference's) for one shape."""
+def prompt_file(folder: Path, cache: Path, tokens: int) -> tuple[Path, int]:
+    """A prompt of about `tokens` tokens of the corpus (its exact count by the folder's
+    tokenizer), for a sample whose prefill is that long."""
+    from tokenizers import Tokenizer
+
+    text = corpus(cache).read_text(encoding="utf-8")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = tok.encode(text[: tokens * 8], add_special_tokens=False).ids[:tokens]
+    path = cache / f"prompt-{folder.name}-{tokens}.txt"
+    path.write_text(tok.decode(ids), encoding="utf-8")
+    return path, len(tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False).ids)
+
+
+def estimate(job: str, target: str, precision: str, seq: int) -> float:
+    """`minillm info`'s estimate (GB) of `job` on `target` (a config, or a folder to sample) at
+    `seq` tokens: its `fits` total for that job."""
+    if job == "sample":
+        cmd = ["--ckpt", target, "--set", f"train.precision={precision}", "--set",
+               f"train.seq_len={seq}", "--set", "train.device=cpu"]  # fmt: skip
+    else:
+        cmd = [target]
+    out = subprocess.run([sys.executable, "-m", "minillm", "info", *cmd, "--json"], cwd=ROOT,
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    fits = json.loads(out)["fits"]
+    return fits["run" if job == "sample" else job]["total"] / 1e9
+
+
+def jobs(shape: str, cache: Path, args: argparse.Namespace) -> list[tuple[str, dict, dict]]:
+    """(job, minillm's numbers, the reference's) for one shape; with --info minillm's carry
+    `info_gb`, the estimate of the job as it ran."""
+    precision = args.precision
     folder = build_folder(shape, cache)
     me = [sys.executable, str(Path(__file__).resolve()), "--child"]
-    sample = [sys.executable, "-m", "minillm", "sample", "--ckpt", str(folder), "--prompt",
-              "Hello there", "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
-              "--ignore-eos", "--device", "cpu",
-              "--dtype", "bfloat16" if precision == "bf16" else "float32"]  # fmt: skip
-    rows = [
-        (
-            "sample",
-            run_child(sample),
-            run_child([*me, "hf-sample", "--folder", str(folder), "--precision", precision]),
-        )
-    ]
-    for quantize in ("none", "nf4"):
-        config = lora_config(folder, cache, precision, quantize)
-        ours = run_child([*me, "minillm-train", "--config", str(config)])
-        theirs = run_child([*me, "peft-train", "--folder", str(folder), "--precision",
-                            precision, "--quantize", quantize])  # fmt: skip
-        rows.append(("lora" if quantize == "none" else "qlora", ours, theirs))
+    rows = []
+    for job in args.jobs:
+        if job == "sample":
+            if args.prompt_tokens:
+                path, n = prompt_file(folder, cache, args.prompt_tokens)
+                prompt = ["--prompt-file", str(path)]
+            else:
+                prompt, n = ["--prompt", "Hello there"], 4
+            cmd = [sys.executable, "-m", "minillm", "sample", "--ckpt", str(folder), *prompt,
+                   "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--ignore-eos",
+                   "--device", "cpu",
+                   "--dtype", "bfloat16" if precision == "bf16" else "float32"]  # fmt: skip
+            ref = [*me, "hf-sample", "--folder", str(folder), "--precision", precision]
+            target, seq = str(folder), n + NEW_TOKENS
+        else:
+            quantize = {"lora": "none", "qlora": "nf4", "full": "full"}[job]
+            config = lora_config(folder, cache, precision, quantize, args.seq)
+            cmd = [*me, "minillm-train", "--config", str(config)]
+            ref = [*me, "peft-train", "--folder", str(folder), "--precision", precision,
+                   "--quantize", quantize, "--seq", str(args.seq)]  # fmt: skip
+            target, seq = str(config), args.seq
+        ours = run_child(cmd)
+        if args.info:
+            ours["info_gb"] = estimate(job, target, precision, seq)
+        theirs = {} if args.no_reference else run_child(ref)
+        rows.append((job, ours, theirs))
     return rows
 
 
@@ -239,13 +314,17 @@ def step_s(r: dict) -> float | None:
 
 
 def table(shape: str, rows: list[tuple[str, dict, dict]]) -> str:
-    lines = [f"{shape}: job | peak RSS GB minillm / ref (x) | wall s minillm / ref (x) | "
-             "step s minillm / ref (x)"]  # fmt: skip
+    info = any("info_gb" in ours for _, ours, _ in rows)
+    head = f"{shape}: job | peak RSS GB minillm / ref (x) | wall s minillm / ref (x) | step s"
+    lines = [head + " minillm / ref (x)" + (" | info GB (measured / info)" if info else "")]
     for job, ours, ref in rows:
         cells = []
-        for get in (lambda r: r["rss_gb"], lambda r: r["wall_s"], step_s):
+        for get in (lambda r: r.get("rss_gb"), lambda r: r.get("wall_s"), step_s):
             a, b = get(ours), get(ref)
-            cells.append("-" if a is None or b is None else f"{a:.2f} / {b:.2f} ({a / b:.2f}x)")
+            cells.append("-" if a is None else f"{a:.2f}" if b is None else
+                         f"{a:.2f} / {b:.2f} ({a / b:.2f}x)")  # fmt: skip
+        if "info_gb" in ours:
+            cells.append(f"{ours['info_gb']:.2f} ({ours['rss_gb'] / ours['info_gb']:.2f}x)")
         lines.append(f"  {job:6s} | " + " | ".join(cells))
     lora = {job: ours["rss_gb"] for job, ours, _ in rows}
     if "lora" in lora and "qlora" in lora:
@@ -303,6 +382,11 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="NF4 libraries, one layer")
     parser.add_argument("--cache", type=Path, default=Path("/tmp/minillm-bench-scale"))
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--jobs", nargs="+", choices=JOBS, default=JOBS[:3])
+    parser.add_argument("--no-reference", action="store_true", help="minillm's side only")
+    parser.add_argument("--info", action="store_true", help="minillm info's estimate of each job")
+    parser.add_argument("--seq", type=int, default=SEQ, help="the training jobs' tokens")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="sample's prompt length")
     parser.add_argument("--child", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -317,7 +401,7 @@ def main() -> None:
     print(f"load {open('/proc/loadavg').read().split()[:3]}, {os.cpu_count()} CPUs, "
           f"precision {args.precision}")  # fmt: skip
     for shape in ["tiny"] if args.quick else args.shapes:
-        print(table(shape, jobs(shape, args.cache, args.precision)), flush=True)
+        print(table(shape, jobs(shape, args.cache, args)), flush=True)
 
 
 if __name__ == "__main__":

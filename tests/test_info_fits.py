@@ -29,32 +29,45 @@ ADAPTERS = 2 * 16 * ((64 + 128) + (64 + 64) + (64 + 192) + (96 + 64))  # 23,552
 # and their gradient.
 ACTS = 32 * (2 * (10 * 64 + 3 * 2 * 16 + 4 * 96) * 2 + 2 * 320 * 4)  # 225,280
 NF4 = (4 + 8 / 64 + 32 / (64 * 256)) / 8  # bytes a weight: codes, block scales, their scales
+GiB = 1024**3
+# The framework on a CPU (minillm.fits: tiny jobs' measured peaks): to sample, to train, QLoRA.
+RUN_FW, TRAIN_FW, QLORA_FW = 250 * 2**20, 400 * 2**20, 450 * 2**20
 
 
 def test_the_four_jobs_against_hand_computed_bytes() -> None:
     fits = model_info(
         config_from_dict({"model": MODEL, "data": {"vocab_size": 300}, "train": TRAIN})
     )["fits"]
+    assert fits["device"] == "cpu"
     assert (fits["params"], fits["params_nf4"], fits["params_adapters"]) == (
         PARAMS, 2 * LINEAR, ADAPTERS)  # fmt: skip
     assert fits["run"] == {
         "weights": 2 * PARAMS,
         "kv_cache": 32 * 2 * (2 * 2 * 16) * 2,  # tokens x layers x (k and v of 2 heads) x bf16
         "activations": 32 * (4 * 64 + 2 * 96) * 2 + 320 * 4,
-        "total": 2 * PARAMS + 8192 + 29952,
+        "framework": RUN_FW,
+        "total": 2 * PARAMS + 8192 + 29952 + RUN_FW,
     }
-    lora_total = 2 * PARAMS + 16 * ADAPTERS + ACTS
+    lora_total = 2 * PARAMS + 16 * ADAPTERS + ACTS + TRAIN_FW
     assert fits["lora"] == {"weights": 2 * PARAMS, "adapters": 16 * ADAPTERS,
-                            "activations": ACTS, "total": lora_total}  # fmt: skip
+                            "activations": ACTS, "framework": TRAIN_FW,
+                            "total": lora_total}  # fmt: skip
+    # The embedding, head and norms stay in the compute dtype (bf16 here), the rest in NF4.
     qweights = 2 * (PARAMS - 2 * LINEAR) + round(2 * LINEAR * NF4)
     assert qweights == 82560 + 31695
     assert fits["qlora"] == {
         "weights": qweights, "adapters": 16 * ADAPTERS, "activations": ACTS,
         "dequantized": 192 * 64 * 2,  # the widest layer, w_gate_up, in bf16 for its product
-        "total": qweights + 16 * ADAPTERS + ACTS + 192 * 64 * 2,
+        "framework": QLORA_FW,  # bitsandbytes imported too
+        "total": qweights + 16 * ADAPTERS + ACTS + 192 * 64 * 2 + QLORA_FW,
     }  # fmt: skip
+    # bf16 autocast keeps a cast copy of every weight for the backward; AdamW's foreach step
+    # (4 bytes a parameter, after the backward) adds nothing beyond those and the activations.
+    assert 4 * PARAMS < 2 * PARAMS + ACTS
     assert fits["full"] == {"weights": 16 * PARAMS, "activations": ACTS,
-                            "total": 16 * PARAMS + ACTS}  # fmt: skip
+                            "autocast_copies": 2 * PARAMS, "adamw_step": 0,
+                            "framework": TRAIN_FW,
+                            "total": 18 * PARAMS + ACTS + TRAIN_FW}  # fmt: skip
     assert fits["qlora"]["weights"] < 0.6 * fits["lora"]["weights"]
 
 
@@ -73,3 +86,33 @@ def test_the_rank_and_context_are_the_configs(tmp_path: Path) -> None:
     assert table.exit_code == 0, table.output
     assert "fits: QLoRA r16" in table.stdout and "rank 16, NF4 base" in table.stdout
     assert "full fine-tune" in table.stdout
+
+
+def test_the_framework_is_the_devices(tmp_path: Path) -> None:
+    """On CUDA each job counts the CUDA context (0.5 GiB, assumed) in place of the CPU
+    process's imports; the fp32 QLoRA line says its embedding and head are fp32."""
+    cfg = {"model": MODEL, "data": {"vocab_size": 300},
+           "train": {**TRAIN, "precision": "fp32", "device": "cuda"}}  # fmt: skip
+    fits = model_info(config_from_dict(cfg))["fits"]
+    assert fits["device"] == "cuda" and fits["dtype"] == "fp32"
+    assert {fits[job]["framework"] for job in ("run", "lora", "qlora", "full")} == {GiB // 2}
+    # fp32: no cast copies; fused AdamW on CUDA: no foreach temporary
+    assert fits["full"].keys() == {"weights", "activations", "framework", "total"}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    table = runner.invoke(app, ["info", str(path)], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    unquantized = (PARAMS - 2 * LINEAR) * 4 / GiB
+    assert f"weights 0.00 (fp32 embedding/head {unquantized:.2f})" in table.stdout
+    assert "framework 0.50 GiB" in table.stdout and "cuda" in table.stdout
+
+
+def test_a_cpu_full_fine_tune_peaks_at_adamws_foreach_step() -> None:
+    """Where the activations are smaller than 4 bytes a parameter (a short context), the full
+    fine-tune's peak is AdamW's step: sqrt(v) of every parameter at once beside the 16 bytes."""
+    cfg = {"model": MODEL, "data": {"vocab_size": 300},
+           "train": {**TRAIN, "precision": "fp32", "seq_len": 4}}  # fmt: skip
+    fits = model_info(config_from_dict(cfg))["fits"]
+    full = fits["full"]
+    assert full["adamw_step"] == 4 * PARAMS - full["activations"] > 0
+    assert full["total"] == 20 * PARAMS + TRAIN_FW
