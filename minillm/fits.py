@@ -1,10 +1,11 @@
 """What fits: the memory to run a model and to LoRA-, QLoRA- and fully fine-tune it, like the
 "can I run it" tables (`minillm info`'s last rows and its `fits` key).
 
-Offers `memory_fits(cfg, half, acts, device) -> dict` (nothing allocated: the model is built on
-the meta device) and `fits_rows(fits)` (the table's rows). Bytes a process holds on the device it
-runs on, per job, at the weights' dtype (bf16 where the run computes in half precision, else
-fp32) and at train.seq_len tokens of context, batch 1:
+Offers `memory_fits(cfg, half, acts, device, run_dtype) -> dict` (nothing allocated: the model
+is built on the meta device) and `fits_rows(fits)` (the table's rows). Bytes a process holds on
+the device it runs on, per job, at train.seq_len tokens of context, batch 1; the training jobs
+at the weights' dtype (`dtype`: bf16 where the run computes in half precision, else fp32), the
+run at the dtype sampling loads the weights in (`run_dtype`: --dtype's; `dtype` when unknown):
 
 - run: the weights (a tied head once) + the KV cache of one row at the context (2 x layers x
   kv heads x head dim per token; latent attention its kv_lora_rank + qk_rope_head_dim) + a
@@ -54,6 +55,8 @@ MiB = 1024**2
 CPU_FRAMEWORK = {"run": 250 * MiB, "train": 400 * MiB}
 CPU_BITSANDBYTES = 50 * MiB
 CUDA_CONTEXT = 512 * MiB
+# The dtypes a run may load its weights in (--dtype's), by the names the rows show.
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def kv_bytes_per_token(cfg: Config, weight_bytes: int) -> int:
@@ -73,13 +76,17 @@ def framework_bytes(device: str, job: str) -> int:
     return base + (CPU_BITSANDBYTES if job == "qlora" else 0)
 
 
-def memory_fits(cfg: Config, half: bool, acts: int, device: str = "cpu") -> dict[str, Any]:
+def memory_fits(
+    cfg: Config, half: bool, acts: int, device: str = "cpu", run_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """Bytes to run, LoRA, QLoRA and fully fine-tune cfg's model on `device` (module docstring);
-    `half`: the run computes in bf16 (minillm.info.runs_half), so the weights are held in 2
-    bytes; `acts`: a training step's activations of one sequence (minillm.info.activation_bytes).
-    """
+    `half`: training computes in bf16 (minillm.info.runs_half), so the frozen weights are held
+    in 2 bytes; `acts`: a training step's activations of one sequence
+    (minillm.info.activation_bytes); `run_dtype`: the dtype the run row's weights and KV cache
+    are in (what `sample --dtype` loads; None: as training's, `half`)."""
     m, t = cfg.model, cfg.train
     wb = 2 if half else 4
+    rb = wb if run_dtype is None else run_dtype.itemsize
     # Without train.lora: rank 16 where LoRA is built (an MoE's experts are not: attention only).
     default = ["wqkv", "wo"] if m.n_experts else t.lora.targets
     lora = t.lora if t.lora.rank else LoRAConfig(rank=16, targets=default)
@@ -94,9 +101,9 @@ def memory_fits(cfg: Config, half: bool, acts: int, device: str = "cpu") -> dict
                   linear_slots(model)), default=0)  # fmt: skip
     weights = params * wb
     run = {
-        "weights": weights,
-        "kv_cache": T * kv_bytes_per_token(cfg, wb),
-        "activations": T * (4 * m.d_model + 2 * max(m.ffn_hidden, m.moe_ffn_hidden or 0)) * wb
+        "weights": params * rb,
+        "kv_cache": T * kv_bytes_per_token(cfg, rb),
+        "activations": T * (4 * m.d_model + 2 * max(m.ffn_hidden, m.moe_ffn_hidden or 0)) * rb
         + m.vocab_size * 4,
     }
     tuned = {"adapters": adapters * ADAPTER_BYTES, "activations": acts}
@@ -123,6 +130,8 @@ def memory_fits(cfg: Config, half: bool, acts: int, device: str = "cpu") -> dict
         parts["total"] = sum(parts.values())
     return {
         "dtype": "bf16" if half else "fp32",
+        # the run row's: the weights' dtype as sampling loads them (info --dtype)
+        "run_dtype": ("bf16" if half else "fp32") if run_dtype is None else DTYPE_NAMES[run_dtype],
         "context": T,
         "lora_rank": lora.rank,
         "params": params,
@@ -134,10 +143,11 @@ def memory_fits(cfg: Config, half: bool, acts: int, device: str = "cpu") -> dict
 
 
 def fits_rows(fits: dict[str, Any]) -> list[tuple[str, str]]:
-    """The table rows of `memory_fits`: one per job, its total (what it is made of, at which
-    dtype and context: fits_lines)."""
+    """The table rows of `memory_fits`: one per job, its total and the dtype it assumes (what
+    it is made of, at which context: fits_lines)."""
     return [
-        (f"fits: {short}", f"{fits[job]['total'] / GiB:.2f} GiB") for job, short, _ in _jobs(fits)
+        (f"fits: {short} ({dtype})", f"{fits[job]['total'] / GiB:.2f} GiB")
+        for job, short, dtype, _ in _jobs(fits)
     ]
 
 
@@ -145,7 +155,7 @@ def fits_lines(fits: dict[str, Any]) -> list[str]:
     """One line per job of what its total is made of, printed below the table (a value a line
     at 80 columns: a breakdown in the table's cell would wrap)."""
     lines = []
-    for job, short, detail in _jobs(fits):
+    for job, short, _, detail in _jobs(fits):
         parts = ", ".join(
             f"{name.replace('_', ' ')} {value / GiB:.2f}"
             + (f" ({_unquantized(fits)})" if (job, name) == ("qlora", "weights") else "")
@@ -162,12 +172,14 @@ def _unquantized(fits: dict[str, Any]) -> str:
     return f"{fits['dtype']} embedding/head {b / GiB:.2f}"
 
 
-def _jobs(fits: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(job, its row's label, what it assumes) of each job `memory_fits` sizes."""
-    r = fits["lora_rank"]
+def _jobs(fits: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(job, its row's label, the weights' dtype it assumes, what it assumes) of each job
+    `memory_fits` sizes."""
+    r, dtype, run = fits["lora_rank"], fits["dtype"], fits.get("run_dtype", fits["dtype"])
+    autocast = ", bf16 autocast" if dtype == "bf16" else ""
     return [
-        ("run", "run", f"{fits['dtype']}, {fits['context']:,} tokens, {fits['device']}"),
-        ("lora", f"LoRA r{r}", f"rank {r}, {fits['dtype']} base"),
-        ("qlora", f"QLoRA r{r}", f"rank {r}, NF4 base"),
-        ("full", "full fine-tune", "AdamW, fp32 master weights"),
+        ("run", "run", run, f"{run}, {fits['context']:,} tokens, {fits['device']}"),
+        ("lora", f"LoRA r{r}", f"{dtype} base", f"rank {r}, {dtype} base"),
+        ("qlora", f"QLoRA r{r}", "NF4 base", f"rank {r}, NF4 base"),
+        ("full", "full fine-tune", "fp32", f"AdamW, fp32 master weights{autocast}"),
     ]

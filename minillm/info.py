@@ -87,11 +87,14 @@ def runs_on(cfg: Config) -> str:
     return "mps" if mps and mps.is_available() else "cpu"
 
 
-def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
+def model_info(
+    cfg: Config, world_size: int = 1, run_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """Parameter counts, FLOPs per token and an approximate per-device training-memory budget.
 
     With train.batch_size: auto the micro-batch is unknown until the run: memory is for one
-    sequence, and the global batch is train.batch_tokens.
+    sequence, and the global batch is train.batch_tokens. `run_dtype`: the dtype sampling
+    loads the weights in, which the fits' run row is sized at (None: training's, runs_half).
     """
     with torch.device("meta"):
         model = Transformer(cfg.model)
@@ -151,7 +154,9 @@ def model_info(cfg: Config, world_size: int = 1) -> dict[str, Any]:
         # Per micro-batch of the config (one sequence under auto), without and with checkpointing.
         "activation_bytes": {"full": micro * per_seq[False], "checkpointed": micro * per_seq[True]},
         # What it takes to run it, LoRA, QLoRA and fully fine-tune it (minillm.fits).
-        "fits": memory_fits(cfg, half, per_seq[t.activation_checkpointing], runs_on(cfg)),
+        "fits": memory_fits(
+            cfg, half, per_seq[t.activation_checkpointing], runs_on(cfg), run_dtype
+        ),
     }
 
 

@@ -263,8 +263,9 @@ def estimate(job: str, target: str, precision: str, seq: int) -> float:
     """`minillm info`'s estimate (GB) of `job` on `target` (a config, or a folder to sample) at
     `seq` tokens: its `fits` total for that job."""
     if job == "sample":
-        cmd = ["--ckpt", target, "--set", f"train.precision={precision}", "--set",
-               f"train.seq_len={seq}", "--set", "train.device=cpu"]  # fmt: skip
+        # the run row at the dtype the measured `sample --dtype` loads in
+        cmd = ["--ckpt", target, "--dtype", "bfloat16" if precision == "bf16" else "float32",
+               "--set", f"train.seq_len={seq}", "--set", "train.device=cpu"]  # fmt: skip
     else:
         cmd = [target]
     out = subprocess.run([sys.executable, "-m", "minillm", "info", *cmd, "--json"], cwd=ROOT,

@@ -78,8 +78,8 @@ def test_the_run_estimate_is_a_sample_process_peak(folder: Path) -> None:
     peak = peak_rss(["sample", "--ckpt", str(folder), "--prompt", "Hello there", "--device",
                      "cpu", "--dtype", "float32", "--max-new-tokens", "8", "--temperature", "0",
                      "--ignore-eos"])  # fmt: skip
-    run = fits(["--ckpt", str(folder), "--set", "train.precision=fp32", "--set",
-                "train.seq_len=16", "--set", "train.device=cpu"])["run"]  # fmt: skip
+    run = fits(["--ckpt", str(folder), "--dtype", "float32", "--set", "train.seq_len=16",
+                "--set", "train.device=cpu"])["run"]  # fmt: skip
     assert run["framework"] > 0
     assert LOW <= peak / run["total"] <= HIGH, (peak, run)
     assert run["weights"] < peak / 3

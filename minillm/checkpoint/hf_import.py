@@ -149,9 +149,12 @@ def _checked(folder: Path, cfg: ModelConfig, where: str) -> Iterator[tuple[str, 
 
 
 def hf_dtype(folder: str | Path) -> torch.dtype:
-    """The dtype `--dtype auto` loads the folder in: config.json's, else its weights'."""
+    """The dtype `--dtype auto` loads the folder in: config.json's, else its weights'; float32
+    where neither says (`info` of a hub name fetches config.json alone, no weights)."""
     folder = Path(folder)
-    return stored_dtype(_read_hf_config(folder), LazySafetensors(_weight_files(folder)))
+    config = _read_hf_config(folder)
+    weights = (folder / HF_WEIGHTS_FILE).is_file() or (folder / HF_WEIGHTS_INDEX).is_file()
+    return stored_dtype(config, LazySafetensors(_weight_files(folder) if weights else []))
 
 
 def load_hf_model(

@@ -5,8 +5,8 @@ too), `load_model_state`, `load_trainer_state`,
 `check_model_config` (state.json's model config against the one stored with the weights),
 `load_checkpoint` (config + model + tokenizer from a checkpoint alone, or from a Hugging Face
 folder; a LoRA run's base + adapters, merged), `at_context` (a loaded checkpoint read at
-another context: `eval --seq-len`, `--set model.rope_scaling.*`), `lora_base_of` and
-`LoadedCheckpoint`. The
+another context: `eval --seq-len`, `--set model.rope_scaling.*`), `auto_dtype` (what
+`--dtype auto` loads in, without loading), `lora_base_of` and `LoadedCheckpoint`. The
 layout on disk, and finding the checkpoint a `--ckpt` means (`find_latest`,
 `resolve_checkpoint`, `verify_checkpoint`, `read_state`), are `minillm.checkpoint.layout`.
 
@@ -290,6 +290,26 @@ def lora_base_of(state: dict[str, Any]) -> dict[str, str] | None:
     return base if isinstance(base, dict) and "sha256" in base else None
 
 
+def auto_dtype(ckpt: str | Path, state: dict[str, Any] | None = None) -> torch.dtype:
+    """The dtype `load_checkpoint(ckpt, dtype="auto")` loads in, from config.json, state.json
+    and safetensors headers alone (no weight is read; `info --ckpt`'s run row): a Hugging Face
+    folder's `hf_dtype`; a LoRA run's checkpoint, the dtype its base was frozen in; another
+    checkpoint (a folder resolve_checkpoint gave, its `state`), its weights' stored dtype."""
+    if is_hf_folder(ckpt):
+        from minillm.checkpoint.hf_import import hf_dtype
+
+        return hf_dtype(ckpt)
+    base = lora_base_of(read_state(Path(ckpt)) if state is None else state)
+    if base is not None:
+        return _base_dtype(base)
+    return resolve_dtype("auto", _lazy_weights(Path(ckpt)).float_dtype())
+
+
+def _base_dtype(base: dict[str, str]) -> torch.dtype:
+    """The dtype a LoRA run froze its base in (lora_base.dtype; float32 before it was kept)."""
+    return getattr(torch, str(base.get("dtype", "float32")), torch.float32)
+
+
 def _lora_model(
     cfg: Config,
     state: dict[str, Any],
@@ -321,7 +341,7 @@ def _lora_model(
     except UserError as e:
         raise CheckpointError(f"{where}: the LoRA base {folder} does not load: {e}") from None
     # A base frozen in bf16 (train.precision's) was trained on, and is known by, its rounding.
-    base_dtype = getattr(torch, str(base.get("dtype", "float32")), torch.float32)
+    base_dtype = _base_dtype(base)
     half = base_dtype if base_dtype != torch.float32 else None
     if weights_sha256(model.state_dict(), half) != base["sha256"]:
         raise CheckpointError(

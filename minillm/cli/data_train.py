@@ -12,6 +12,7 @@ from minillm.cli.command import Command, print_error, run
 from minillm.cli.options import (
     BestOption,
     ConfigArgument,
+    DtypeOption,
     SetOption,
     hub_ckpt,
     load_ckpt_config,
@@ -98,11 +99,14 @@ def info(
         "or its Hub name org/name (config and tokenizer fetched into the Hugging Face cache).",
     ),
     best: bool = BestOption,
+    dtype: str = DtypeOption,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Parameters, FLOPs per token and a training-memory estimate (nothing is allocated) of
     CONFIG's model, or of --ckpt's (a run, a checkpoint or a Hugging Face folder; no weights
-    are read)."""
+    are read). The "fits: run" row is sized at --dtype, as `sample --dtype` loads the weights
+    (auto: --ckpt's own; CONFIG's train.precision); the training rows at train.precision."""
+    from minillm.checkpoint.lazy import resolve_dtype
     from minillm.info import model_info, print_info
 
     if (config is None) == (ckpt is None):
@@ -112,14 +116,16 @@ def info(
     if best and ckpt is None:
         print_error("--best: only with --ckpt (a run directory)")
         raise typer.Exit(2)
+    run_dtype = None if dtype == "auto" else run(resolve_dtype, dtype, None)
     if ckpt is not None:
         # A hub name: its config and tokenizer alone (info reads no weights), titled by name.
         local = hub_ckpt(ckpt, weights=False)
-        cfg, title = load_ckpt_config(local, best, set_)
+        cfg, title, stored = load_ckpt_config(local, best, set_)
         title = title if local == ckpt else str(ckpt)
+        run_dtype = run_dtype or stored  # auto: the dtype sample would load it in
     else:
         cfg, title = load_config(config, set_), str(config)
-    result = run(model_info, cfg)
+    result = run(model_info, cfg, run_dtype=run_dtype)
     if as_json:
         print(json.dumps(result))
     else:

@@ -16,11 +16,14 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from minillm.cli.command import run
+
+if TYPE_CHECKING:
+    import torch
 
 SetOption = typer.Option(
     None,
@@ -182,21 +185,24 @@ def load_config(path: Path, overrides: list[str] | None, require_model: bool = T
     return run(load_run_config, path, overrides or [], require_model=require_model)
 
 
-def load_ckpt_config(ckpt: Path, best: bool, overrides: list[str] | None) -> tuple[Any, str]:
-    """--ckpt's config without its weights, and what it is (`info --ckpt`; a user error: exit
-    2): a run's (its newest intact checkpoint, with --best the one BEST names) or a
-    checkpoint's resolved config, state.json's; a Hugging Face folder's model, config.json's,
-    with the other sections a run with `train.init_from: FOLDER` would take by default
-    (train.seq_len capped at the model's context). --set overrides train, data and sample."""
+def load_ckpt_config(
+    ckpt: Path, best: bool, overrides: list[str] | None
+) -> tuple[Any, str, torch.dtype]:
+    """--ckpt's config without its weights, what it is, and the dtype `--dtype auto` loads it in
+    (`info --ckpt`; a user error: exit 2): a run's (its newest intact checkpoint, with --best
+    the one BEST names) or a checkpoint's resolved config, state.json's; a Hugging Face
+    folder's model, config.json's, with the other sections a run with `train.init_from:
+    FOLDER` would take by default (train.seq_len capped at the model's context). --set
+    overrides train, data and sample."""
     return run(_ckpt_config, ckpt, best, overrides or [])
 
 
-def _ckpt_config(ckpt: Path, best: bool, overrides: list[str]) -> tuple[Any, str]:
+def _ckpt_config(ckpt: Path, best: bool, overrides: list[str]) -> tuple[Any, str, torch.dtype]:
     import dataclasses
 
     from minillm.checkpoint.hf_import import hf_model_config
     from minillm.checkpoint.layout import STATE_FILE, is_hf_folder, read_state, resolve_checkpoint
-    from minillm.checkpoint.store import check_model_config
+    from minillm.checkpoint.store import auto_dtype, check_model_config
     from minillm.config import (
         ConfigError,
         TrainConfig,
@@ -224,15 +230,16 @@ def _ckpt_config(ckpt: Path, best: bool, overrides: list[str]) -> tuple[Any, str
                 "init_from": str(ckpt),
             },
         }
-        where, title = str(ckpt / "config.json"), str(ckpt)
+        where, title, dtype = str(ckpt / "config.json"), str(ckpt), auto_dtype(ckpt)
     else:
         found = resolve_checkpoint(ckpt, verify=False, best=best)  # the config, not the weights
         state = read_state(found)
         check_model_config(found, state)  # state.json's model is the weights' own
         raw, where, title = state["config"], str(found / STATE_FILE), str(found)
+        dtype = auto_dtype(found, state)
     for override in overrides:
         apply_override(raw, override)
-    return config_from_dict(raw, file=where, overridden=override_keys(overrides)), title
+    return config_from_dict(raw, file=where, overridden=override_keys(overrides)), title, dtype
 
 
 def load_ckpt(
