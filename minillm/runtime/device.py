@@ -161,8 +161,8 @@ def bf16_cpu_note(
     return (
         f"train.precision: bf16 on a CPU without bf16 matmul instructions (torch's bf16 matmul "
         f"measured {slowdown():.0f}x fp32's here): minillm multiplies in fp32 (bf16 in and out), "
-        "so bf16 saves memory, not time (a step ~1.3x an fp32 one); train.precision: auto picks "
-        "fp32 here"
+        "so bf16 saves memory here (a LoRA base held in bf16), not time (a step ~1-1.3x an fp32 "
+        "one); train.precision: auto picks fp32 on this CPU"
     )
 
 
