@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import ModelConfig
+from minillm.model.bf16_cpu import no_autocast, upcast_dtype
 from minillm.model.inputs import AttentionMask
 from minillm.model.kv_cache import CacheWrite
 from minillm.model.norm import RMSNorm
@@ -35,7 +36,14 @@ def attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA of q (B, H, T, D) over k, v (B, K, S, D), K dividing H (grouped-query heads); the
-    logits scaled by `scale` (None: 1/sqrt(D))."""
+    logits scaled by `scale` (None: 1/sqrt(D)). In training on a CPU whose bf16 gemm is slow
+    (minillm.model.bf16_cpu) a bf16 SDPA runs in fp32: its bf16 backward took 3x fp32's at 128
+    tokens and 5.5x at 512 there; the forward alone is as fast, so eval stays bf16."""
+    upcast = upcast_dtype(q) if torch.is_grad_enabled() else None
+    if upcast is not None:
+        with no_autocast():
+            y = attention(q.float(), k.float(), v.float(), attn_mask, is_causal, dropout_p, scale)
+        return y.to(upcast)
     extra = {}
     if k.shape[1] != q.shape[1]:
         if _SDPA_HAS_GQA:

@@ -248,7 +248,7 @@ def _transposed(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _transposed_head(model: Transformer) -> torch.Tensor | None:
     """W^T (C, V) of a float head on the CPU (Decoder.__init__ says why), else None."""
-    if model.lm_head is not None and type(model.lm_head) is not nn.Linear:
+    if model.lm_head is not None and not isinstance(model.lm_head, nn.Linear):
         return None  # an int8 head (minillm.model.quantize) runs its own kernel
     return _transposed(model.head_weight)
 

@@ -2,7 +2,8 @@
 `use_cpu_kernels(model)`, which makes a Transformer use them.
 
 Offers `use_cpu_kernels`, `eager_cpu(x)` (whether these kernels apply), `rotate`, `RMSNormCPU`,
-`RoPE`, `SwiGLUCPU` and `CrossEntropyCPU`.
+`RoPE`, `SwiGLUCPU`, `CrossEntropyCPU` and `FusedLinear` (nn.Linear through
+minillm.model.bf16_cpu.linear: fp32 products where the CPU's bf16 gemm is slow).
 
 Eager PyTorch makes one pass over memory per elementwise op, and autograd's generic backward of
 small formulas makes several more. On CPU, where these passes cost as much as the matmuls around
@@ -19,8 +20,10 @@ device.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+from minillm.model.bf16_cpu import linear
 from minillm.model.moe import MoE, SharedExpert
 from minillm.model.rope import apply_rope
 from minillm.model.transformer import (
@@ -209,6 +212,14 @@ def fused_cross_entropy(
     return cross_entropy(logits, targets, reduction)
 
 
+class FusedLinear(nn.Linear):
+    """nn.Linear whose product is bf16_cpu.linear's: F.linear's but on a CPU whose bf16 gemm is
+    slow, where a bf16 product runs in fp32 (100-500x faster there for the input gradient)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class FusedTransformer(Transformer):
     """Transformer with the fused RoPE and cross-entropy."""
 
@@ -217,6 +228,7 @@ class FusedTransformer(Transformer):
 
 
 _FUSED = {
+    nn.Linear: FusedLinear,
     RMSNorm: FusedRMSNorm,
     SwiGLU: FusedSwiGLU,
     MoE: FusedMoE,
@@ -228,10 +240,11 @@ _FUSED = {
 def use_cpu_kernels(model: Transformer) -> Transformer:
     """Make model (in place) run the kernels above where they apply; returns it.
 
-    Each RMSNorm, SwiGLU, MoE and the Transformer itself becomes the Fused subclass above: the same
-    parameters, state_dict and hooks, the math of the plain module (tests/test_kernels.py pins it),
-    in fewer passes over memory. Elsewhere (GPU, torch.compile, no autograd) the subclasses run
-    the plain forwards.
+    Each nn.Linear, RMSNorm, SwiGLU, MoE and the Transformer itself becomes the Fused subclass
+    above: the same parameters, state_dict and hooks, the math of the plain module
+    (tests/test_kernels.py pins it), in fewer passes over memory (a linear layer: in fp32 where
+    the CPU's bf16 gemm is slow, minillm.model.bf16_cpu). Elsewhere (GPU, torch.compile, no
+    autograd) the subclasses run the plain forwards.
     """
     for module in model.modules():
         fused = _FUSED.get(type(module))

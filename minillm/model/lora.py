@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from minillm.config import LORA_TARGETS, LoRAConfig
 from minillm.errors import ConfigError, warn
+from minillm.model.bf16_cpu import linear
 from minillm.model.nf4 import NF4Linear
 from minillm.model.transformer import Transformer
 
@@ -68,8 +69,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (.to: a no-op but for float32 adapters on a half-precision base, outside autocast)
-        low = F.linear(self.drop(x), self.lora_A.to(x.dtype))  # (..., r)
-        update = F.linear(low, self.lora_B.to(low.dtype))  # (..., out)
+        # bf16_cpu.linear: F.linear, but in fp32 on a CPU whose bf16 gemm is slow (the base
+        # too, an nn.Linear of use_cpu_kernels or an NF4Linear).
+        low = linear(self.drop(x), self.lora_A.to(x.dtype))  # (..., r)
+        update = linear(low, self.lora_B.to(low.dtype))  # (..., out)
         # In place on the base output (its backward needs neither): no third (..., out) tensor.
         return self.base(x).add_(update, alpha=self.scale)
 

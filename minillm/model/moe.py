@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.config import ModelConfig
+from minillm.model.bf16_cpu import linear
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ def route(
     """Router probabilities (N, E) in float32, and each token's k experts (N, k) with their
     weights (N, k), renormalised over the k unless `normalize` is False, for tokens x (N, C) and
     router weight (E, C)."""
-    probs = F.linear(x, router).float().softmax(dim=-1)  # (N, E)
+    probs = linear(x, router).float().softmax(dim=-1)  # (N, E)
     weights, experts = probs.topk(k, dim=-1)  # (N, k) each, the most likely first
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -126,7 +127,7 @@ def expert_ffns(
     """The E experts' SwiGLUs (n_e, C) -> (n_e, C) of the stacked weights."""
     # unbind, not w[e]: the backward of E indexings would fill and add E full-size gradients.
     return [
-        lambda xe, w1=w1, w2=w2: F.linear(activation(F.linear(xe, w1)), w2)
+        lambda xe, w1=w1, w2=w2: linear(activation(linear(xe, w1)), w2)
         for w1, w2 in zip(w_gate_up.unbind(0), w_down.unbind(0))
     ]
 

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.errors import ConfigError
+from minillm.model.bf16_cpu import fp32_input_grad, fp32_product, upcast_dtype
 from minillm.model.transformer import Transformer
 
 BLOCK = 64  # weights per absmax scale (bitsandbytes' and QLoRA's default)
@@ -59,18 +60,26 @@ def nf4_problem() -> str | None:
 
 class _DequantLinear(torch.autograd.Function):
     """x W^T with W dequantized for the product and again for the gradient of x: nothing of the
-    size of W is kept between forward and backward. W is frozen (no gradient)."""
+    size of W is kept between forward and backward. W is frozen (no gradient). With `upcast`
+    (bf16_cpu.upcast_dtype: a CPU whose bf16 gemm is slow) both products run in fp32, a row block
+    of W at a time, the result in `upcast`."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: NF4Linear) -> torch.Tensor:
-        ctx.layer = layer
-        return F.linear(x, layer.dequantized(x.dtype))
+    def forward(
+        ctx: Any, x: torch.Tensor, layer: NF4Linear, upcast: torch.dtype | None
+    ) -> torch.Tensor:
+        ctx.layer, ctx.upcast = layer, upcast
+        if upcast is None:
+            return F.linear(x, layer.dequantized(x.dtype))
+        return fp32_product(x, layer.dequantized(), None, upcast)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         if not ctx.needs_input_grad[0]:
-            return None, None
-        return grad @ ctx.layer.dequantized(grad.dtype), None  # (..., out) @ (out, in)
+            return None, None, None
+        if ctx.upcast is None:
+            return grad @ ctx.layer.dequantized(grad.dtype), None, None  # (..., out) @ (out, in)
+        return fp32_input_grad(grad, ctx.layer.dequantized(), grad.dtype), None, None
 
 
 class NF4Linear(nn.Module):
@@ -117,7 +126,7 @@ class NF4Linear(nn.Module):
         return w.to(dtype or self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _DequantLinear.apply(x, self)
+        y = _DequantLinear.apply(x, self, upcast_dtype(x))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from minillm.config import ModelConfig
 
 # defined there; attention re-exported for the decoder
 from minillm.model.attention import Attention, SelfAttention, attention  # noqa: F401
+from minillm.model.bf16_cpu import linear
 from minillm.model.inputs import AttentionMask, forward_inputs
 from minillm.model.kv_cache import CacheWrite, KVCache
 from minillm.model.mla import MLA
@@ -297,8 +298,8 @@ class Transformer(nn.Module):
                 x = block(x, block_rope, block_mask, write, i)
         x = self.norm(x[:, -1:] if last_only else x)
         # lm_head: an untied head, or an int8 model's (tied or not: minillm.model.quantize)
-        tied = self.lm_head is None
-        logits = F.linear(x, self.tok_emb.weight) if tied else self.lm_head(x)  # (B, T, V)
+        tied = self.lm_head is None  # (bf16_cpu.linear: F.linear's, in fp32 where bf16 is slow)
+        logits = linear(x, self.tok_emb.weight) if tied else self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits, None
         loss = self.loss_function(logits.flatten(0, 1), targets.reshape(-1), reduction)

@@ -1,8 +1,9 @@
 """Where and how the math runs: device and precision choice, autocast, RNG state.
 
 Offers `resolve_device`, `sum_dtype`, `one_row_threads`, `threads`, `resolve_precision`,
-`autocast_context`, `make_grad_scaler`, `enable_tf32`, `rng_state`, `set_rng_state`,
-`seed_everything` and `StopSignal`.
+`cpu_bf16_faster`, `cpu_bf16_slowdown`, `cpu_bf16_slow`, `bf16_cpu_note`, `autocast_context`,
+`make_grad_scaler`, `enable_tf32`, `rng_state`, `set_rng_state`, `seed_everything` and
+`StopSignal`.
 """
 
 from __future__ import annotations
@@ -111,6 +112,58 @@ def cpu_bf16_faster() -> bool:
         return 1.0 / best
 
     return rate(torch.bfloat16) > 1.3 * rate(torch.float32)
+
+
+# bf16 products this many times slower than fp32's run in fp32 instead (minillm.model.bf16_cpu):
+# an fp32 product of a bf16 weight costs its upcast (one pass over W) and fp32's gemm, at most
+# ~2x fp32's gemm at 128 rows here, so a smaller slowdown is not worth the detour.
+SLOW_BF16 = 2.0
+
+
+@functools.cache
+def cpu_bf16_slowdown() -> float:
+    """How many times longer this CPU takes for a bf16 matmul than for fp32's: a layer's input
+    gradient's product (64, 256) @ (256, 256), at one thread (a busy second core cannot skew
+    it), best of 3 timings of each, once a process (~0.05 s where bf16 is slow). A CPU without
+    avx512_bf16/AMX (AVX2) has no bf16 gemm kernel in torch: its generic fallback measured
+    100-500x fp32's on this project's AMD EPYC (docs/benchmarks.md); AMX measures below 1."""
+    gen = torch.Generator().manual_seed(0)
+    g, w = torch.randn(64, 256, generator=gen), torch.randn(256, 256, generator=gen)
+
+    def seconds(dtype: torch.dtype) -> float:
+        a, b = g.to(dtype), w.to(dtype)
+        torch.mm(a, b)  # warm-up: kernel selection
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    # Maybe called first inside a forward: autocast would make the fp32 product a bf16 one.
+    with threads(1), torch.no_grad(), torch.autocast("cpu", enabled=False):
+        return seconds(torch.bfloat16) / max(seconds(torch.float32), 1e-9)
+
+
+def cpu_bf16_slow() -> bool:
+    """Whether this CPU's bf16 matmuls are slow enough (`SLOW_BF16`) that bf16 products run in
+    fp32 (minillm.model.bf16_cpu): a CPU without bf16 instructions. Never on AMX/avx512_bf16."""
+    return cpu_bf16_slowdown() > SLOW_BF16
+
+
+def bf16_cpu_note(
+    device: torch.device, precision: str, slowdown: Callable[[], float] = cpu_bf16_slowdown
+) -> str | None:
+    """The line a bf16 run on a CPU without a fast bf16 matmul starts with (`slowdown()`: the
+    probe's factor), else None."""
+    if device.type != "cpu" or precision != "bf16" or not slowdown() > SLOW_BF16:
+        return None
+    return (
+        f"train.precision: bf16 on a CPU without bf16 matmul instructions (torch's bf16 matmul "
+        f"measured {slowdown():.0f}x fp32's here): minillm multiplies in fp32 (bf16 in and out), "
+        "so bf16 saves memory here (a LoRA base held in bf16), not time (a step ~1-1.3x an fp32 "
+        "one); train.precision: auto picks fp32 on this CPU"
+    )
 
 
 def resolve_precision(

@@ -27,12 +27,13 @@ from minillm.checkpoint.init_from import init_weights as load_init_weights
 from minillm.checkpoint.init_from import lora_base
 from minillm.checkpoint.rundir import RunLock
 from minillm.config import Config
-from minillm.errors import ConfigError
+from minillm.errors import ConfigError, warn
 from minillm.families import fused_rows, with_family
 from minillm.model.nf4 import nf4_as_loaded
 from minillm.runtime.device import (
     PRECISION_DTYPES,
     autocast_context,
+    bf16_cpu_note,
     enable_tf32,
     resolve_device,
     resolve_precision,
@@ -133,6 +134,9 @@ def prepare_run(
     precision = resolve_precision(tc.precision, device)
     main = dist.is_main
     verbose = verbose and main
+    note = bf16_cpu_note(device, precision) if verbose else None
+    if note:
+        warn(note)
     new_dirs = _new_dirs(run_dir) if main else ()
     lock = None
     with removing_new_dirs(*([run_dir] if main else [])):
