@@ -274,20 +274,27 @@ def test_on_cuda_the_layer_moves_and_is_linear4bits(folder: Path, tmp_path: Path
 
 
 QLORA_PEAK = """
-import resource, sys
+import sys
 import torch
 from minillm.checkpoint.hf_import import hf_model_config
-from minillm.checkpoint.init_from import init_weights, lora_base
+from minillm.checkpoint.init_from import base_digest, init_weights, lora_base
 from minillm.families import fused_rows
 from minillm.model.nf4 import NF4Linear, nf4_as_loaded, nf4_problem
 cfg = hf_model_config(sys.argv[1])
 assert nf4_problem() is None
 NF4Linear(torch.randn(128, 64)).dequantized()  # bitsandbytes' own start-up, not the model's
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-# What prepare_run does for a QLoRA run: the load, then the base's identity.
-model, _ = init_weights(sys.argv[1], cfg, torch.float32, nf4_as_loaded(fused_rows(cfg)))
-sha = lora_base(sys.argv[1], None, torch.float32, cfg)["sha256"]
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# The RSS now, and the peak from now on (VmHWM, reset: the imports' peak may be above the load's).
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+def status(key):
+    line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+before = status("VmRSS")
+# What prepare_run does for a QLoRA run: the load, which computes the base's identity.
+digest = base_digest(cfg, torch.float32)
+model, _ = init_weights(sys.argv[1], cfg, torch.float32, nf4_as_loaded(fused_rows(cfg)), digest)
+sha = lora_base(sys.argv[1], None, torch.float32, cfg, digest.hexdigest())["sha256"]
+peak = status("VmHWM")
 nf4 = [m for m in model.modules() if isinstance(m, NF4Linear)]
 assert len(nf4) == 4 * cfg.n_layer, len(nf4)
 block = sum(4 * m.in_features * m.out_features for m in nf4) // cfg.n_layer
@@ -301,13 +308,14 @@ def test_a_qlora_load_peaks_at_the_nf4_model_plus_a_layer(tmp_path: Path) -> Non
     """A float32 QLoRA base of ~100 MB (8 layers of 12.6 MB) loads, in a fresh process, with a
     peak of at most its NF4 layers, the parameters kept in float (embedding, head, norms), two
     layers in float32 and 12 MB of slack above the process before: each layer becomes NF4 as it
-    is read and the base's sha256 is read in passes, one layer kept. Measured: 37 MB (NF4 13 MB,
-    the rest 4 MB); loading the whole base in float32 and quantizing it after, as before: 145
-    MB. The sha256 is the one the full load's state_dict gives.
+    is read and the base's sha256 is computed as it is read, one block held at most. Measured:
+    42-46 MB (NF4 13 MB, the rest 4 MB); loading the whole base in float32 and quantizing it
+    after, as before: 145 MB. The sha256 is the one the full load's state_dict gives.
 
-    glibc's malloc is given a fixed mmap threshold: its default one rises as large blocks are
-    freed, so each freed float32 layer is then reused piecemeal by the small NF4 allocations and
-    not returned (87 MB instead of 37 MB here), which measures the allocator, not the loader."""
+    The process keeps glibc's own malloc settings (a fixed mmap threshold hid the layers freed
+    into the heap and kept there, ~700 MB of a TinyLlama-sized load before the load gave them
+    back: lazy.release_freed_memory), and the peak is VmHWM reset after the imports (their peak,
+    which ru_maxrss keeps, may be above the load's)."""
     from minillm.checkpoint.hf_import import load_hf_model
     from minillm.checkpoint.weights import weights_sha256
     from tests.helpers import tiny_tokenizer
@@ -323,8 +331,7 @@ def test_a_qlora_load_peaks_at_the_nf4_model_plus_a_layer(tmp_path: Path) -> Non
     hf.save_pretrained(folder, max_shard_size="40MB")
     tiny_tokenizer().save(str(folder / "tokenizer.json"))
     root = Path(__file__).resolve().parent.parent
-    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-           "MALLOC_MMAP_THRESHOLD_": "65536"}  # fmt: skip
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-c", QLORA_PEAK, str(folder)],
         capture_output=True, text=True, env=env, check=True,

@@ -36,7 +36,13 @@ from minillm.checkpoint.layout import (
     HF_WEIGHTS_INDEX,
     TOKENIZER_FILE,
 )
-from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model, stored_dtype
+from minillm.checkpoint.lazy import (
+    LazySafetensors,
+    by_group,
+    empty_model,
+    fill_model,
+    stored_dtype,
+)
 from minillm.config import Config, DataConfig, ModelConfig, SampleConfig, TrainConfig
 from minillm.errors import CheckpointError, ConfigError, UserError
 from minillm.families import family_of, model_config_from_hf
@@ -127,19 +133,30 @@ def _tokenizer_file(folder: Path) -> Path:
     return path
 
 
-def hf_tensors(folder: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    folder: Path, cfg: ModelConfig, sorted_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The folder's weights as (our name, our tensor), one at a time, in the stored dtype: the
-    one call that turns a folder's tensors into ours (KeyError for a missing tensor)."""
+    one call that turns a folder's tensors into ours (KeyError for a missing tensor).
+    `sorted_blocks`: a block at a time in the sorted order of the names (lazy.by_group), for a
+    load that hashes the weights as it reads them."""
     # The family's adapter reads each source tensor when it needs it (from the memory-mapped
     # shards), so one layer's worth is held beyond the model at a time.
-    yield from family_of(cfg).from_hf(cfg, LazySafetensors(_weight_files(folder)))
+    src = LazySafetensors(_weight_files(folder))
+    family = family_of(cfg)
+    if sorted_blocks:
+        yield from by_group(lambda s: family.from_hf(cfg, s), src)
+    else:
+        yield from family.from_hf(cfg, src)
 
 
-def _checked(folder: Path, cfg: ModelConfig, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _checked(
+    folder: Path, cfg: ModelConfig, where: str, sorted_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """hf_tensors with a missing tensor, or q/k/v of widths that cannot be joined, as a
     CheckpointError naming `where`."""
     try:
-        yield from hf_tensors(folder, cfg)
+        yield from hf_tensors(folder, cfg, sorted_blocks)
     except KeyError as e:
         raise CheckpointError(
             f"{where}: weights do not fit {HF_CONFIG_FILE}: tensor {e.args[0]} is missing"
@@ -175,14 +192,15 @@ def load_hf_model(
 
 
 def hf_source(
-    folder: str | Path, cfg: ModelConfig
+    folder: str | Path, cfg: ModelConfig, sorted_blocks: bool = False
 ) -> tuple[Callable[[], Iterator[tuple[str, torch.Tensor]]], str]:
-    """(a new pass over the folder's (our name, tensor) pairs, errors as load_hf_model's; the
-    file or index those errors name): what a lazy load reads, as often as it needs to."""
+    """(a new pass over the folder's (our name, tensor) pairs, errors as load_hf_model's, in
+    hf_tensors' order; the file or index those errors name): what a lazy load reads, as often
+    as it needs to."""
     folder = Path(folder)
     files = _weight_files(folder)
     where = str(files[0]) if len(files) == 1 else str(folder / HF_WEIGHTS_INDEX)
-    return lambda: _checked(folder, cfg, where), where
+    return lambda: _checked(folder, cfg, where, sorted_blocks), where
 
 
 def import_hf_folder(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:

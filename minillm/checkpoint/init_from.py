@@ -2,8 +2,8 @@
 
 Offers `load_run_config(path, overrides)` (what `minillm tokenize`, `train` and `info` read),
 `InitSource` / `init_source(path)` (what `train.init_from` names), `init_weights(path, model,
-dtype)` (its model, loaded lazily) and
-`lora_base(path, weights)` (the base identity a LoRA run records).
+dtype)` (its model, loaded lazily), `lora_base(path, weights)` (the base identity a LoRA run
+records) and `base_digest` (that identity's sha256, computed as init_weights reads the base).
 
 `train.init_from` names a Hugging Face Llama folder (or its Hub name `org/name`, fetched into the
 hub's cache: minillm.checkpoint.hub), or a minillm run directory (its newest intact checkpoint)
@@ -35,8 +35,8 @@ from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.hf_import import hf_model_config, hf_source
 from minillm.checkpoint.hub import resolve_model_path
-from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model
-from minillm.checkpoint.weights import streamed_sha256, weights_sha256
+from minillm.checkpoint.lazy import LazySafetensors, empty_model, fill_model, weight_group
+from minillm.checkpoint.weights import SortedDigest, streamed_sha256, weights_sha256
 from minillm.config import (
     POSITION_KEYS,
     Config,
@@ -108,6 +108,7 @@ def init_weights(
     model: ModelConfig,
     dtype: torch.dtype = torch.float32,
     on_filled: Callable[[str, torch.nn.Module], torch.nn.Module | None] | None = None,
+    digest: SortedDigest | None = None,
 ) -> tuple[torch.nn.Module, str]:
     """The model `train.init_from` names: a Transformer of `model` (the run's: the source's,
     with its own POSITION_KEYS) built on the meta device and filled from the source tensor by
@@ -115,18 +116,25 @@ def init_weights(
     it came from, for the banner: `runs/x (step_000400)` for a run directory (its newest intact
     checkpoint), else the checkpoint or Hugging Face folder as given. A LoRA run's weights are
     its base with the adapters merged. A hub name reads its cached snapshot. `on_filled`:
-    fill_model's (QLoRA's NF4 conversion, layer by layer as they are read)."""
-    tensors, where, label = _source(path, model, dtype)
-    return fill_model(empty_model(model), tensors(), where, dtype, on_filled=on_filled), label
+    fill_model's (QLoRA's NF4 conversion, layer by layer as they are read). `digest`
+    (base_digest's): fed each weight as it is read, a block at a time in the order it hashes
+    them, so a LoRA base's sha256 costs no read of its own."""
+    tensors, where, label = _source(path, model, dtype, digest is not None)
+    on_read = digest.add if digest is not None else None
+    filled = fill_model(
+        empty_model(model), tensors(), where, dtype, on_filled=on_filled, on_read=on_read
+    )
+    return filled, label
 
 
 def _source(
-    path: str, model: ModelConfig, dtype: torch.dtype
+    path: str, model: ModelConfig, dtype: torch.dtype, sorted_blocks: bool = False
 ) -> tuple[Callable[[], Iterable[tuple[str, torch.Tensor]]], str, str]:
     """What init_weights reads: (a new pass over the (our name, tensor) pairs, the place errors
-    name, the banner's label)."""
+    name, the banner's label). `sorted_blocks`: a folder's a block at a time in the sorted
+    order of the names (a checkpoint's come sorted)."""
     if not _is_minillm(path):
-        passes, where = hf_source(resolve_model_path(path), model)
+        passes, where = hf_source(resolve_model_path(path), model, sorted_blocks)
         return passes, where, path
     found = layout.resolve_checkpoint(path)
     given_one = (Path(path) / layout.STATE_FILE).is_file()
@@ -134,11 +142,11 @@ def _source(
     where = str(found / layout.MODEL_FILE)
     if ckpt.lora_base_of(layout.read_state(found)) is not None:
         merged = ckpt.load_checkpoint(found, verify=False, dtype=dtype).model
-        return lambda: merged.state_dict().items(), where, label
+        return lambda: sorted(merged.state_dict().items()), where, label
     if not (found / layout.MODEL_FILE).is_file():
         raise CheckpointError(f"{where}: missing")
     tensors = LazySafetensors([found / layout.MODEL_FILE])
-    return tensors.items, where, label
+    return lambda: ((name, tensors[name]) for name in sorted(tensors)), where, label
 
 
 def lora_base(
@@ -146,18 +154,22 @@ def lora_base(
     weights: Mapping[str, torch.Tensor] | None,
     dtype: torch.dtype = torch.float32,
     model: ModelConfig | None = None,
+    sha256: str | None = None,
 ) -> dict[str, str]:
-    """The identity of a LoRA run's base, which its checkpoints record (`lora_base` in
-    state.json): train.init_from as given, the folder the weights came from (a run directory's
+    """The identity of a LoRA run's base (what its checkpoints record in state.json's
+    `lora_base`): train.init_from as given, the folder the weights came from (a run directory's
     newest checkpoint, resolved now), that folder's absolute path, and the sha256 of the weights
     (`weights_sha256`), with the dtype the base is frozen in where it is not float32 (the sha256
-    is then of the weights rounded to it). `weights` None (a QLoRA base, held in NF4 only): the
-    same sha256 of the weights read again from the source, as loaded in `dtype` for `model`."""
+    is then of the weights rounded to it). `sha256`: that digest, computed as the weights were
+    loaded (base_digest's); else it is computed from `weights`, or (None: a QLoRA base, held in
+    NF4 only) from the weights read again from the source, as loaded in `dtype` for `model`."""
     source = resolve_model_path(path)  # a hub name: the snapshot its weights came from
     if _is_minillm(path):
         source = layout.resolve_checkpoint(path)  # the one init_weights read (intact)
     half = dtype != torch.float32
-    if weights is not None:
+    if sha256 is not None:
+        sha = sha256
+    elif weights is not None:
         sha = weights_sha256(weights, dtype if half else None)
     else:
         assert model is not None, "lora_base: weights None needs the model config"
@@ -168,25 +180,40 @@ def lora_base(
     return base
 
 
+def _hash_plan(
+    model: ModelConfig, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.dtype], int]:
+    """What the base's sha256 hashes: the meta model's state_dict, the dtype each weight loads
+    in (fill_model's), and the bytes of its largest block (what a pass may hold)."""
+    meta = empty_model(model).state_dict(keep_vars=True)
+    params = {k for k, v in meta.items() if isinstance(v, torch.nn.Parameter)}
+    want = {k: dtype if k in params and v.is_floating_point() else v.dtype for k, v in meta.items()}
+    blocks: dict[str, int] = {}
+    for k, v in meta.items():
+        group = weight_group(k)
+        blocks[group] = blocks.get(group, 0) + v.numel() * want[k].itemsize
+    return meta, want, max(blocks.values())
+
+
+def base_digest(model: ModelConfig, dtype: torch.dtype) -> SortedDigest:
+    """The sha256 lora_base records, for init_weights(..., digest=) to compute as it loads the
+    base in `dtype`: one block held at most (past that it gives up, and lora_base reads it)."""
+    meta, _, budget = _hash_plan(model, dtype)
+    return SortedDigest(meta, dtype if dtype != torch.float32 else None, budget)
+
+
 def _streamed_sha256(path: str, model: ModelConfig, dtype: torch.dtype) -> str:
     """weights_sha256 of init_weights(path, model, dtype)'s state_dict without holding it: the
     source read in passes (streamed_sha256), each tensor converted as fill_model converts it,
     at most one block's worth kept between passes."""
     tensors, _, _ = _source(path, model, dtype)
-    meta = empty_model(model).state_dict(keep_vars=True)
-    params = {k for k, v in meta.items() if isinstance(v, torch.nn.Parameter)}
-    want = {k: dtype if k in params and v.is_floating_point() else v.dtype for k, v in meta.items()}
-    size = {k: v.numel() * want[k].itemsize for k, v in meta.items()}
-    blocks: dict[str, int] = {}
-    for k, n in size.items():
-        group = ".".join(k.split(".")[:2]) if k.startswith("blocks.") else k
-        blocks[group] = blocks.get(group, 0) + n
+    meta, want, budget = _hash_plan(model, dtype)
     half = dtype if dtype != torch.float32 else None
 
     def convert(name: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(want[name] if t.is_floating_point() else meta[name].dtype)
 
-    return streamed_sha256(list(meta), tensors, half, max(blocks.values()), convert)
+    return streamed_sha256(list(meta), tensors, half, budget, convert)
 
 
 def _same(given: Any, value: Any) -> bool:

@@ -4,7 +4,8 @@ Offers `load_weights_into`, what a minillm checkpoint, a Hugging Face folder (`-
 `train.init_from`) and the trainer's `init_from` all load through, `fit_error` (its message,
 which lazy loading, minillm.checkpoint.lazy, shares) and `weights_sha256`, the identity of a
 LoRA run's base (`streamed_sha256`: the same digest of weights read again and again from their
-files, for a QLoRA base that is never held in float). It lives apart from `store` and
+files, for a QLoRA base that is never held in float; `SortedDigest`: the same digest computed
+as a load reads the weights, once). It lives apart from `store` and
 `hf_import` so that each can use it without the two importing each other.
 """
 
@@ -65,12 +66,61 @@ def weights_sha256(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None 
     return h.hexdigest()
 
 
+# Values hashed this many at a time: a bf16 embedding is not copied whole to float32 to hash it.
+_HASH_CHUNK = 1 << 22
+
+
 def _hash_one(h: Any, name: str, t: torch.Tensor, dtype: torch.dtype | None) -> None:
+    # The bytes of t (rounded to `dtype`) as float32, fed in chunks: sha256 is a stream, so the
+    # digest is that of the whole tensor's bytes.
     t = t.detach().to("cpu")
-    t = (t.to(dtype) if dtype is not None and t.is_floating_point() else t).float()
-    t = t.contiguous()
+    rounded = dtype is not None and t.is_floating_point()
     h.update(f"{name} {tuple(t.shape)}\n".encode())
-    h.update(t.numpy().data)
+    for chunk in t.reshape(-1).split(_HASH_CHUNK):
+        chunk = chunk.to(dtype) if rounded else chunk
+        h.update(chunk.float().contiguous().numpy().data)
+
+
+class SortedDigest:
+    """weights_sha256 of the weights `names`, fed one at a time in any order (`add`, fill_model's
+    `on_read`): each is hashed as soon as every name before it (sorted) has been, the others kept
+    (a reference: one the model keeps costs nothing) until then, at most ~`budget` bytes of
+    them. Past that it gives up: `hexdigest()` is then None, and the caller reads the digest
+    another way (streamed_sha256). A load in the order of minillm.checkpoint.lazy.by_group keeps
+    at most one block."""
+
+    def __init__(self, names: Iterable[str], dtype: torch.dtype | None, budget: int) -> None:
+        self._order = sorted(names)
+        self._dtype, self._budget = dtype, budget
+        self._h, self._done = hashlib.sha256(), 0
+        self._held: dict[str, torch.Tensor] = {}
+        self._held_bytes = 0
+        self.gave_up = False
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Take weight `name`: hash it (and what it held waiting for it) or keep it."""
+        if self.gave_up or name in self._held:
+            return
+        order = self._order
+        if self._done >= len(order) or order[self._done] != name:
+            self._held[name] = t
+            self._held_bytes += t.nbytes
+            if self._held_bytes > self._budget:
+                self.gave_up, self._held, self._held_bytes = True, {}, 0
+            return
+        _hash_one(self._h, name, t, self._dtype)
+        self._done += 1
+        while self._done < len(order) and order[self._done] in self._held:
+            held = self._held.pop(order[self._done])
+            self._held_bytes -= held.nbytes
+            _hash_one(self._h, order[self._done], held, self._dtype)
+            self._done += 1
+
+    def hexdigest(self) -> str | None:
+        """weights_sha256 of what was added, or None (it gave up, or a name never came)."""
+        if self.gave_up or self._done < len(self._order):
+            return None
+        return self._h.hexdigest()
 
 
 def streamed_sha256(

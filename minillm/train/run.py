@@ -23,8 +23,9 @@ import torch
 
 from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
+from minillm.checkpoint.init_from import base_digest, lora_base
 from minillm.checkpoint.init_from import init_weights as load_init_weights
-from minillm.checkpoint.init_from import lora_base
+from minillm.checkpoint.lazy import map_large_blocks
 from minillm.checkpoint.rundir import RunLock
 from minillm.config import Config
 from minillm.errors import ConfigError, warn
@@ -177,16 +178,21 @@ def prepare_run(
             keep = cfg.train.lora.rank or objective.needs_start_weights
             dtype = base_dtype(cfg, precision, resume_from)
             # QLoRA: each linear layer of the blocks becomes NF4 as soon as it is read, so the
-            # base is never held whole in `dtype` (its sha256 is then read from the source).
+            # base is never held whole in `dtype`.
             qlora = bool(cfg.train.lora.rank) and cfg.train.lora.quantize == "nf4"
             on_filled = nf4_as_loaded(fused_rows(cfg.model)) if qlora else None
+            if qlora:  # memory before speed: freed blocks go back to the system (lazy's why)
+                map_large_blocks()
+            # A LoRA base's sha256 is computed as its weights are read, not read again.
+            digest = base_digest(cfg.model, dtype) if cfg.train.lora.rank else None
             if tc.init_from and (resume_from is None or keep):
                 init_weights, init_label = load_init_weights(
-                    tc.init_from, cfg.model, dtype, on_filled
+                    tc.init_from, cfg.model, dtype, on_filled, digest
                 )
             if cfg.train.lora.rank:
                 weights = None if qlora else init_weights.state_dict()
-                base = _lora_base(cfg, weights, resume_from, dist, dtype)
+                digested = digest.hexdigest() if digest is not None else None
+                base = _lora_base(cfg, weights, resume_from, dist, dtype, digested)
             fsdp = dist.enabled and cfg.train.parallel == "fsdp"
             probes = TrainingProbes.create(
                 cfg, tokenizer_file, device, autocast_context(device, precision),
@@ -237,16 +243,18 @@ def _lora_base(
     resume_from: Path | None,
     dist: DistInfo,
     dtype: torch.dtype,
+    sha256: str | None = None,
 ) -> dict[str, str]:
-    """The identity of a LoRA run's base (what its checkpoints record); on a resume, a base
-    whose weights are not those the run's checkpoint records is a ConfigError naming it."""
+    """The identity of a LoRA run's base (what its checkpoints record; `sha256` its digest where
+    the load computed it); on a resume, a base whose weights are not those the run's checkpoint
+    records is a ConfigError naming it."""
     if dist.enabled and cfg.train.parallel == "fsdp":
         raise ConfigError(
             "train.lora.rank",
             "LoRA does not run under train.parallel: fsdp (a frozen base is no memory for "
             "sharding to save); use parallel: ddp",
         )
-    base = lora_base(cfg.train.init_from, weights, dtype, cfg.model)
+    base = lora_base(cfg.train.init_from, weights, dtype, cfg.model, sha256)
     recorded = ckpt.lora_base_of(layout.read_state(resume_from)) if resume_from else None
     if recorded is not None and recorded["sha256"] != base["sha256"]:
         raise ConfigError(
