@@ -122,6 +122,50 @@ def test_a_step_is_backward_through_4_bits_and_trains_the_adapters_only() -> Non
     assert not any(p.requires_grad for p in layer.parameters())
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("upcast", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_through_the_scratch_buffer_is_bitwise_the_fresh_weights(
+    dtype: torch.dtype, upcast: bool, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward and backward dequantize into a reused scratch buffer, fused parts into their rows
+    and in the input's dtype: the output and the input's gradient are the products with a fresh
+    dequantized() weight bit for bit (the code before the buffer), for layers of two shapes in
+    turn (the buffer grows), with bf16's fp32 path forced on and off, by bitsandbytes' native CPU
+    kernel or its fallback; dequantized() stays a tensor of its own, which the next layer does
+    not overwrite."""
+    from minillm.model import bf16_cpu, nf4
+
+    monkeypatch.setattr(bf16_cpu, "bf16_slow", lambda: upcast)
+    if not native:
+        monkeypatch.setattr(nf4, "_cpu_kernel", lambda dtype: None)
+    elif nf4._cpu_kernel(dtype) is None:
+        pytest.skip("this bitsandbytes has no native CPU kernel")
+    torch.manual_seed(3)
+    small = NF4Linear(torch.randn(48, 64, dtype=dtype) * 0.1, parts=(32, 8, 8))
+    large = NF4Linear(torch.randn(96, 128) * 0.1)  # fp32 weight: a bf16 input casts it
+    for layer in (small, large, small):
+        kept = layer.dequantized()
+        x = torch.randn(2, 5, layer.in_features, dtype=dtype, requires_grad=True)
+        g = torch.randn(2, 5, layer.out_features, dtype=dtype)
+        y = layer(x)
+        y.backward(g)
+        w = layer.dequantized(dtype)
+        if bf16_cpu.upcast_dtype(x) is None:
+            want_y, want_gx = torch.nn.functional.linear(x.detach(), w), g @ w
+        else:
+            want_y = bf16_cpu.fp32_product(x.detach(), layer.dequantized(), None, dtype)
+            want_gx = bf16_cpu.fp32_input_grad(g, layer.dequantized(), dtype)
+        assert torch.equal(y.detach(), want_y) and torch.equal(x.grad, want_gx)
+        assert torch.equal(layer.scratch_weight(dtype), w)
+        other = large if layer is small else small
+        other.scratch_weight(dtype)  # the next layer's product: kept is its own tensor
+        assert torch.equal(kept, layer.dequantized())
+    s1, s2 = small.scratch_weight(), large.scratch_weight()
+    if small.dtype == large.dtype:
+        assert s1.untyped_storage().data_ptr() == s2.untyped_storage().data_ptr()
+
+
 def test_step_zero_loss_equals_peft_on_bitsandbytes(folder: Path, tmp_path: Path) -> None:
     """The QLoRA run's step-0 loss is peft + bitsandbytes QLoRA's on the same folder and
     tokens (B = 0: the 4-bit base's loss), and differs from the float base's by far more."""

@@ -20,13 +20,18 @@ as bitsandbytes quantizes peft's q_proj, k_proj, v_proj one by one: the double q
 scale blocks and offset are per tensor, so fusing first would give other codes. A forward
 dequantizes the weight to the input's dtype and multiplies (bitsandbytes' own path for more than
 one row); the backward dequantizes it again instead of keeping it, so a step holds one layer's
-full weight at a time, not the model's. The embedding, the head, the norms and an MoE's experts
-and router stay in the model's dtype (bitsandbytes skips the head, and transformers' experts are
-not linear layers).
+full weight at a time, not the model's. On CPU those two dequantize into a scratch buffer per
+thread and dtype (`scratch_weight`, grown to the largest layer and reused): a fresh 46 MB weight
+a layer was a fresh mmap with its page faults on every product (a QLoRA run sets glibc's mmap
+threshold to 1 MB, minillm.checkpoint.lazy.map_large_blocks). `dequantized()` still returns a
+tensor of its own, for merges, exports and tests that keep it. The embedding, the head, the
+norms and an MoE's experts and router stay in the model's dtype (bitsandbytes skips the head,
+and transformers' experts are not linear layers).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
@@ -59,10 +64,11 @@ def nf4_problem() -> str | None:
 
 
 class _DequantLinear(torch.autograd.Function):
-    """x W^T with W dequantized for the product and again for the gradient of x: nothing of the
-    size of W is kept between forward and backward. W is frozen (no gradient). With `upcast`
-    (bf16_cpu.upcast_dtype: a CPU whose bf16 gemm is slow) both products run in fp32, a row block
-    of W at a time, the result in `upcast`."""
+    """x W^T with W dequantized for the product and again for the gradient of x, each into the
+    scratch buffer (NF4Linear.scratch_weight): nothing of the size of W is kept between forward
+    and backward, and each product finishes before the next layer's dequantization. W is frozen
+    (no gradient). With `upcast` (bf16_cpu.upcast_dtype: a CPU whose bf16 gemm is slow) both
+    products run in fp32, a row block of W at a time, the result in `upcast`."""
 
     @staticmethod
     def forward(
@@ -70,16 +76,18 @@ class _DequantLinear(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.layer, ctx.upcast = layer, upcast
         if upcast is None:
-            return F.linear(x, layer.dequantized(x.dtype))
-        return fp32_product(x, layer.dequantized(), None, upcast)
+            return F.linear(x, layer.scratch_weight(x.dtype))
+        return fp32_product(x, layer.scratch_weight(), None, upcast)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        if ctx.upcast is None:
-            return grad @ ctx.layer.dequantized(grad.dtype), None, None  # (..., out) @ (out, in)
-        return fp32_input_grad(grad, ctx.layer.dequantized(), grad.dtype), None, None
+        # a double backward (create_graph) keeps the weight for its own backward: a fresh one
+        weight = ctx.layer.dequantized if torch.is_grad_enabled() else ctx.layer.scratch_weight
+        if ctx.upcast is None:  # (..., out) @ (out, in)
+            return grad @ weight(grad.dtype), None, None
+        return fp32_input_grad(grad, weight(), grad.dtype), None, None
 
 
 class NF4Linear(nn.Module):
@@ -125,6 +133,29 @@ class NF4Linear(nn.Module):
         w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return w.to(dtype or self.dtype)
 
+    def scratch_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """dequantized(dtype), bit for bit, in this thread's scratch buffer: valid until the next
+        call of any NF4Linear on this thread, so only for a product that finishes before then
+        (_DequantLinear's; it keeps nothing). Each part lands in its row block, no cat; a dtype
+        other than the weight's is one copy into a second buffer. On CPU only (a fresh weight
+        there is fresh pages; a GPU's caching allocator reuses its blocks) and not while
+        torch.compile traces: elsewhere dequantized(dtype)."""
+        dtype = dtype or self.dtype
+        device = self.packed0.device
+        if device.type != "cpu" or torch.compiler.is_compiling():
+            return self.dequantized(dtype)
+        w = _scratch(device, self.dtype, self.buffer_weight_numel, 0)
+        w = w.view(self.out_features, self.in_features)
+        row = 0
+        for i, state in enumerate(self.states):
+            rows = state.shape[0]
+            _dequantize_into(getattr(self, f"packed{i}"), state, w[row : row + rows])
+            row += rows
+        if dtype == self.dtype:
+            return w
+        cast = _scratch(device, dtype, self.buffer_weight_numel, 1)
+        return cast.view(self.out_features, self.in_features).copy_(w)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _DequantLinear.apply(x, self, upcast_dtype(x))
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -150,6 +181,66 @@ class NF4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
+
+
+_SCRATCH = threading.local()  # per thread: (device, dtype, slot) -> a flat buffer
+
+
+def _scratch(device: torch.device, dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
+    """This thread's flat buffer `slot` of `dtype` on `device`, its first `numel` elements; grown
+    (the old one freed first) when a larger layer asks: one per key, the size of the largest
+    layer. Per thread: two threads' products never share one."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    key = (device, dtype, slot)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buffers.pop(key, None)
+        del buf
+        with torch.inference_mode(False):  # a normal tensor: inference mode and no_grad may write
+            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+@cache
+def _cpu_kernel(dtype: torch.dtype) -> Any:
+    """bitsandbytes' native CPU NF4 dequantizer for `dtype` (what its CPU `dequantize_4bit`
+    calls), or None."""
+    try:
+        from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
+    except ImportError:
+        return None
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if name is None or isinstance(lib, ErrorHandlerMockBNBNativeLibrary):
+        return None  # no native library: its CPU op is torch ops, which the fallback calls
+    return getattr(lib, f"cdequantize_blockwise_cpu_nf4_{name}", None)
+
+
+def _dequantize_into(packed: torch.Tensor, state: Any, out: torch.Tensor) -> None:
+    """bitsandbytes' dequantize_4bit(packed, state) of a CPU tensor written into `out` (its shape
+    and dtype) by its native CPU kernel: the call its CPU op makes, with the same absmax (its
+    `dequantize_4bit(out=...)` has no CPU kernel); where that op would not call it (no native
+    library, an odd row length, its avx512 fallback for blocks of 2048), a fresh tensor copied."""
+    import ctypes as ct
+
+    from bitsandbytes.functional import dequantize_4bit, dequantize_blockwise, get_ptr
+
+    kernel = _cpu_kernel(out.dtype)
+    rows, cols = out.shape
+    fast = packed.shape[0] > 1 and cols % 2 == 0 and out.is_contiguous() and state.blocksize < 2048
+    fast = fast and state.quant_type == "nf4" and state.dtype == out.dtype
+    if kernel is None or not fast:
+        out.copy_(dequantize_4bit(packed, state))
+        return
+    absmax = state.absmax
+    if state.nested:  # as dequantize_4bit: the double quantization's scales, then the offset
+        absmax = dequantize_blockwise(state.absmax, state.state2)
+        absmax += state.offset
+    absmax = absmax.float().contiguous()
+    codes = packed.view(torch.uint8).reshape(rows, cols // 2)
+    blocks, m, n = ct.c_longlong(state.blocksize), ct.c_longlong(rows), ct.c_longlong(cols)
+    kernel(get_ptr(codes), get_ptr(absmax), get_ptr(out), blocks, m, n)
 
 
 def linear_slots(model: Transformer) -> list[tuple[nn.Module, str, nn.Linear, str]]:
