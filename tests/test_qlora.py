@@ -122,6 +122,24 @@ def test_a_step_is_backward_through_4_bits_and_trains_the_adapters_only() -> Non
     assert not any(p.requires_grad for p in layer.parameters())
 
 
+def test_the_native_dequantizer_is_called_only_on_checked_bitsandbytes_releases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scratch path calls bitsandbytes' C kernel through ctypes with the arguments of the
+    releases it was checked on; another release (whose signature may differ) gets None, so the
+    step takes dequantize_4bit's own path instead of a call with the wrong arguments."""
+    import bitsandbytes
+
+    from minillm.model import nf4
+
+    monkeypatch.setattr(bitsandbytes, "__version__", "0.99.0")
+    nf4._cpu_kernel.cache_clear()
+    try:
+        assert nf4._cpu_kernel(torch.float32) is None
+    finally:
+        nf4._cpu_kernel.cache_clear()
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("upcast", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

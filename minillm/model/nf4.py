@@ -203,13 +203,22 @@ def _scratch(device: torch.device, dtype: torch.dtype, numel: int, slot: int) ->
     return buf[:numel]
 
 
+# bitsandbytes (major, minor) releases whose native CPU NF4 kernel _dequantize_into calls.
+KERNEL_CHECKED = {(0, 50)}
+
+
 @cache
 def _cpu_kernel(dtype: torch.dtype) -> Any:
     """bitsandbytes' native CPU NF4 dequantizer for `dtype` (what its CPU `dequantize_4bit`
-    calls), or None."""
+    calls), or None. Only on the bitsandbytes releases whose C signature (codes, absmax, out,
+    blocksize, rows, cols) was checked against their own CPU op (KERNEL_CHECKED): a ctypes call
+    with another release's arguments would not fail cleanly, so any other takes the fallback."""
     try:
+        import bitsandbytes
         from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
     except ImportError:
+        return None
+    if tuple(int(p) for p in bitsandbytes.__version__.split(".")[:2]) not in KERNEL_CHECKED:
         return None
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
     if name is None or isinstance(lib, ErrorHandlerMockBNBNativeLibrary):
