@@ -21,7 +21,11 @@ ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 # Measured / estimate on this project's 2-core AMD EPYC (torch 2.13) at this size: run 1.16,
 # LoRA 1.23, QLoRA 1.23, full 1.03 (`minillm train` peaks ~0.12 GB above its Trainer's steps
 # for LoRA here, 1.01x the estimate; at 290M and 1.1B, scripts/bench_scale.py: 1.00-1.05).
-LOW, HIGH = 0.8, 1.35
+# At this size the framework is most of the peak, and it varies by install: `import torch,
+# minillm.cli` peaked at 226 MB in the development venv and at 284 MB in CI's fresh one (the
+# same torch 2.13 wheel), which put the run job at 1.39x there. The old estimates (no
+# framework) were 2-4x under, which these bounds still catch.
+LOW, HIGH = 0.8, 1.5
 
 
 @pytest.fixture(scope="module")
