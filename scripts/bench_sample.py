@@ -156,7 +156,7 @@ def step_threads(shape: ModelConfig, int8: bool, new: int, pairs: int) -> tuple[
     chosen = engine.one_row_threads
 
     def run(threads: int | None) -> None:
-        engine.one_row_threads = lambda device: threads
+        engine.one_row_threads = lambda *_: threads
         generate(model, [prompt], SamplingParams.greedy(new))
 
     sides = {"one": lambda: run(1), "torch's": lambda: run(None)}

@@ -538,3 +538,42 @@ def test_one_row_steps_run_on_one_thread_while_openmp_threads_sleep(
     single = {t for n, t in seen if n == 1}
     several = {t for n, t in seen if n > 1}
     assert single == ({1} if policy == "PASSIVE" else {2}) and several == {2}
+
+
+@pytest.mark.parametrize(
+    "d_model, dtype, int8, threads",
+    [
+        (1024, torch.bfloat16, False, None),
+        (1024, torch.float32, False, 1),
+        (1024, torch.float32, True, None),
+        (256, torch.bfloat16, False, 1),
+    ],
+)
+def test_one_row_steps_of_large_half_precision_layers_keep_torch_threads(
+    monkeypatch: pytest.MonkeyPatch,
+    d_model: int,
+    dtype: torch.dtype,
+    int8: bool,
+    threads: int | None,
+) -> None:
+    """Issue 60: torch's bf16 matrix-vector products are bound by arithmetic on a CPU without a
+    bf16 dot, so a layer of >= 8M weights (here d 1024: 12.8M) steps on every thread even under
+    PASSIVE (a 3B model's bf16 token took 0.70 s on one thread of two, 0.37 s on both); fp32
+    layers of any size and small ones keep one thread (minillm.runtime.device.ALL_THREADS_FROM).
+    int8's products (fbgemm) are as arithmetic-bound: 0.77x one thread's step at 1.1B."""
+    from minillm.infer.engine import Engine, layer_weights
+    from minillm.model import Transformer
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    cfg = ModelConfig(
+        vocab_size=64, d_model=d_model, n_layer=1, n_head=d_model // 64, n_kv_head=d_model // 64,
+        max_seq_len=32,
+    )  # fmt: skip
+    model = Transformer(cfg).to(dtype).eval()
+    assert layer_weights(cfg) == sum(p.numel() for p in model.blocks[0].parameters() if p.dim() > 1)
+    if int8:
+        from minillm.model.quantize import quantize_int8
+
+        if (problem := quantize_int8(model)) is not None:
+            pytest.skip(problem)
+    assert Engine(model).step_threads == threads

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from minillm.config.schema import SampleConfig
+from minillm.config.schema import ModelConfig, SampleConfig
 from minillm.infer.grammar import Grammar, Masks, RowGrammar
 from minillm.infer.sampling import (
     TokenLogprob,
@@ -138,6 +138,14 @@ class Event:
     exception: BaseException | None = None
 
 
+def layer_weights(cfg: ModelConfig) -> int:
+    """About the weights one token's products read in a layer of `cfg`: q/k/v and the output
+    projection, and one SwiGLU of ffn_hidden (an expert's width under a mixture, which reads
+    several: the order of magnitude is what one_row_threads needs)."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    return cfg.d_model * (2 * q + 2 * kv + 3 * cfg.ffn_hidden)
+
+
 def window_length(n: int, context: int) -> int:
     """How many of the last tokens of a row's n-token text the model sees for the next token.
 
@@ -182,7 +190,8 @@ class Engine:
         self.cache = KVCache(model.cfg, device=param.device, dtype=param.dtype)
         self.decoder = decoder(model, self.cache)
         self.device = param.device
-        self.step_threads = one_row_threads(self.device)  # for steps of one row
+        fp32 = param.dtype == torch.float32 and getattr(model, "quantized", None) is None
+        self.step_threads = one_row_threads(self.device, layer_weights(model.cfg), fp32)
         self.active: list[Row] = []  # row i lives in row i of the cache
         self.waiting: collections.deque[Row] = collections.deque()
         self.masks = Masks(overlap=self.device.type != "cpu")  # grammar rows' token masks

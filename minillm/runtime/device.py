@@ -36,15 +36,29 @@ def sum_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32 if torch.device(device).type in NO_FLOAT64 else torch.float64
 
 
-def one_row_threads(device: torch.device) -> int | None:
+# One-row steps of layers with at least this many weights run on torch's threads even under
+# PASSIVE, unless their products are float32: there a large product outweighs waking the worker.
+# torch's bf16 matrix-vector products are bound by arithmetic on a CPU without a bf16 dot (one
+# AVX2 core streams ~9 GB/s of bf16 weights), as are int8's and NF4's; fp32's are bound by
+# memory, which one core nearly fills on 2 cores. scripts/bench_step_threads.py, two threads'
+# step against one's (2-core AMD EPYC): bf16 0.90x at 11M weights a layer, 0.68x at 44M
+# (TinyLlama-1.1B), 0.58x at 101M (Llama-3.2-3B); int8 0.89x and NF4 0.64x at 44M; fp32
+# 1.04-1.09x at each (docs/benchmarks.md, "On a busy machine").
+ALL_THREADS_FROM = 8_000_000
+
+
+def one_row_threads(device: torch.device, layer_weights: int = 0, fp32: bool = True) -> int | None:
     """The threads a one-row decode step runs on: 1 on the CPU while OpenMP's threads sleep
     between parallel regions (OMP_WAIT_POLICY=PASSIVE, minillm's default: minillm/__init__.py),
-    else None (torch's own). A one-row step is ~40 small ops a layer: each would wake the
-    sleeping workers for microseconds of work, which cost a quiet machine more than a second
-    core gives (issue 49: batch-1 steps 1.35x slower after PASSIVE became the default).
-    OMP_WAIT_POLICY=ACTIVE (spinning workers) keeps every thread on it."""
+    else None (torch's own). A one-row step of a small model is ~40 small ops a layer: each
+    would wake the sleeping workers for microseconds of work, which cost a quiet machine more
+    than a second core gives (issue 49: batch-1 steps 1.35x slower after PASSIVE became the
+    default). Layers of `layer_weights` >= ALL_THREADS_FROM whose products are not `fp32` keep
+    torch's threads (its note). OMP_WAIT_POLICY=ACTIVE (spinning workers) keeps them always."""
     passive = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
-    return 1 if device.type == "cpu" and passive else None
+    if device.type != "cpu" or not passive:
+        return None
+    return None if layer_weights >= ALL_THREADS_FROM and not fp32 else 1
 
 
 @contextlib.contextmanager
