@@ -261,6 +261,30 @@ def tiny_tokenizer() -> Tokenizer:
     return tok
 
 
+def llama_folder(
+    folder: Path, dtype: torch.dtype = torch.bfloat16, max_shard_size: str = "5GB", **shape: Any
+) -> Any:
+    """A random-weight Hugging Face Llama folder at `folder` (transformers' own class, seed 0,
+    untied head): LlamaConfig's `shape` keys (vocab_size, hidden_size, ...), weights in `dtype`
+    in shards of at most `max_shard_size`, tiny_tokenizer's tokenizer.json. Returns the model."""
+    import transformers
+
+    name = str(dtype).removeprefix("torch.")  # config.json's dtype: what `--dtype auto` reads
+    hf_cfg = transformers.LlamaConfig(tie_word_embeddings=False, dtype=name, **shape)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, dtype=dtype)
+    hf.save_pretrained(folder, max_shard_size=max_shard_size)
+    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    return hf
+
+
+# The ~24M-parameter shape of the memory tests (vocab 32,000: bf16 ~48 MB, fp32 ~96 MB).
+LLAMA_24M = dict(
+    vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+
+
 def make_run(
     root: Path,
     *,

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
-from tests.helpers import ROOT, SHAKESPEARE, tiny_tokenizer
+from tests.helpers import LLAMA_24M, ROOT, SHAKESPEARE, llama_folder
 
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 # Measured / estimate on this project's 2-core AMD EPYC (torch 2.13) at this size: run 1.16,
@@ -31,18 +30,8 @@ LOW, HIGH = 0.8, 1.5
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ~24M-parameter bf16 Llama folder (fp32 ~96 MB: a quarter of the framework's bytes)."""
-    import transformers
-
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, dtype="bfloat16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
     root = tmp_path_factory.mktemp("fits")
-    hf.save_pretrained(root / "hf")
-    tiny_tokenizer().save(str(root / "hf" / "tokenizer.json"))
+    llama_folder(root / "hf", **LLAMA_24M)
     (root / "corpus.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000])
     return root / "hf"
 

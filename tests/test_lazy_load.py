@@ -153,20 +153,10 @@ def test_peak_memory_of_a_load_is_bounded_by_the_weights(tmp_path: Path, dtype: 
     the loaded model's bytes above the process before it (measured: 1.02x in bf16, 1.31x in
     float32; the eager load before it held the file's tensors, a float32 copy and a randomly
     initialised model at once: 3.98x its float32 model)."""
-    import transformers
+    from tests.helpers import LLAMA_24M, llama_folder
 
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, dtype="bfloat16",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
     folder = tmp_path / "hf"
-    hf.save_pretrained(folder, max_shard_size="20MB")
-    from tests.helpers import tiny_tokenizer
-
-    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    llama_folder(folder, max_shard_size="20MB", **LLAMA_24M)
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-c", PEAK, str(folder), dtype],

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 import yaml
 from typer.testing import CliRunner
 
 from minillm.checkpoint.lazy import LazySafetensors, by_group
 from minillm.checkpoint.weights import SortedDigest, weights_sha256
 from minillm.cli import app
-from tests.helpers import SHAKESPEARE, tiny_tokenizer
+from tests.helpers import SHAKESPEARE, llama_folder
 
 runner = CliRunner()
 
@@ -27,15 +26,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A bf16 Llama folder of 12 layers in two shards: a folder yields blocks 0, 1, 2, ..., 11,
     the sorted names go 0, 1, 10, 11, 2, ...; untied head."""
     root = tmp_path_factory.mktemp("digest")
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False,
+    llama_folder(
+        root / "hf", torch.bfloat16, "300KB", vocab_size=1024, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
-    hf.save_pretrained(root / "hf", max_shard_size="300KB")
-    tiny_tokenizer().save(str(root / "hf" / "tokenizer.json"))
     (root / "corpus.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8")[:20_000])
     return root / "hf"
 

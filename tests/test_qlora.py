@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from minillm.cli import app
 from minillm.model.nf4 import NF4Linear
-from tests.helpers import SHAKESPEARE, error_line, make_run, make_trainer
+from tests.helpers import SHAKESPEARE, error_line, llama_folder, make_run, make_trainer
 
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
@@ -380,18 +380,13 @@ def test_a_qlora_load_peaks_at_the_nf4_model_plus_a_layer(tmp_path: Path) -> Non
     which ru_maxrss keeps, may be above the load's)."""
     from minillm.checkpoint.hf_import import load_hf_model
     from minillm.checkpoint.weights import weights_sha256
-    from tests.helpers import tiny_tokenizer
 
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, dtype=torch.float32)
     folder = tmp_path / "hf"
-    hf.save_pretrained(folder, max_shard_size="40MB")
-    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    llama_folder(
+        folder, torch.float32, "40MB", vocab_size=1024, hidden_size=512, intermediate_size=1536,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=256,
+    )  # fmt: skip
     root = Path(__file__).resolve().parent.parent
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from typer.testing import CliRunner
 
 from minillm.checkpoint.store import load_checkpoint
 from minillm.cli import app
 from minillm.families import fused_rows
 from minillm.model.quantize import int8_kernel_problem, quantize_int8
-from tests.helpers import make_run, tiny_tokenizer
+from tests.helpers import llama_folder, make_run
 
 bnb = pytest.importorskip("bitsandbytes")
 runner = CliRunner()
@@ -176,17 +175,13 @@ def test_a_quantize_nf4_load_peaks_well_below_the_float_model(tmp_path: Path) ->
     the process before: each layer is NF4 as it is read. Measured: 118 MB (0.53x); loaded
     whole in bfloat16 and quantized after, as before: 291 MB (1.31x). glibc's mmap threshold is
     fixed, as tests/test_qlora.py's peak test says why."""
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
-    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
     folder = tmp_path / "hf"
-    hf.save_pretrained(folder, max_shard_size="60MB")
-    tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    hf = llama_folder(
+        folder, torch.bfloat16, "60MB", vocab_size=8192, hidden_size=1024,
+        intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in hf.parameters())
     root = Path(__file__).resolve().parent.parent
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "MALLOC_MMAP_THRESHOLD_": "65536"}  # fmt: skip

@@ -35,14 +35,14 @@ from minillm.errors import CheckpointError, UserError
 
 # --dtype's names; "auto" is the weights' own (`stored_dtype`).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# safetensors' dtype names of the float types a model computes in.
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # safetensors' dtype names as torch's (LazySafetensors.meta).
 _TORCH_NAMES = {
     "F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }  # fmt: skip
+# safetensors' dtype names of the float types a model computes in (DTYPES').
+_SAFETENSORS_DTYPES = {k: DTYPES[v] for k, v in _TORCH_NAMES.items() if v in DTYPES}
 
 
 def _unreadable(path: Path, e: Exception) -> CheckpointError:
