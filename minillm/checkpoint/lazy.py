@@ -328,6 +328,16 @@ def _glibc(name: str) -> Callable[..., int] | None:
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+# The thresholds a LoRA run sets (minillm.train.run). `scripts/bench_scale.py --precision bf16
+# --jobs lora --no-reference --info` on a 2-core AMD EPYC, glibc's MALLOC_MMAP_THRESHOLD_ set
+# instead: a bf16 LoRA run at TinyLlama-1.1B's shape peaked at 3.34-3.58 GB over three runs with
+# glibc's rising threshold, 3.31 twice at 4 MB; at Llama-3.2-3B's 9.23 against 8.19-8.21 GB, the
+# step 24.2 against 23.3-24.4 s. 1 MB cost twice the step (its 1-4 MB temporaries each a fresh
+# mapping, page faults and all); 4 MB did too at 3B (32 s) until bf16's upcast blocks came from a
+# reused buffer (minillm.model.bf16_cpu). An fp32 LoRA run's peak (5.62 GB) did not move. QLoRA's
+# 1 MB comes with its own reused buffer (minillm.model.nf4).
+LORA_MMAP_THRESHOLD = 4 << 20
+QLORA_MMAP_THRESHOLD = 1 << 20
 
 
 def map_large_blocks(threshold: int = 1 << 20) -> None:
@@ -335,8 +345,8 @@ def map_large_blocks(threshold: int = 1 << 20) -> None:
     to the system when freed (elsewhere: nothing). Its default threshold rises to the largest
     block freed (up to 32 MB), and blocks under it are then carved from a heap whose freed parts
     it keeps: a TinyLlama-sized QLoRA step peaked ~560 MB higher so, its RSS after the step ~800
-    MB higher. What QLoRA runs with, whose point is memory (the mappings' page faults cost
-    time)."""
+    MB higher. What LoRA and QLoRA runs set (LORA_MMAP_THRESHOLD's note: below some size the
+    mappings' page faults cost time)."""
     mallopt = _glibc("mallopt")
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, threshold)

@@ -20,6 +20,7 @@ attention's SDPA upcasts on the same condition (minillm.model.attention).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -65,6 +66,36 @@ def no_autocast() -> torch.autocast:
 BLOCK = 1 << 21
 
 
+_SCRATCH = threading.local()  # per thread: (device, dtype, slot) -> a flat buffer
+
+
+def scratch(device: torch.device, dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
+    """This thread's flat buffer `slot` of `dtype` on `device`, its first `numel` elements; grown
+    (the old one freed first) when a larger one is asked for: one per key, the largest asked.
+    Per thread: two threads' products never share one. Slot 2 is the upcast's (_upcast), 0 and 1
+    NF4's (minillm.model.nf4)."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    key = (device, dtype, slot)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buffers.pop(key, None)
+        del buf
+        with torch.inference_mode(False):  # a normal tensor: inference mode and no_grad may write
+            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def _upcast(w: torch.Tensor) -> torch.Tensor:
+    """w in fp32, in this thread's reused upcast buffer (valid until the next _upcast): a fresh
+    8 MiB block each product left the heap's size to glibc's rising mmap threshold (a bf16 LoRA
+    run's peak varied 3.4-4.0 GB at TinyLlama's shape)."""
+    if w.dtype == torch.float32:
+        return w
+    return scratch(w.device, torch.float32, w.numel(), 2).view(w.shape).copy_(w)
+
+
 def _blocks(weight: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
     """Row blocks (out rows, in) of `weight` of about BLOCK weights, with their row slices."""
     rows = max(1, BLOCK // max(weight.shape[1], 1))
@@ -82,7 +113,7 @@ def fp32_product(
     with no_autocast():
         for rows, w in _blocks(weight):
             b = None if bias is None else bias[rows].float()
-            y[..., rows] = F.linear(x32, w.float(), b)
+            y[..., rows] = F.linear(x32, _upcast(w), b)
     return y
 
 
@@ -93,7 +124,7 @@ def fp32_input_grad(grad: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
     out = g.new_zeros(g.shape[0], weight.shape[1])  # (N, in)
     with no_autocast():
         for rows, w in _blocks(weight):
-            out.addmm_(g[:, rows], w.float())
+            out.addmm_(g[:, rows], _upcast(w))
     return out.to(dtype).view(*grad.shape[:-1], -1)
 
 

@@ -31,7 +31,6 @@ and transformers' experts are not linear layers).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
@@ -41,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minillm.errors import ConfigError
-from minillm.model.bf16_cpu import fp32_input_grad, fp32_product, upcast_dtype
+from minillm.model.bf16_cpu import fp32_input_grad, fp32_product, scratch, upcast_dtype
 from minillm.model.transformer import Transformer
 
 BLOCK = 64  # weights per absmax scale (bitsandbytes' and QLoRA's default)
@@ -144,7 +143,7 @@ class NF4Linear(nn.Module):
         device = self.packed0.device
         if device.type != "cpu" or torch.compiler.is_compiling():
             return self.dequantized(dtype)
-        w = _scratch(device, self.dtype, self.buffer_weight_numel, 0)
+        w = scratch(device, self.dtype, self.buffer_weight_numel, 0)
         w = w.view(self.out_features, self.in_features)
         row = 0
         for i, state in enumerate(self.states):
@@ -153,7 +152,7 @@ class NF4Linear(nn.Module):
             row += rows
         if dtype == self.dtype:
             return w
-        cast = _scratch(device, dtype, self.buffer_weight_numel, 1)
+        cast = scratch(device, dtype, self.buffer_weight_numel, 1)
         return cast.view(self.out_features, self.in_features).copy_(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,26 +180,6 @@ class NF4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nf4"
-
-
-_SCRATCH = threading.local()  # per thread: (device, dtype, slot) -> a flat buffer
-
-
-def _scratch(device: torch.device, dtype: torch.dtype, numel: int, slot: int) -> torch.Tensor:
-    """This thread's flat buffer `slot` of `dtype` on `device`, its first `numel` elements; grown
-    (the old one freed first) when a larger layer asks: one per key, the size of the largest
-    layer. Per thread: two threads' products never share one."""
-    buffers = getattr(_SCRATCH, "buffers", None)
-    if buffers is None:
-        buffers = _SCRATCH.buffers = {}
-    key = (device, dtype, slot)
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < numel:
-        buffers.pop(key, None)
-        del buf
-        with torch.inference_mode(False):  # a normal tensor: inference mode and no_grad may write
-            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
 
 
 # bitsandbytes (major, minor) releases whose native CPU NF4 kernel _dequantize_into calls.

@@ -25,7 +25,7 @@ from minillm.checkpoint import layout
 from minillm.checkpoint import store as ckpt
 from minillm.checkpoint.init_from import base_digest, lora_base
 from minillm.checkpoint.init_from import init_weights as load_init_weights
-from minillm.checkpoint.lazy import map_large_blocks
+from minillm.checkpoint.lazy import LORA_MMAP_THRESHOLD, QLORA_MMAP_THRESHOLD, map_large_blocks
 from minillm.checkpoint.rundir import RunLock
 from minillm.config import Config
 from minillm.errors import ConfigError, warn
@@ -181,8 +181,8 @@ def prepare_run(
             # base is never held whole in `dtype`.
             qlora = bool(cfg.train.lora.rank) and cfg.train.lora.quantize == "nf4"
             on_filled = nf4_as_loaded(fused_rows(cfg.model)) if qlora else None
-            if qlora:  # memory before speed: freed blocks go back to the system (lazy's why)
-                map_large_blocks()
+            if cfg.train.lora.rank:  # freed blocks go back to the system (lazy's why)
+                map_large_blocks(QLORA_MMAP_THRESHOLD if qlora else LORA_MMAP_THRESHOLD)
             # A LoRA base's sha256 is computed as its weights are read, not read again.
             digest = base_digest(cfg.model, dtype) if cfg.train.lora.rank else None
             if tc.init_from and (resume_from is None or keep):
