@@ -12,7 +12,8 @@ in 16 minutes. There, while training (grad enabled) or for 16 rows or more, a bf
 upcasts its operands, multiplies in fp32 and rounds the result to bf16: the function autocast
 computes (bf16 operands, products accumulated in fp32, a bf16 result). The upcast copies live
 for one row block of one product, in one reused per-thread buffer (`scratch`, which NF4's
-dequantized weights use too): the backward upcasts again, so a frozen bf16 weight is held once. A GPU, a CPU with a fast bf16 gemm, and torch.compile's traces take F.linear as before.
+dequantized weights use too): the backward upcasts again, so a frozen bf16 weight is held once.
+A GPU, a CPU with a fast bf16 gemm, and torch.compile's traces take F.linear as before.
 The trainer's plain nn.Linear layers come here through `use_cpu_kernels`
 (minillm.model.kernels_cpu); the head, LoRA's adapters, NF4 layers and MoE experts call it, and
 attention's SDPA upcasts on the same condition (minillm.model.attention).
