@@ -7,8 +7,10 @@ drift (+-15-30% from one minute to the next).
 
 Both sides as bench_scale.py's lora job runs them: minillm's Trainer on the folder's
 `train.init_from` (rank 16 on every projection, batch 1 x --seq tokens, fp32) and peft on
-transformers' fp32 load with AdamW; one warm-up step each, then --rounds rounds of one step of
-each. The table gives the median step of each side and the median of the rounds' ratios.
+transformers' fp32 load with AdamW (its batch drawn outside the timed step); one warm-up step
+each, then --rounds rounds of one step of each, which side goes first alternating. The table
+gives the median step of each side and the median of the rounds' ratios. (minillm's fp32 LoRA
+run keeps glibc's malloc settings, so peft's step runs under the same ones.)
 Both models are held at once (1.1B: ~13 GB).
 """
 
@@ -31,8 +33,8 @@ from minillm.train.run import prepare_run
 from minillm.train.trainer import Trainer
 
 
-def minillm_step(config: Path) -> Callable[[], None]:
-    """One step of minillm's Trainer on `config`, a fresh run of it."""
+def minillm_step(config: Path) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One step of minillm's Trainer on `config`, a fresh run of it; and its close."""
     cfg = load_run_config(str(config), ["train.max_steps=1000"])
     shutil.rmtree(cfg.train.out_dir, ignore_errors=True)
     trainer = Trainer(prepare_run(cfg, resume=False, verbose=False))
@@ -42,7 +44,7 @@ def minillm_step(config: Path) -> Callable[[], None]:
         float(out.loss)
         trainer.count_step(out)
 
-    return step
+    return step, trainer.close
 
 
 def peft_step(folder: Path, seq: int) -> Callable[[], None]:
@@ -55,9 +57,12 @@ def peft_step(folder: Path, seq: int) -> Callable[[], None]:
     model = peft.get_peft_model(model, config)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 1000, (64, 1, seq), generator=gen)  # the batches, drawn beforehand
+    drawn = [0]
 
     def step() -> None:
-        ids = torch.randint(0, 1000, (1, seq), generator=gen)
+        ids = pool[drawn[0] % len(pool)]
+        drawn[0] += 1
         loss = model(ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -85,10 +90,17 @@ def main() -> None:
     print("shape | step s minillm | step s peft | ratio (median of rounds)")
     for shape in args.shapes:
         folder = build_folder(shape, args.cache)
-        ours = minillm_step(lora_config(folder, args.cache, "fp32", "none", args.seq))
+        ours, close = minillm_step(lora_config(folder, args.cache, "fp32", "none", args.seq))
         theirs = peft_step(folder, args.seq)
         ours(), theirs()  # warm-up
-        rounds = [(timed(ours), timed(theirs)) for _ in range(args.rounds)]
+        rounds = []
+        for i in range(args.rounds):
+            if i % 2:
+                b = timed(theirs)
+                rounds.append((timed(ours), b))
+            else:
+                rounds.append((timed(ours), timed(theirs)))
+        close()
         a, b = (statistics.median(side) for side in zip(*rounds))
         ratio = statistics.median(x / y for x, y in rounds)
         print(f"{shape} | {a:.2f} | {b:.2f} | {ratio:.2f}x", flush=True)

@@ -44,8 +44,8 @@ def load(folder: Path, kind: str) -> tuple[torch.nn.Module, torch.dtype]:
         raise SystemExit(f"{kind}: {problem}")
     passes, where = hf_source(folder, cfg)
     model = fill_model(empty_model(cfg), passes(), where, dtype, "cpu", hook)
-    if quantize:
-        finish(model, quantize, cfg)
+    if quantize and (problem := finish(model, quantize, cfg)) is not None:
+        raise SystemExit(f"{kind}: {problem}")  # not an fp32 row labelled int8
     return model.eval(), dtype
 
 
@@ -77,6 +77,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step is not counted)")
     many = torch.get_num_threads()
     policy = os.environ.get("OMP_WAIT_POLICY")
     print(f"load {open('/proc/loadavg').read().split()[:3]}, {os.cpu_count()} CPUs, "

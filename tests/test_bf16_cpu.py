@@ -145,11 +145,31 @@ def test_the_upcast_blocks_reuse_one_buffer_and_give_the_fresh_upcasts_products(
 
     monkeypatch.setattr(bf16_cpu, "_upcast", seen)
     for _ in range(2):
-        y = bf16_cpu.fp32_product(x, w, bias, torch.float32)
-        gx = bf16_cpu.fp32_input_grad(g, w, torch.float32)
+        with torch.no_grad():  # as inside _Fp32Linear (with a gradient: fresh upcasts)
+            y = bf16_cpu.fp32_product(x, w, bias, torch.float32)
+            gx = bf16_cpu.fp32_input_grad(g, w, torch.float32)
         assert torch.equal(y, want_y) and torch.equal(gx, want_gx)
     assert len(ptrs) == 1  # 10 blocks' upcasts, one buffer
     assert upcast(w.float()) is not None and torch.equal(upcast(w.float()), w.float())
+
+
+def test_a_double_backward_through_the_upcast_blocks_is_f_linears(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With create_graph the input gradient's products keep their own upcast of each block (the
+    reused buffer would be overwritten under the graph): the weight's gradient of a gradient is
+    float64's within bf16 rounding."""
+    monkeypatch.setattr(bf16_cpu, "BLOCK", 10 * 64)
+    monkeypatch.setattr(bf16_cpu, "bf16_slow", lambda: True)
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(5, 64), torch.randn(48, 64) / 8
+    grads = []
+    for dtype, fn in ((torch.bfloat16, linear), (torch.float64, F.linear)):
+        x, w = x0.to(dtype).requires_grad_(), w0.to(dtype).requires_grad_()
+        (gx,) = torch.autograd.grad(fn(x, w).square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        grads.append(w.grad)
+    assert_same_function(grads[0], grads[1], rel=8 * BF16_REL)
 
 
 def test_without_bf16_it_is_f_linear_exactly(slow: bool) -> None:

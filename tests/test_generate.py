@@ -558,9 +558,10 @@ def test_one_row_steps_of_large_half_precision_layers_keep_torch_threads(
 ) -> None:
     """Issue 60: torch's bf16 matrix-vector products are bound by arithmetic on a CPU without a
     bf16 dot, so a layer of >= 8M weights (here d 1024: 12.8M) steps on every thread even under
-    PASSIVE (a 3B model's bf16 token took 0.70 s on one thread of two, 0.37 s on both); fp32
+    PASSIVE (a 3B model's bf16 token took 0.72 s on one thread of two, 0.42 s on both); fp32
     layers of any size and small ones keep one thread (minillm.runtime.device.ALL_THREADS_FROM).
-    int8's products (fbgemm) are as arithmetic-bound: 0.77x one thread's step at 1.1B."""
+    int8's products (fbgemm) are arithmetic-bound too: 0.80-0.89x one thread's step at 1.1B in
+    most runs (docs/benchmarks.md)."""
     from minillm.infer.engine import Engine, layer_weights
     from minillm.model import Transformer
 

@@ -334,8 +334,9 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 # glibc's rising threshold, 3.31 twice at 4 MB; at Llama-3.2-3B's 9.23 against 8.19-8.21 GB, the
 # step 24.2 against 23.3-24.4 s. 1 MB cost twice the step (its 1-4 MB temporaries each a fresh
 # mapping, page faults and all); 4 MB did too at 3B (32 s) until bf16's upcast blocks came from a
-# reused buffer (minillm.model.bf16_cpu). An fp32 LoRA run's peak (5.62 GB) did not move. QLoRA's
-# 1 MB comes with its own reused buffer (minillm.model.nf4).
+# reused buffer (minillm.model.bf16_cpu). An fp32 LoRA run's peak (5.62 GB) did not move with
+# 4 MB nor vary without, so it keeps glibc's own. QLoRA's 1 MB comes with its own reused buffer
+# (minillm.model.nf4).
 LORA_MMAP_THRESHOLD = 4 << 20
 QLORA_MMAP_THRESHOLD = 1 << 20
 

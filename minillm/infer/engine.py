@@ -140,8 +140,9 @@ class Event:
 
 def layer_weights(cfg: ModelConfig) -> int:
     """About the weights one token's products read in a layer of `cfg`: q/k/v and the output
-    projection, and one SwiGLU of ffn_hidden (an expert's width under a mixture, which reads
-    several: the order of magnitude is what one_row_threads needs)."""
+    projection as heads x head_dim, and one SwiGLU of ffn_hidden (the dense width, also under a
+    mixture of experts; latent attention's ranks are not counted): the order of magnitude,
+    which is what one_row_threads needs (attention alone passes its 8M from d_model 1,415)."""
     q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
     return cfg.d_model * (2 * q + 2 * kv + 3 * cfg.ffn_hidden)
 

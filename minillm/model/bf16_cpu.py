@@ -94,6 +94,8 @@ def _upcast(w: torch.Tensor) -> torch.Tensor:
     run's peak varied 3.4-4.0 GB at TinyLlama's shape)."""
     if w.dtype == torch.float32:
         return w
+    if torch.is_grad_enabled():  # a double backward (create_graph) keeps the upcast: its own
+        return w.float()
     return scratch(w.device, torch.float32, w.numel(), 2).view(w.shape).copy_(w)
 
 

@@ -181,7 +181,9 @@ def prepare_run(
             # base is never held whole in `dtype`.
             qlora = bool(cfg.train.lora.rank) and cfg.train.lora.quantize == "nf4"
             on_filled = nf4_as_loaded(fused_rows(cfg.model)) if qlora else None
-            if cfg.train.lora.rank:  # freed blocks go back to the system (lazy's why)
+            # Freed blocks go back to the system (lazy's why): QLoRA, and bf16 LoRA, whose peak
+            # glibc's rising threshold left to chance (fp32 LoRA's did not vary).
+            if qlora or (cfg.train.lora.rank and dtype == torch.bfloat16):
                 map_large_blocks(QLORA_MMAP_THRESHOLD if qlora else LORA_MMAP_THRESHOLD)
             # A LoRA base's sha256 is computed as its weights are read, not read again.
             digest = base_digest(cfg.model, dtype) if cfg.train.lora.rank else None
