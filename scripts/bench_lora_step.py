@@ -17,59 +17,34 @@ Both models are held at once (1.1B: ~13 GB).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import minillm  # noqa: F401  # isort: skip  (OMP_WAIT_POLICY=PASSIVE before torch loads)
+import bench_scale as bs  # scripts/ is on sys.path when run as a script
 import torch
-from bench_scale import PEFT_TARGETS, RANK, SEQ, SHAPES, build_folder, lora_config
-
-from minillm.checkpoint.init_from import load_run_config
-from minillm.train.run import prepare_run
-from minillm.train.trainer import Trainer
 
 
-def minillm_step(config: Path) -> tuple[Callable[[], None], Callable[[], None]]:
-    """One step of minillm's Trainer on `config`, a fresh run of it; and its close."""
-    cfg = load_run_config(str(config), ["train.max_steps=1000"])
-    shutil.rmtree(cfg.train.out_dir, ignore_errors=True)
-    trainer = Trainer(prepare_run(cfg, resume=False, verbose=False))
+def sides(folder: Path, cache: Path, seq: int) -> tuple[Callable[[], None], ...]:
+    """(minillm's step, peft's step, minillm's close) on `folder`, as bench_scale's lora job
+    builds them; peft's batches drawn beforehand."""
+    config = bs.lora_config(folder, cache, "fp32", "none", seq)
+    trainer = bs.minillm_trainer(str(config), ["train.max_steps=1000"])
+    model, opt = bs.peft_model(str(folder), "fp32", "none")
+    pool = torch.randint(0, 1000, (64, 1, seq), generator=torch.Generator().manual_seed(0))
+    batches = itertools.cycle(pool)
 
-    def step() -> None:
-        out = trainer.train_step()
-        float(out.loss)
-        trainer.count_step(out)
+    def ours() -> None:
+        bs.minillm_step(trainer)
 
-    return step, trainer.close
+    def theirs() -> None:
+        bs.peft_step(model, opt, next(batches))
 
-
-def peft_step(folder: Path, seq: int) -> Callable[[], None]:
-    """One step of peft's LoRA on transformers' fp32 load (bench_scale.job_peft_train's)."""
-    import peft
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=PEFT_TARGETS)
-    model = peft.get_peft_model(model, config)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    gen = torch.Generator().manual_seed(0)
-    pool = torch.randint(0, 1000, (64, 1, seq), generator=gen)  # the batches, drawn beforehand
-    drawn = [0]
-
-    def step() -> None:
-        ids = pool[drawn[0] % len(pool)]
-        drawn[0] += 1
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        float(loss.detach())
-
-    return step
+    return ours, theirs, trainer.close
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -80,18 +55,17 @@ def timed(fn: Callable[[], None]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["tinyllama"], choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["tinyllama"], choices=sorted(bs.SHAPES))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/minillm-bench-scale"))
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--seq", type=int, default=bs.SEQ)
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     print(f"load {open('/proc/loadavg').read().split()[:3]}, {os.cpu_count()} CPUs")
     print("shape | step s minillm | step s peft | ratio (median of rounds)")
     for shape in args.shapes:
-        folder = build_folder(shape, args.cache)
-        ours, close = minillm_step(lora_config(folder, args.cache, "fp32", "none", args.seq))
-        theirs = peft_step(folder, args.seq)
+        folder = bs.build_folder(shape, args.cache)
+        ours, theirs, close = sides(folder, args.cache, args.seq)
         ours(), theirs()  # warm-up
         rounds = []
         for i in range(args.rounds):

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # (d_model, layers, ffn, heads, kv heads, vocab, tied): the published configs' shapes.
@@ -120,33 +121,43 @@ def lora_config(folder: Path, cache: Path, precision: str, quantize: str, seq: i
 # ----------------------------------------------------------------------------- the jobs (children)
 
 
-def job_minillm_train(config: str) -> dict:
-    """minillm's Trainer on `config` (a fresh run): load, then STEPS timed steps."""
+def minillm_trainer(config: str, sets: list[str] | None = None) -> Any:
+    """minillm's Trainer on `config` (with --set `sets`), a fresh run of it."""
     import shutil
 
     from minillm.checkpoint.init_from import load_run_config
     from minillm.train.run import prepare_run
     from minillm.train.trainer import Trainer
 
-    cfg = load_run_config(config, [])
+    cfg = load_run_config(config, sets or [])
     shutil.rmtree(cfg.train.out_dir, ignore_errors=True)
+    return Trainer(prepare_run(cfg, resume=False, verbose=False))
+
+
+def minillm_step(trainer: Any) -> None:
+    """One training step of `trainer`, its loss read (the step finished)."""
+    out = trainer.train_step()
+    float(out.loss)
+    trainer.count_step(out)
+
+
+def job_minillm_train(config: str) -> dict:
+    """minillm's Trainer on `config` (a fresh run): load, then STEPS timed steps."""
     start = time.perf_counter()
-    trainer = Trainer(prepare_run(cfg, resume=False, verbose=False))
+    trainer = minillm_trainer(config)
     load = time.perf_counter() - start
     steps = []
     for _ in range(STEPS):
         t = time.perf_counter()
-        out = trainer.train_step()
-        float(out.loss)
-        trainer.count_step(out)
+        minillm_step(trainer)
         steps.append(time.perf_counter() - t)
     trainer.close()
     return {"load_s": load, "steps_s": steps}
 
 
-def job_peft_train(folder: str, precision: str, quantize: str, seq: int = SEQ) -> dict:
-    """peft's LoRA (on bitsandbytes' NF4 base with quantize nf4) on transformers' load; with
-    quantize "full" transformers' model itself, every parameter trained."""
+def peft_model(folder: str, precision: str, quantize: str) -> tuple[Any, Any]:
+    """peft's LoRA (on bitsandbytes' NF4 base with quantize nf4) on transformers' load, with
+    quantize "full" transformers' model itself, every parameter trained; and its AdamW."""
     import peft
     import torch
     import transformers
@@ -159,23 +170,36 @@ def job_peft_train(folder: str, precision: str, quantize: str, seq: int = SEQ) -
             bnb_4bit_compute_dtype=dtype,
         )  # fmt: skip
         kw["device_map"] = "cpu"
-    start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kw)
     if quantize != "full":
         model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=2 * RANK,
                                                           target_modules=PEFT_TARGETS))  # fmt: skip
-    load = time.perf_counter() - start
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return model, opt
+
+
+def peft_step(model: Any, opt: Any, ids: Any) -> None:
+    """One training step of `model` on the batch `ids` (its own labels), its loss read."""
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    float(loss.detach())
+
+
+def job_peft_train(folder: str, precision: str, quantize: str, seq: int = SEQ) -> dict:
+    """peft_model's STEPS steps after its load, timed."""
+    import torch
+
+    start = time.perf_counter()
+    model, opt = peft_model(folder, precision, quantize)
+    load = time.perf_counter() - start
     gen = torch.Generator().manual_seed(0)
     steps = []
     for _ in range(STEPS):
         ids = torch.randint(0, 1000, (1, seq), generator=gen)
         t = time.perf_counter()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        float(loss)
+        peft_step(model, opt, ids)
         steps.append(time.perf_counter() - t)
     return {"load_s": load, "steps_s": steps}
 
