@@ -562,8 +562,9 @@ def test_one_row_steps_of_large_half_precision_layers_keep_torch_threads(
     layers of any size and small ones keep one thread (minillm.runtime.device.ALL_THREADS_FROM).
     int8's products (fbgemm) are arithmetic-bound too: 0.80-0.89x one thread's step at 1.1B in
     most runs (docs/benchmarks.md)."""
-    from minillm.infer.engine import Engine, layer_weights
+    from minillm.infer.engine import Engine
     from minillm.model import Transformer
+    from minillm.model.decode import layer_weights
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     cfg = ModelConfig(

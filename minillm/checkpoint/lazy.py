@@ -341,7 +341,7 @@ LORA_MMAP_THRESHOLD = 4 << 20
 QLORA_MMAP_THRESHOLD = 1 << 20
 
 
-def map_large_blocks(threshold: int = 1 << 20) -> None:
+def map_large_blocks(threshold: int = QLORA_MMAP_THRESHOLD) -> None:
     """Have glibc's malloc give each block of `threshold` bytes or more its own mapping, returned
     to the system when freed (elsewhere: nothing). Its default threshold rises to the largest
     block freed (up to 32 MB), and blocks under it are then carved from a heap whose freed parts

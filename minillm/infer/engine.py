@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from minillm.config.schema import ModelConfig, SampleConfig
+from minillm.config.schema import SampleConfig
 from minillm.infer.grammar import Grammar, Masks, RowGrammar
 from minillm.infer.sampling import (
     TokenLogprob,
@@ -52,7 +52,7 @@ from minillm.infer.sampling import (
 )
 from minillm.infer.text_stream import StopText
 from minillm.model import KVCache
-from minillm.model.decode import Decoder
+from minillm.model.decode import Decoder, layer_weights
 from minillm.runtime.device import one_row_threads, threads
 
 
@@ -136,15 +136,6 @@ class Event:
     prompt: list[TokenLogprob] | None = None
     error: str | None = None
     exception: BaseException | None = None
-
-
-def layer_weights(cfg: ModelConfig) -> int:
-    """About the weights one token's products read in a layer of `cfg`: q/k/v and the output
-    projection as heads x head_dim, and one SwiGLU of ffn_hidden (the dense width, also under a
-    mixture of experts; latent attention's ranks are not counted): the order of magnitude,
-    which is what one_row_threads needs (attention alone passes its 8M from d_model 1,415)."""
-    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-    return cfg.d_model * (2 * q + 2 * kv + 3 * cfg.ffn_hidden)
 
 
 def window_length(n: int, context: int) -> int:

@@ -1,7 +1,8 @@
 """The decoding fast path: one token per row at a time through a Transformer and its KV cache.
 
 Offers `Decoder`, made by the decoding core (`minillm.infer.engine`) after the model and the
-cache. Rows join and leave between steps (continuous batching):
+cache, and `layer_weights(cfg)`, the weights a token's products read in a layer (by which the
+core picks a one-row step's threads). Rows join and leave between steps (continuous batching):
 
     cache = KVCache(model.cfg)          # rows are added as sequences arrive (cache.add_rows)
     decoder = Decoder(model, cache)
@@ -205,6 +206,15 @@ def fast_path_serves(cfg: ModelConfig) -> bool:
         or cfg.mixed_layers
         or cfg.attention == "mla"
     )
+
+
+def layer_weights(cfg: ModelConfig) -> int:
+    """About the weights one token's products read in a layer of `cfg`: q/k/v and the output
+    projection as heads x head_dim, and one SwiGLU of ffn_hidden (the dense width, also under a
+    mixture of experts; latent attention's ranks are not counted): the order of magnitude,
+    which is what one_row_threads needs (attention alone passes its 8M from d_model 1,415)."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    return cfg.d_model * (2 * q + 2 * kv + 3 * cfg.ffn_hidden)
 
 
 # The transposed copies pay for float32 weights only: x @ W^T in bfloat16 or float16 ran 10-17x

@@ -47,7 +47,7 @@ def sum_dtype(device: torch.device | str) -> torch.dtype:
 ALL_THREADS_FROM = 8_000_000
 
 
-def one_row_threads(device: torch.device, layer_weights: int = 0, fp32: bool = True) -> int | None:
+def one_row_threads(device: torch.device, layer_weights: int, fp32: bool) -> int | None:
     """The threads a one-row decode step runs on: 1 on the CPU while OpenMP's threads sleep
     between parallel regions (OMP_WAIT_POLICY=PASSIVE, minillm's default: minillm/__init__.py),
     else None (torch's own). A one-row step of a small model is ~40 small ops a layer: each
