@@ -25,8 +25,7 @@ import minillm  # noqa: F401  # isort: skip  (OMP_WAIT_POLICY=PASSIVE before tor
 import torch
 from bench_scale import SHAPES, build_folder  # scripts/ is on sys.path when run as a script
 
-from minillm.checkpoint.hf_import import hf_model_config, hf_source
-from minillm.checkpoint.lazy import empty_model, fill_model
+from minillm.checkpoint.hf_import import hf_model_config, load_hf_model
 from minillm.checkpoint.quantized_load import as_loaded, finish
 from minillm.model.decode import Decoder
 from minillm.model.kv_cache import KVCache
@@ -42,8 +41,7 @@ def load(folder: Path, kind: str) -> tuple[torch.nn.Module, torch.dtype]:
     hook, problem = as_loaded(quantize, cfg, "cpu") if quantize else (None, None)
     if problem is not None:
         raise SystemExit(f"{kind}: {problem}")
-    passes, where = hf_source(folder, cfg)
-    model = fill_model(empty_model(cfg), passes(), where, dtype, "cpu", hook)
+    model = load_hf_model(folder, cfg, dtype, "cpu", hook)
     if quantize and (problem := finish(model, quantize, cfg)) is not None:
         raise SystemExit(f"{kind}: {problem}")  # not an fp32 row labelled int8
     return model.eval(), dtype
